@@ -1,0 +1,241 @@
+//! The service / endpoint model the renderer consumes. Plain data: no kube types, no I/O.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+/// Layer-4 protocol of a service port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// IANA protocol number (what `meta l4proto` compares against).
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+    /// Lower-case name as nft and kube-proxy chain names spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+}
+
+impl FromStr for Protocol {
+    type Err = String;
+    /// Kubernetes spelling ("TCP", "UDP", "SCTP"); empty means TCP as the API defaults it.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "TCP" | "" => Ok(Protocol::Tcp),
+            "UDP" => Ok(Protocol::Udp),
+            "SCTP" => Ok(Protocol::Sctp),
+            other => Err(format!("unsupported protocol {other:?}")),
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: &IpAddr) -> IpFamily {
+        match ip {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+}
+
+/// A namespaced object name ("namespace/name").
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl NamespacedName {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        NamespacedName {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for NamespacedName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Identifies one port of one service: kube-proxy's ServicePortName ("namespace/name:port").
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub service: NamespacedName,
+    /// The port's name in the Service spec ("" for a single unnamed port).
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServiceType {
+    ClusterIP,
+    NodePort,
+    LoadBalancer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrafficPolicy {
+    #[default]
+    Cluster,
+    Local,
+}
+
+/// An IP prefix ("10.0.0.0/8"); the address is stored with host bits cleared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(&self.addr)
+    }
+
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                u32::from(net) & mask == u32::from(*ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                u128::from(net) & mask == u128::from(*ip) & mask
+            }
+            _ => false,
+        }
+    }
+
+    /// The first and last address of the prefix (for interval set elements).
+    pub fn range(&self) -> (IpAddr, IpAddr) {
+        match self.addr {
+            IpAddr::V4(net) => {
+                let host = u32::MAX.checked_shr(self.prefix as u32).unwrap_or(0);
+                let base = u32::from(net) & !host;
+                (IpAddr::V4(base.into()), IpAddr::V4((base | host).into()))
+            }
+            IpAddr::V6(net) => {
+                let host = u128::MAX.checked_shr(self.prefix as u32).unwrap_or(0);
+                let base = u128::from(net) & !host;
+                (IpAddr::V6(base.into()), IpAddr::V6((base | host).into()))
+            }
+        }
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid CIDR {s:?}: bad address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            Some(p) => p
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("invalid CIDR {s:?}: bad prefix length"))?,
+            None => max,
+        };
+        let (base, _) = Cidr { addr, prefix }.range();
+        Ok(Cidr { addr: base, prefix })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// Everything kube-proxy knows about one port of one service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub service_type: ServiceType,
+    /// Cluster IPs of every family the service has (spec.clusterIPs).
+    pub cluster_ips: Vec<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<IpAddr>,
+    /// LoadBalancer ingress IPs (ingress with ipMode Proxy excluded).
+    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_source_ranges: Vec<Cidr>,
+    pub external_traffic_policy: TrafficPolicy,
+    pub internal_traffic_policy: TrafficPolicy,
+    /// ClientIP affinity timeout in seconds; None without affinity.
+    pub session_affinity_timeout: Option<u32>,
+    pub health_check_node_port: Option<u16>,
+}
+
+/// One endpoint of one service port, from an EndpointSlice.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    /// The port resolved from the slice's port of the same name as the service port.
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    /// Topology hints: zones this endpoint should serve ("forZones").
+    pub zone_hints: Vec<String>,
+    /// Topology hints: nodes this endpoint should serve ("forNodes").
+    pub node_hints: Vec<String>,
+}
+
+/// All service ports, keyed by name.
+pub type ServiceMap = BTreeMap<ServicePortName, ServicePort>;
+/// Endpoints per service port, sorted and deduplicated by (ip, port).
+pub type EndpointsMap = BTreeMap<ServicePortName, Vec<Endpoint>>;

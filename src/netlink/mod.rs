@@ -1,0 +1,31 @@
+//! Generic netlink plumbing shared by nf_tables, ctnetlink and rtnetlink code: attribute encoding and
+//! decoding (sans-IO) and a small blocking request/acknowledge socket.
+
+pub mod attr;
+pub mod socket;
+
+pub use attr::{AttrIter, Attrs, MsgBuilder, NLA_F_NESTED};
+pub use socket::{NetlinkError, NlSocket};
+
+/// Size of `struct nlmsghdr`.
+pub const NLMSG_HDRLEN: usize = 16;
+
+pub const NLM_F_REQUEST: u16 = 0x01;
+pub const NLM_F_MULTI: u16 = 0x02;
+pub const NLM_F_ACK: u16 = 0x04;
+pub const NLM_F_ROOT: u16 = 0x100;
+pub const NLM_F_MATCH: u16 = 0x200;
+pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
+pub const NLM_F_REPLACE: u16 = 0x100;
+pub const NLM_F_EXCL: u16 = 0x200;
+pub const NLM_F_CREATE: u16 = 0x400;
+pub const NLM_F_APPEND: u16 = 0x800;
+
+pub const NLMSG_NOOP: u16 = 1;
+pub const NLMSG_ERROR: u16 = 2;
+pub const NLMSG_DONE: u16 = 3;
+
+/// Round up to the 4-byte netlink alignment.
+pub const fn align4(len: usize) -> usize {
+    (len + 3) & !3
+}
