@@ -1,3 +1,12 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
-pub mod netlink;
+pub mod agent;
+pub mod cli;
+pub mod demo;
 pub mod model;
+pub mod netlink;
+pub mod netns;
+pub mod nft;
+pub mod render;
+pub mod sandbox;
+pub mod source;
+pub mod sync;

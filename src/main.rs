@@ -1,1 +1,64 @@
-fn main(){}
+use clap::Parser;
+use nftkube::cli::{Cli, Command};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// SIGTERM and SIGINT ask the proxy loop to stop at its next turn.
+fn install_signal_handlers() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe; sigaction is given a
+        // zeroed, fully initialised struct.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = cli.log_level.parse().unwrap_or(tracing::Level::INFO);
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let result = match cli.command {
+        Command::Proxy(args) => {
+            install_signal_handlers();
+            nftkube::agent::run_proxy(&args.options(), &STOP)
+        }
+        Command::Plan(args) => {
+            let tables = nftkube::agent::plan(
+                args.render.manifests.clone(),
+                &args.render.render_config(),
+                |e| eprintln!("error: {e}"),
+            );
+            for t in tables {
+                print!("{}", nftkube::nft::text::render_table(&t));
+            }
+            Ok(())
+        }
+        Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
+        Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
+        Command::Version => {
+            println!("nftkube {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nftkube: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -27,7 +27,10 @@ impl MsgBuilder {
         buf.extend_from_slice(&flags.to_ne_bytes());
         buf.extend_from_slice(&seq.to_ne_bytes());
         buf.extend_from_slice(&0u32.to_ne_bytes());
-        MsgBuilder { buf, open: Vec::new() }
+        MsgBuilder {
+            buf,
+            open: Vec::new(),
+        }
     }
 
     /// Appends raw bytes (a family header such as `nfgenmsg` or `ifinfomsg`), padded to 4 bytes.
@@ -83,7 +86,8 @@ impl MsgBuilder {
     pub fn begin_nested(&mut self, kind: u16) -> &mut Self {
         self.open.push(self.buf.len());
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf.extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+        self.buf
+            .extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
         self
     }
 
@@ -164,7 +168,11 @@ impl<'a> Attr<'a> {
     }
     /// A NUL-terminated string (the terminator and anything after it dropped).
     pub fn str(&self) -> Option<&'a str> {
-        let end = self.payload.iter().position(|&b| b == 0).unwrap_or(self.payload.len());
+        let end = self
+            .payload
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(self.payload.len());
         std::str::from_utf8(&self.payload[..end]).ok()
     }
     pub fn nested(&self) -> Attrs<'a> {
@@ -221,7 +229,10 @@ mod tests {
             m.attr_be32(1, 0x4000);
         });
         let bytes = m.finish();
-        assert_eq!(bytes.len() as u32, u32::from_ne_bytes(bytes[0..4].try_into().unwrap()));
+        assert_eq!(
+            bytes.len() as u32,
+            u32::from_ne_bytes(bytes[0..4].try_into().unwrap())
+        );
         let msg = messages(&bytes).next().unwrap();
         assert_eq!((msg.msg_type, msg.flags, msg.seq), (0x0a00, 5, 7));
         let attrs = Attrs(&msg.payload[4..]);

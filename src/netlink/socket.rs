@@ -21,7 +21,7 @@ const SOCKET_BUFFER: usize = 32 << 20;
 pub enum NetlinkError {
     #[error("netlink socket: {0}")]
     Io(#[from] io::Error),
-    #[error("kernel rejected message seq {seq}: {} (errno {errno}){}", io::Error::from_raw_os_error(*.errno), ext_suffix(.ext_ack))]
+    #[error("{} (errno {errno}, message seq {seq}){}", io::Error::from_raw_os_error(*.errno), ext_suffix(.ext_ack))]
     Kernel {
         seq: u32,
         errno: i32,
@@ -230,11 +230,18 @@ fn parse_error(msg: &Msg<'_>) -> Result<Option<NetlinkError>, NetlinkError> {
     let orig_seq = u32::from_ne_bytes(p[12..16].try_into().unwrap());
     let orig_len = u32::from_ne_bytes(p[4..8].try_into().unwrap()) as usize;
     // With capped acks only the original header is echoed; otherwise the whole original message.
-    let echoed = if msg.flags & 0x100 != 0 { NLMSG_HDRLEN } else { orig_len.max(NLMSG_HDRLEN) };
+    let echoed = if msg.flags & 0x100 != 0 {
+        NLMSG_HDRLEN
+    } else {
+        orig_len.max(NLMSG_HDRLEN)
+    };
     let mut ext_ack = None;
     if msg.flags & NLM_F_ACK_TLVS != 0 {
         if let Some(tlvs) = p.get(4 + super::align4(echoed)..) {
-            ext_ack = Attrs(tlvs).get(NLMSGERR_ATTR_MSG).and_then(|a| a.str()).map(str::to_owned);
+            ext_ack = Attrs(tlvs)
+                .get(NLMSGERR_ATTR_MSG)
+                .and_then(|a| a.str())
+                .map(str::to_owned);
         }
     }
     Ok(Some(NetlinkError::Kernel {

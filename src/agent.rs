@@ -1,0 +1,147 @@
+//! The proxy loop: watch the source, keep the kernel in sync, retry failures, resync periodically.
+
+use crate::model::{Cidr, ClusterState};
+use crate::nft::ir::{Family, TableState};
+use crate::nft::netlink::NftSocket;
+use crate::render::{self, names::TABLE, RenderConfig};
+use crate::source::{apply_event, ManifestSource};
+use crate::sync::{delete_tables, SyncEngine};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Everything the proxy loop needs to know.
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    pub manifests: PathBuf,
+    pub render: RenderConfig,
+    /// Full resync (re-read the kernel, repair drift) at least this often (kube-proxy's `--sync-period`).
+    pub sync_period: Duration,
+    /// Syncs are at least this far apart, so bursts of changes coalesce (`--min-sync-period`).
+    pub min_sync_period: Duration,
+    /// How often the manifest directory is checked for changes.
+    pub poll_interval: Duration,
+}
+
+impl ProxyOptions {
+    pub fn new(manifests: PathBuf, render: RenderConfig) -> Self {
+        ProxyOptions {
+            manifests,
+            render,
+            sync_period: Duration::from_secs(30),
+            min_sync_period: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Loads the manifests once and renders the tables, without touching the kernel (`nftkube plan`).
+/// Bad documents are reported through `report` and skipped.
+pub fn plan(
+    manifests: PathBuf,
+    cfg: &RenderConfig,
+    mut report: impl FnMut(String),
+) -> Vec<TableState> {
+    let mut source = ManifestSource::new(manifests);
+    let (events, errors) = source.initial();
+    for e in errors {
+        report(e.to_string());
+    }
+    let mut state = ClusterState::new();
+    for ev in events {
+        apply_event(&mut state, ev);
+    }
+    render::render(state.service_map(), &state.endpoints_map(), cfg)
+}
+
+/// Runs until `stop` is set. Rules stay in place when it returns, as kube-proxy's do.
+pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
+    let mut source = ManifestSource::new(opts.manifests.clone());
+    let mut state = ClusterState::new();
+    let (events, _errors) = source.initial(); // errors are logged by the source
+    for ev in events {
+        apply_event(&mut state, ev);
+    }
+    let socket = NftSocket::open()
+        .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
+    let mut engine = SyncEngine::new(socket);
+
+    let mut dirty = true;
+    let mut last_sync: Option<Instant> = None;
+    let mut last_full = Instant::now();
+    let mut backoff = Duration::from_secs(1);
+    let mut retry_at: Option<Instant> = None;
+    let mut last_poll = Instant::now();
+
+    while !stop.load(Ordering::SeqCst) {
+        if last_poll.elapsed() >= opts.poll_interval {
+            last_poll = Instant::now();
+            let (events, _errors) = source.poll();
+            if !events.is_empty() {
+                dirty = true;
+                for ev in events {
+                    apply_event(&mut state, ev);
+                }
+            }
+        }
+        if last_full.elapsed() >= opts.sync_period {
+            engine.force_full_sync();
+            dirty = true;
+        }
+        let debounced = last_sync.is_none_or(|t| t.elapsed() >= opts.min_sync_period);
+        let retry_due = retry_at.is_none_or(|t| Instant::now() >= t);
+        if dirty && debounced && retry_due {
+            let changes = state.take_changes();
+            let desired = render::render(state.service_map(), &state.endpoints_map(), &opts.render);
+            last_sync = Some(Instant::now());
+            match engine.sync(&desired) {
+                Ok(report) => {
+                    if report.full {
+                        last_full = Instant::now();
+                    }
+                    tracing::info!(
+                        full = report.full,
+                        changes = report.changes,
+                        bytes = report.bytes,
+                        services = state.service_map().len(),
+                        changed_services = changes.changed_services.len(),
+                        elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
+                        "sync complete"
+                    );
+                    dirty = false;
+                    retry_at = None;
+                    backoff = Duration::from_secs(1);
+                }
+                Err(e) => {
+                    tracing::error!(
+                        retry_in_s = backoff.as_secs(),
+                        "sync failed, the previous rules stay in place: {e}"
+                    );
+                    retry_at = Some(Instant::now() + backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::info!("stopping; rules stay in place");
+    Ok(())
+}
+
+/// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.
+pub fn cleanup() -> anyhow::Result<usize> {
+    let mut socket = NftSocket::open()?;
+    Ok(delete_tables(
+        &mut socket,
+        &[(Family::Ip, TABLE), (Family::Ip6, TABLE)],
+    )?)
+}
+
+/// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).
+pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<Cidr>())
+        .collect()
+}

@@ -1,0 +1,106 @@
+//! Command-line interface. Flag names follow kube-proxy's where one exists.
+
+use crate::agent::{self, ProxyOptions};
+use crate::render::RenderConfig;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "nftkube",
+    version,
+    about = "Kubernetes services in nf_tables, over netlink, with no binaries"
+)]
+pub struct Cli {
+    /// Log level: error, warn, info, debug, trace.
+    #[arg(long, global = true, default_value = "info")]
+    pub log_level: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Keep the kernel in sync with the Services and EndpointSlices in a manifest directory until SIGTERM.
+    Proxy(ProxyArgs),
+    /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
+    Plan(PlanArgs),
+    /// Remove every table nftkube owns, and nothing else.
+    Cleanup,
+    /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.
+    Demo(DemoArgs),
+    /// Print the version.
+    Version,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct RenderArgs {
+    /// Directory (or file) of Service and EndpointSlice YAML manifests.
+    #[arg(long)]
+    pub manifests: PathBuf,
+    /// This node's name, as endpoints' nodeName spell it.
+    #[arg(long, default_value = "")]
+    pub hostname_override: String,
+    /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
+    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    pub cluster_cidr: std::vec::Vec<crate::model::Cidr>,
+    /// Masquerade all traffic sent to service IPs.
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// The fwmark bit (0-31) that asks for masquerade (kube-proxy's --iptables-masquerade-bit).
+    #[arg(long, default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..32))]
+    pub masquerade_bit: u32,
+    /// Masquerade with fully random source ports.
+    #[arg(long)]
+    pub masquerade_fully_random: bool,
+}
+
+impl RenderArgs {
+    pub fn render_config(&self) -> RenderConfig {
+        RenderConfig {
+            node_name: self.hostname_override.clone(),
+            cluster_cidrs: self.cluster_cidr.clone(),
+            masquerade_all: self.masquerade_all,
+            masquerade_bit: 1 << self.masquerade_bit,
+            masquerade_fully_random: self.masquerade_fully_random,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ProxyArgs {
+    #[command(flatten)]
+    pub render: RenderArgs,
+    /// Full resync (re-read the kernel and repair drift) at least this often, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub sync_period: f64,
+    /// Minimum time between syncs, in seconds: bursts of changes coalesce.
+    #[arg(long, default_value_t = 1.0)]
+    pub min_sync_period: f64,
+}
+
+impl ProxyArgs {
+    pub fn options(&self) -> ProxyOptions {
+        let mut o = ProxyOptions::new(self.render.manifests.clone(), self.render.render_config());
+        o.sync_period = Duration::from_secs_f64(self.sync_period.max(0.1));
+        o.min_sync_period = Duration::from_secs_f64(self.min_sync_period.max(0.0));
+        o
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub render: RenderArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Manifests to load into the sandbox's node.
+    #[arg(long, default_value = "examples")]
+    pub manifests: PathBuf,
+    /// Connections (and datagrams) to send through each ClusterIP.
+    #[arg(long, default_value_t = 30)]
+    pub requests: usize,
+}

@@ -1,0 +1,952 @@
+//! Cluster state store and change tracking: what kube-proxy's ServiceChangeTracker /
+//! EndpointsChangeTracker and `UpdateServiceMap` / `UpdateEndpointsMap` do, as plain data.
+//!
+//! The store keeps every service port and every EndpointSlice. Mutations remember a snapshot of each
+//! affected service as it was at the previous [`ClusterState::take_changes`] (taken lazily, on the first
+//! mutation that touches the service), so computing the changes costs O(changed services), never
+//! O(cluster).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+
+use super::types::*;
+
+/// One port of an EndpointSlice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlicePort {
+    /// The port's name ("" if unnamed); matched against the service port's name.
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// One endpoint of an EndpointSlice, with its conditions already defaulted the way the API says
+/// (ready unknown → ready; serving unknown → ready; terminating unknown → false).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    /// All addresses; consumers use the first one (the API says they are fungible).
+    pub addresses: Vec<IpAddr>,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    pub zone_hints: Vec<String>,
+    pub node_hints: Vec<String>,
+}
+
+/// An EndpointSlice, converted (see `source::convert::endpoint_slice`). No kube types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceInfo {
+    pub namespace: String,
+    pub name: String,
+    /// Name of the owning service (label `kubernetes.io/service-name`), in the same namespace.
+    pub service: String,
+    pub address_type: IpFamily,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<SliceEndpoint>,
+}
+
+impl SliceInfo {
+    /// "namespace/slice-name".
+    pub fn key(&self) -> NamespacedName {
+        NamespacedName::new(self.namespace.clone(), self.name.clone())
+    }
+    /// "namespace/service-name" of the owning service.
+    pub fn service_key(&self) -> NamespacedName {
+        NamespacedName::new(self.namespace.clone(), self.service.clone())
+    }
+}
+
+/// What changed since the previous [`ClusterState::take_changes`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Services whose ports or endpoints differ from the previous snapshot.
+    pub changed_services: BTreeSet<NamespacedName>,
+    /// Cluster IPs of removed UDP service ports that no remaining UDP service port uses.
+    pub deleted_udp_cluster_ips: BTreeSet<IpAddr>,
+    /// Endpoints that were serving and are now gone or no longer serving (all protocols; the
+    /// consumer filters for UDP / SCTP conntrack cleanup).
+    pub stale_endpoints: Vec<(ServicePortName, Endpoint)>,
+    /// Service ports that went from no serving endpoint to at least one (all protocols).
+    pub newly_active_services: BTreeSet<ServicePortName>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.changed_services.is_empty()
+            && self.deleted_udp_cluster_ips.is_empty()
+            && self.stale_endpoints.is_empty()
+            && self.newly_active_services.is_empty()
+    }
+}
+
+/// What one service looked like: its ports and its endpoints per port.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Snapshot {
+    ports: Vec<ServicePort>,
+    endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+/// Every service port and EndpointSlice the source reported, plus change tracking.
+#[derive(Debug, Default)]
+pub struct ClusterState {
+    services: ServiceMap,
+    slices: BTreeMap<NamespacedName, SliceInfo>,
+    /// Service → names of the slices (same namespace) whose service label names it.
+    slices_by_service: HashMap<NamespacedName, BTreeSet<String>>,
+    /// Cluster IP → number of UDP service ports using it.
+    udp_cluster_ip_refs: HashMap<IpAddr, usize>,
+    /// Services touched since the last `take_changes`, with their state at that time.
+    pending: BTreeMap<NamespacedName, Snapshot>,
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Replaces all ports of a service (an empty list removes the service, e.g. one that became headless).
+    /// Each port's `name.service` is forced to `key`.
+    pub fn apply_service(&mut self, key: NamespacedName, ports: Vec<ServicePort>) {
+        self.touch(&key);
+        self.remove_ports(&key);
+        for mut port in ports {
+            debug_assert_eq!(port.name.service, key, "service port of another service");
+            port.name.service = key.clone();
+            if port.protocol == Protocol::Udp {
+                for ip in &port.cluster_ips {
+                    *self.udp_cluster_ip_refs.entry(*ip).or_default() += 1;
+                }
+            }
+            if let Some(old) = self.services.insert(port.name.clone(), port) {
+                // Duplicate port names in one call: the last one wins.
+                self.unref_udp(&old);
+            }
+        }
+    }
+
+    pub fn delete_service(&mut self, key: &NamespacedName) {
+        if self.ports_of(key).next().is_none() {
+            return;
+        }
+        self.touch(key);
+        self.remove_ports(key);
+    }
+
+    /// Adds or replaces an EndpointSlice (keyed by namespace and slice name).
+    pub fn apply_slice(&mut self, slice: SliceInfo) {
+        let key = slice.key();
+        let new_service = slice.service_key();
+        if let Some(old) = self.slices.get(&key) {
+            if *old == slice {
+                return;
+            }
+            let old_service = old.service_key();
+            if old_service != new_service {
+                self.touch(&old_service);
+                self.unindex_slice(&old_service, &key.name);
+            }
+        }
+        self.touch(&new_service);
+        self.slices_by_service
+            .entry(new_service)
+            .or_default()
+            .insert(key.name.clone());
+        self.slices.insert(key, slice);
+    }
+
+    pub fn delete_slice(&mut self, namespace: &str, name: &str) {
+        let key = NamespacedName::new(namespace, name);
+        let Some(old) = self.slices.get(&key) else {
+            return;
+        };
+        let service = old.service_key();
+        self.touch(&service);
+        self.unindex_slice(&service, name);
+        self.slices.remove(&key);
+    }
+
+    /// All service ports.
+    pub fn service_map(&self) -> &ServiceMap {
+        &self.services
+    }
+
+    /// Names of the services that have at least one port.
+    pub fn service_names(&self) -> BTreeSet<NamespacedName> {
+        self.services.keys().map(|n| n.service.clone()).collect()
+    }
+
+    /// The ports of one service, in `ServicePortName` order.
+    pub fn service_ports(&self, key: &NamespacedName) -> Vec<&ServicePort> {
+        self.ports_of(key).collect()
+    }
+
+    pub fn slice(&self, namespace: &str, name: &str) -> Option<&SliceInfo> {
+        self.slices.get(&NamespacedName::new(namespace, name))
+    }
+
+    pub fn slices(&self) -> impl Iterator<Item = &SliceInfo> {
+        self.slices.values()
+    }
+
+    /// Endpoints of every service port that has at least one (built on demand: O(cluster)).
+    pub fn endpoints_map(&self) -> EndpointsMap {
+        let mut map = EndpointsMap::new();
+        for key in self.service_names() {
+            map.extend(self.service_endpoints(&key));
+        }
+        map
+    }
+
+    /// Endpoints of the ports of one service (ports without endpoints are absent), from all slices whose
+    /// service label names it. A slice port matches a service port with the same name and protocol.
+    /// Only an endpoint's first address is used. Endpoints are deduplicated by (ip, port), preferring a
+    /// ready one, then a serving one, then the one from the slice whose name sorts first; sorted by
+    /// (ip, port).
+    pub fn service_endpoints(
+        &self,
+        key: &NamespacedName,
+    ) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
+        let mut out = BTreeMap::new();
+        let Some(slice_names) = self.slices_by_service.get(key) else {
+            return out;
+        };
+        let slices: Vec<&SliceInfo> = slice_names
+            .iter()
+            .filter_map(|n| {
+                self.slices
+                    .get(&NamespacedName::new(key.namespace.clone(), n.clone()))
+            })
+            .collect();
+        for sp in self.ports_of(key) {
+            let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
+            for slice in &slices {
+                let Some(port) = slice
+                    .ports
+                    .iter()
+                    .find(|p| p.name == sp.name.port && p.protocol == sp.protocol)
+                else {
+                    continue;
+                };
+                for ep in &slice.endpoints {
+                    let Some(ip) = ep.addresses.first() else {
+                        continue;
+                    };
+                    let candidate = Endpoint {
+                        ip: *ip,
+                        port: port.port,
+                        ready: ep.ready,
+                        serving: ep.serving,
+                        terminating: ep.terminating,
+                        node_name: ep.node_name.clone(),
+                        zone: ep.zone.clone(),
+                        zone_hints: ep.zone_hints.clone(),
+                        node_hints: ep.node_hints.clone(),
+                    };
+                    match best.entry((*ip, port.port)) {
+                        std::collections::btree_map::Entry::Vacant(v) => {
+                            v.insert(candidate);
+                        }
+                        std::collections::btree_map::Entry::Occupied(mut o) => {
+                            let rank = |e: &Endpoint| (e.ready, e.serving);
+                            if rank(&candidate) > rank(o.get()) {
+                                o.insert(candidate);
+                            }
+                        }
+                    }
+                }
+            }
+            if !best.is_empty() {
+                out.insert(sp.name.clone(), best.into_values().collect());
+            }
+        }
+        out
+    }
+
+    /// True if something was mutated since the last `take_changes` (the result may still be empty if
+    /// the mutations cancelled out).
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// What changed since the previous call, comparing each touched service with its snapshot.
+    pub fn take_changes(&mut self) -> Changes {
+        let pending = std::mem::take(&mut self.pending);
+        let mut changes = Changes::default();
+        for (key, before) in pending {
+            let after = self.snapshot(&key);
+            if before == after {
+                continue;
+            }
+            changes.changed_services.insert(key.clone());
+
+            for old in before.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
+                let new = after.ports.iter().find(|p| p.name == old.name);
+                for ip in &old.cluster_ips {
+                    let removed = new.is_none_or(|n| !n.cluster_ips.contains(ip));
+                    if removed && !self.udp_cluster_ip_refs.contains_key(ip) {
+                        changes.deleted_udp_cluster_ips.insert(*ip);
+                    }
+                }
+            }
+
+            for (name, old_eps) in &before.endpoints {
+                let new_eps = after.endpoints.get(name);
+                for ep in old_eps.iter().filter(|e| e.serving) {
+                    let still_serving = new_eps
+                        .and_then(|n| n.iter().find(|e| e.ip == ep.ip && e.port == ep.port))
+                        .is_some_and(|e| e.serving);
+                    if !still_serving {
+                        changes.stale_endpoints.push((name.clone(), ep.clone()));
+                    }
+                }
+            }
+
+            for (name, new_eps) in &after.endpoints {
+                let serving = |eps: &Vec<Endpoint>| eps.iter().any(|e| e.serving);
+                if serving(new_eps) && !before.endpoints.get(name).is_some_and(serving) {
+                    changes.newly_active_services.insert(name.clone());
+                }
+            }
+        }
+        changes
+    }
+
+    fn ports_of<'a>(&'a self, key: &NamespacedName) -> impl Iterator<Item = &'a ServicePort> + 'a {
+        let start = ServicePortName {
+            service: key.clone(),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        };
+        let key = key.clone();
+        self.services
+            .range(start..)
+            .take_while(move |(n, _)| n.service == key)
+            .map(|(_, p)| p)
+    }
+
+    fn snapshot(&self, key: &NamespacedName) -> Snapshot {
+        Snapshot {
+            ports: self.ports_of(key).cloned().collect(),
+            endpoints: self.service_endpoints(key),
+        }
+    }
+
+    /// Remember the state of a service before its first mutation since the last `take_changes`.
+    fn touch(&mut self, key: &NamespacedName) {
+        if !self.pending.contains_key(key) {
+            let snap = self.snapshot(key);
+            self.pending.insert(key.clone(), snap);
+        }
+    }
+
+    fn remove_ports(&mut self, key: &NamespacedName) {
+        let names: Vec<ServicePortName> = self.ports_of(key).map(|p| p.name.clone()).collect();
+        for name in names {
+            if let Some(old) = self.services.remove(&name) {
+                self.unref_udp(&old);
+            }
+        }
+    }
+
+    fn unref_udp(&mut self, port: &ServicePort) {
+        if port.protocol != Protocol::Udp {
+            return;
+        }
+        for ip in &port.cluster_ips {
+            if let Some(n) = self.udp_cluster_ip_refs.get_mut(ip) {
+                *n -= 1;
+                if *n == 0 {
+                    self.udp_cluster_ip_refs.remove(ip);
+                }
+            }
+        }
+    }
+
+    fn unindex_slice(&mut self, service: &NamespacedName, slice_name: &str) {
+        if let Some(set) = self.slices_by_service.get_mut(service) {
+            set.remove(slice_name);
+            if set.is_empty() {
+                self.slices_by_service.remove(service);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc_port(
+        ns: &str,
+        svc: &str,
+        port_name: &str,
+        proto: Protocol,
+        port: u16,
+        ip: &str,
+    ) -> ServicePort {
+        ServicePort {
+            name: ServicePortName {
+                service: NamespacedName::new(ns, svc),
+                port: port_name.into(),
+                protocol: proto,
+            },
+            service_type: ServiceType::ClusterIP,
+            cluster_ips: vec![ip.parse().unwrap()],
+            port,
+            protocol: proto,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            external_traffic_policy: TrafficPolicy::Cluster,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            session_affinity_timeout: None,
+            health_check_node_port: None,
+        }
+    }
+
+    fn ep(ip: &str, ready: bool, serving: bool) -> SliceEndpoint {
+        SliceEndpoint {
+            addresses: vec![ip.parse().unwrap()],
+            ready,
+            serving,
+            terminating: !ready,
+            node_name: Some("node-1".into()),
+            zone: None,
+            zone_hints: vec![],
+            node_hints: vec![],
+        }
+    }
+
+    fn slice(
+        name: &str,
+        svc: &str,
+        ports: &[(&str, u16, Protocol)],
+        eps: Vec<SliceEndpoint>,
+    ) -> SliceInfo {
+        SliceInfo {
+            namespace: "ns".into(),
+            name: name.into(),
+            service: svc.into(),
+            address_type: IpFamily::V4,
+            ports: ports
+                .iter()
+                .map(|(n, p, proto)| SlicePort {
+                    name: n.to_string(),
+                    port: *p,
+                    protocol: *proto,
+                })
+                .collect(),
+            endpoints: eps,
+        }
+    }
+
+    fn key(name: &str) -> NamespacedName {
+        NamespacedName::new("ns", name)
+    }
+
+    fn spn(svc: &str, port: &str, proto: Protocol) -> ServicePortName {
+        ServicePortName {
+            service: key(svc),
+            port: port.into(),
+            protocol: proto,
+        }
+    }
+
+    fn echo_ports() -> Vec<ServicePort> {
+        vec![
+            svc_port("ns", "echo", "tcp", Protocol::Tcp, 80, "10.96.0.10"),
+            svc_port("ns", "echo", "udp", Protocol::Udp, 53, "10.96.0.10"),
+        ]
+    }
+
+    const ECHO_SLICE_PORTS: &[(&str, u16, Protocol)] =
+        &[("tcp", 8080, Protocol::Tcp), ("udp", 5353, Protocol::Udp)];
+
+    fn ips(eps: &[Endpoint]) -> Vec<String> {
+        eps.iter().map(|e| format!("{}:{}", e.ip, e.port)).collect()
+    }
+
+    #[test]
+    fn service_map_apply_and_delete() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        assert_eq!(st.service_map().len(), 2);
+        st.apply_service(
+            key("other"),
+            vec![svc_port("ns", "other", "", Protocol::Tcp, 80, "10.96.0.11")],
+        );
+        assert_eq!(st.service_ports(&key("echo")).len(), 2);
+        assert_eq!(st.service_ports(&key("other")).len(), 1);
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.changed_services,
+            [key("echo"), key("other")].into_iter().collect()
+        );
+        st.delete_service(&key("echo"));
+        assert_eq!(st.service_map().len(), 1);
+        let ch = st.take_changes();
+        assert_eq!(ch.changed_services, [key("echo")].into_iter().collect());
+        // Deleting an unknown service changes nothing.
+        st.delete_service(&key("nope"));
+        assert!(st.take_changes().is_empty());
+    }
+
+    #[test]
+    fn port_resolution_by_name_and_protocol() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        // The slice lists the ports in another order, plus a port with a name no service port has and a
+        // port with the right name but another protocol.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            &[
+                ("udp", 5353, Protocol::Udp),
+                ("metrics", 9090, Protocol::Tcp),
+                ("tcp", 9999, Protocol::Udp),
+                ("tcp", 8080, Protocol::Tcp),
+            ],
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080"]
+        );
+        assert_eq!(
+            ips(&map[&spn("echo", "udp", Protocol::Udp)]),
+            ["10.244.1.2:5353"]
+        );
+        assert_eq!(map.len(), 2);
+    }
+
+    #[test]
+    fn unnamed_port_matches_unnamed_slice_port() {
+        let mut st = ClusterState::new();
+        st.apply_service(
+            key("web"),
+            vec![svc_port("ns", "web", "", Protocol::Tcp, 80, "10.96.0.12")],
+        );
+        st.apply_slice(slice(
+            "web-a",
+            "web",
+            &[("", 8080, Protocol::Tcp)],
+            vec![ep("10.244.1.5", true, true)],
+        ));
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("web", "", Protocol::Tcp)]),
+            ["10.244.1.5:8080"]
+        );
+    }
+
+    #[test]
+    fn multi_slice_merge_sorted() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_slice(slice(
+            "echo-b",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.3.2", true, true), ep("10.244.2.2", true, true)],
+        ));
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        // A slice of another service does not leak in.
+        st.apply_slice(slice(
+            "other-a",
+            "other",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.9.9", true, true)],
+        ));
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080", "10.244.2.2:8080", "10.244.3.2:8080"]
+        );
+        assert_eq!(
+            map.len(),
+            2,
+            "no entry for the service without a Service object"
+        );
+        st.delete_slice("ns", "echo-b");
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080"]
+        );
+    }
+
+    #[test]
+    fn dedup_prefers_ready_then_serving() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", false, false)],
+        ));
+        st.apply_slice(slice(
+            "echo-b",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", false, true)],
+        ));
+        let map = st.endpoints_map();
+        let eps = &map[&spn("echo", "tcp", Protocol::Tcp)];
+        assert_eq!(eps.len(), 1);
+        assert!(eps[0].serving && !eps[0].ready);
+        st.apply_slice(slice(
+            "echo-c",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        let map = st.endpoints_map();
+        let eps = &map[&spn("echo", "tcp", Protocol::Tcp)];
+        assert_eq!(eps.len(), 1);
+        assert!(eps[0].ready);
+        // Same ip with a different port is a different endpoint.
+        st.apply_slice(slice(
+            "echo-d",
+            "echo",
+            &[("tcp", 8081, Protocol::Tcp)],
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080", "10.244.1.2:8081"]
+        );
+    }
+
+    #[test]
+    fn first_address_only_and_all_families_kept() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        let mut e = ep("10.244.1.2", true, true);
+        e.addresses.push("10.244.1.3".parse().unwrap());
+        let mut s6 = slice(
+            "echo-6",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.0.1", true, true)],
+        );
+        s6.address_type = IpFamily::V6;
+        s6.endpoints = vec![SliceEndpoint {
+            addresses: vec!["fd00::2".parse().unwrap()],
+            ..ep("10.0.0.1", true, true)
+        }];
+        st.apply_slice(slice("echo-a", "echo", ECHO_SLICE_PORTS, vec![e]));
+        st.apply_slice(s6);
+        let map = st.endpoints_map();
+        assert_eq!(
+            ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080", "fd00::2:8080"]
+        );
+    }
+
+    #[test]
+    fn newly_active_zero_to_n() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        let ch = st.take_changes();
+        assert!(ch.newly_active_services.is_empty());
+        // Not serving endpoints do not make a service active.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", false, false)],
+        ));
+        let ch = st.take_changes();
+        assert_eq!(ch.changed_services, [key("echo")].into_iter().collect());
+        assert!(ch.newly_active_services.is_empty());
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.newly_active_services,
+            [
+                spn("echo", "tcp", Protocol::Tcp),
+                spn("echo", "udp", Protocol::Udp)
+            ]
+            .into_iter()
+            .collect()
+        );
+        // 1 → 2 is not newly active.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true), ep("10.244.2.2", true, true)],
+        ));
+        let ch = st.take_changes();
+        assert!(ch.newly_active_services.is_empty());
+        assert!(ch.stale_endpoints.is_empty());
+    }
+
+    #[test]
+    fn new_service_with_existing_slice_is_newly_active() {
+        let mut st = ClusterState::new();
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        st.take_changes();
+        st.apply_service(key("echo"), echo_ports());
+        let ch = st.take_changes();
+        assert_eq!(ch.newly_active_services.len(), 2);
+    }
+
+    #[test]
+    fn stale_endpoints_detected() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![
+                ep("10.244.1.2", true, true),
+                ep("10.244.2.2", true, true),
+                ep("10.244.3.2", true, true),
+                ep("10.244.4.2", false, false),
+            ],
+        ));
+        st.take_changes();
+        // .1 stays, .2 goes away, .3 is terminating but still serving, .4 was never serving and goes.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true), ep("10.244.3.2", false, true)],
+        ));
+        let ch = st.take_changes();
+        let stale: Vec<String> = ch
+            .stale_endpoints
+            .iter()
+            .map(|(n, e)| format!("{}/{} {}:{}", n, n.protocol, e.ip, e.port))
+            .collect();
+        assert_eq!(
+            stale,
+            [
+                "ns/echo:tcp/tcp 10.244.2.2:8080",
+                "ns/echo:udp/udp 10.244.2.2:5353"
+            ]
+        );
+        // Serving → not serving is stale too.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true), ep("10.244.3.2", false, false)],
+        ));
+        let ch = st.take_changes();
+        assert_eq!(ch.stale_endpoints.len(), 2);
+        assert!(ch
+            .stale_endpoints
+            .iter()
+            .all(|(_, e)| e.ip.to_string() == "10.244.3.2"));
+        // An endpoint that moves from one slice to another is not stale.
+        st.apply_slice(slice(
+            "echo-b",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        st.delete_slice("ns", "echo-a");
+        let ch = st.take_changes();
+        assert!(ch.stale_endpoints.is_empty());
+        // Deleting the service makes its serving endpoints stale.
+        st.delete_service(&key("echo"));
+        let ch = st.take_changes();
+        assert_eq!(ch.stale_endpoints.len(), 2);
+    }
+
+    #[test]
+    fn changes_that_cancel_out_are_not_reported() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        st.take_changes();
+        st.delete_slice("ns", "echo-a");
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        assert!(st.has_pending());
+        assert!(st.take_changes().is_empty());
+        // Re-applying an identical slice does not even mark the service.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        assert!(!st.has_pending());
+    }
+
+    #[test]
+    fn deleted_udp_cluster_ips() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_service(
+            key("dns"),
+            vec![svc_port(
+                "ns",
+                "dns",
+                "dns",
+                Protocol::Udp,
+                53,
+                "10.96.0.53",
+            )],
+        );
+        st.take_changes();
+        // Removing the UDP port of echo: its IP is stale for UDP.
+        st.apply_service(
+            key("echo"),
+            vec![svc_port(
+                "ns",
+                "echo",
+                "tcp",
+                Protocol::Tcp,
+                80,
+                "10.96.0.10",
+            )],
+        );
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.deleted_udp_cluster_ips,
+            ["10.96.0.10".parse().unwrap()].into_iter().collect()
+        );
+        // Removing a TCP port reports nothing.
+        st.delete_service(&key("echo"));
+        let ch = st.take_changes();
+        assert!(ch.deleted_udp_cluster_ips.is_empty());
+        assert_eq!(ch.changed_services.len(), 1);
+        // Deleting the service reports its UDP IP.
+        st.delete_service(&key("dns"));
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.deleted_udp_cluster_ips,
+            ["10.96.0.53".parse().unwrap()].into_iter().collect()
+        );
+    }
+
+    #[test]
+    fn deleted_udp_ip_still_used_is_not_reported() {
+        let mut st = ClusterState::new();
+        st.apply_service(
+            key("a"),
+            vec![
+                svc_port("ns", "a", "x", Protocol::Udp, 53, "10.96.0.10"),
+                svc_port("ns", "a", "y", Protocol::Udp, 54, "10.96.0.10"),
+            ],
+        );
+        st.take_changes();
+        st.apply_service(
+            key("a"),
+            vec![svc_port("ns", "a", "y", Protocol::Udp, 54, "10.96.0.10")],
+        );
+        let ch = st.take_changes();
+        assert!(
+            ch.deleted_udp_cluster_ips.is_empty(),
+            "port y still uses the IP"
+        );
+        // Another service taking over the IP in the same round.
+        st.delete_service(&key("a"));
+        st.apply_service(
+            key("b"),
+            vec![svc_port("ns", "b", "", Protocol::Udp, 53, "10.96.0.10")],
+        );
+        let ch = st.take_changes();
+        assert!(ch.deleted_udp_cluster_ips.is_empty());
+        // A port renamed: the old name's IP is still in use by the new name.
+        st.apply_service(
+            key("b"),
+            vec![svc_port("ns", "b", "dns", Protocol::Udp, 53, "10.96.0.10")],
+        );
+        let ch = st.take_changes();
+        assert!(ch.deleted_udp_cluster_ips.is_empty());
+    }
+
+    #[test]
+    fn slice_changing_service_touches_both() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.apply_service(
+            key("other"),
+            vec![svc_port(
+                "ns",
+                "other",
+                "tcp",
+                Protocol::Tcp,
+                80,
+                "10.96.0.11",
+            )],
+        );
+        st.apply_slice(slice(
+            "s",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        st.take_changes();
+        st.apply_slice(slice(
+            "s",
+            "other",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.changed_services,
+            [key("echo"), key("other")].into_iter().collect()
+        );
+        assert_eq!(ch.stale_endpoints.len(), 2);
+        assert_eq!(
+            ch.newly_active_services,
+            [spn("other", "tcp", Protocol::Tcp)].into_iter().collect()
+        );
+        let map = st.endpoints_map();
+        assert!(!map.contains_key(&spn("echo", "tcp", Protocol::Tcp)));
+        assert_eq!(
+            ips(&map[&spn("other", "tcp", Protocol::Tcp)]),
+            ["10.244.1.2:8080"]
+        );
+    }
+
+    #[test]
+    fn empty_ports_removes_service() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        st.take_changes();
+        st.apply_service(key("echo"), vec![]);
+        assert!(st.service_map().is_empty());
+        let ch = st.take_changes();
+        assert_eq!(ch.changed_services.len(), 1);
+        assert_eq!(ch.deleted_udp_cluster_ips.len(), 1);
+    }
+}

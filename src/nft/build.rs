@@ -1,0 +1,334 @@
+//! A small vocabulary for writing rules: packet fields and the expression sequences that test or act on them.
+//! The renderer speaks in these terms; what comes out is plain `Expr` data.
+
+use super::ir::*;
+use std::net::IpAddr;
+
+/// A packet field a rule can load into registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    IpSaddr,
+    IpDaddr,
+    Ip6Saddr,
+    Ip6Daddr,
+    L4Proto,
+    ThSport,
+    ThDport,
+    Mark,
+}
+
+impl Field {
+    pub fn saddr(ip: &IpAddr) -> Field {
+        if ip.is_ipv4() {
+            Field::IpSaddr
+        } else {
+            Field::Ip6Saddr
+        }
+    }
+    pub fn daddr(ip: &IpAddr) -> Field {
+        if ip.is_ipv4() {
+            Field::IpDaddr
+        } else {
+            Field::Ip6Daddr
+        }
+    }
+
+    pub fn data_type(self) -> DataType {
+        match self {
+            Field::IpSaddr | Field::IpDaddr => DataType::Ipv4Addr,
+            Field::Ip6Saddr | Field::Ip6Daddr => DataType::Ipv6Addr,
+            Field::L4Proto => DataType::InetProto,
+            Field::ThSport | Field::ThDport => DataType::InetService,
+            Field::Mark => DataType::Mark,
+        }
+    }
+
+    /// The expression that loads this field into `dreg`.
+    pub fn load(self, dreg: u32) -> Expr {
+        let payload = |base, offset, len| Expr::Payload {
+            base,
+            offset,
+            len,
+            dreg,
+        };
+        match self {
+            Field::IpSaddr => payload(PayloadBase::Network, 12, 4),
+            Field::IpDaddr => payload(PayloadBase::Network, 16, 4),
+            Field::Ip6Saddr => payload(PayloadBase::Network, 8, 16),
+            Field::Ip6Daddr => payload(PayloadBase::Network, 24, 16),
+            Field::ThSport => payload(PayloadBase::Transport, 0, 2),
+            Field::ThDport => payload(PayloadBase::Transport, 2, 2),
+            Field::L4Proto => Expr::Meta {
+                key: MetaKey::L4Proto,
+                dreg,
+            },
+            Field::Mark => Expr::Meta {
+                key: MetaKey::Mark,
+                dreg,
+            },
+        }
+    }
+}
+
+/// Loads the fields as one concatenated key starting at REG_1, each in the next free 4-byte registers.
+pub fn load_concat(fields: &[Field]) -> Vec<Expr> {
+    let mut slot = 0u32;
+    fields
+        .iter()
+        .map(|f| {
+            let reg = reg_at_slot(slot);
+            slot += crate::netlink::align4(f.data_type().len()) as u32 / 4;
+            f.load(reg)
+        })
+        .collect()
+}
+
+/// The bytes of an address as the kernel sees it in a packet.
+pub fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    }
+}
+
+/// Builds a concatenated key value: each component padded to 4 bytes (when more than one component).
+pub fn concat_key(parts: &[Vec<u8>]) -> Vec<u8> {
+    if parts.len() == 1 {
+        return parts[0].clone();
+    }
+    let mut out = Vec::new();
+    for p in parts {
+        out.extend_from_slice(p);
+        out.resize(crate::netlink::align4(out.len()), 0);
+    }
+    out
+}
+
+fn family_of(ip: &IpAddr) -> Family {
+    if ip.is_ipv4() {
+        Family::Ip
+    } else {
+        Family::Ip6
+    }
+}
+
+/// Accumulates the expressions of one rule.
+#[derive(Debug, Default, Clone)]
+pub struct RuleBuilder {
+    exprs: Vec<Expr>,
+    comment: Option<String>,
+}
+
+impl RuleBuilder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn comment(mut self, c: impl Into<String>) -> Self {
+        self.comment = Some(c.into());
+        self
+    }
+
+    /// `field op value`.
+    pub fn cmp(mut self, field: Field, op: CmpOp, value: Vec<u8>) -> Self {
+        self.exprs.push(field.load(REG_1));
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op,
+            data: value,
+        });
+        self
+    }
+
+    /// `field [!=] addr/prefix`: a masked compare, as nft writes prefix matches.
+    pub fn prefix(mut self, field: Field, network: &IpAddr, prefix: u8, negate: bool) -> Self {
+        let len = field.data_type().len();
+        let mut mask = vec![0u8; len];
+        for (i, byte) in mask.iter_mut().enumerate() {
+            let bits = (prefix as i32 - 8 * i as i32).clamp(0, 8);
+            *byte = if bits == 0 { 0 } else { 0xffu8 << (8 - bits) };
+        }
+        let net: Vec<u8> = ip_bytes(network)
+            .iter()
+            .zip(&mask)
+            .map(|(a, m)| a & m)
+            .collect();
+        self.exprs.push(field.load(REG_1));
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: len as u32,
+            mask,
+            xor: vec![0; len],
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: if negate { CmpOp::Neq } else { CmpOp::Eq },
+            data: net,
+        });
+        self
+    }
+
+    /// `fields @set` (or `!= @set`).
+    pub fn in_set(mut self, fields: &[Field], set: &str, invert: bool) -> Self {
+        self.exprs.extend(load_concat(fields));
+        self.exprs.push(Expr::Lookup {
+            set: set.to_owned(),
+            sreg: REG_1,
+            dreg: None,
+            invert,
+        });
+        self
+    }
+
+    /// `fields vmap @map`.
+    pub fn vmap(mut self, fields: &[Field], map: &str) -> Self {
+        self.exprs.extend(load_concat(fields));
+        self.exprs.push(Expr::Lookup {
+            set: map.to_owned(),
+            sreg: REG_1,
+            dreg: Some(REG_VERDICT),
+            invert: false,
+        });
+        self
+    }
+
+    /// `meta mark set meta mark | bits`.
+    pub fn mark_or(mut self, bits: u32) -> Self {
+        self.exprs.push(Field::Mark.load(REG_1));
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: 4,
+            mask: (!bits).to_ne_bytes().to_vec(),
+            xor: bits.to_ne_bytes().to_vec(),
+        });
+        self.exprs.push(Expr::MetaSet {
+            key: MetaKey::Mark,
+            sreg: REG_1,
+        });
+        self
+    }
+
+    /// `meta mark set meta mark ^ bits` (clears bits known to be set).
+    pub fn mark_xor(mut self, bits: u32) -> Self {
+        self.exprs.push(Field::Mark.load(REG_1));
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: 4,
+            mask: u32::MAX.to_ne_bytes().to_vec(),
+            xor: bits.to_ne_bytes().to_vec(),
+        });
+        self.exprs.push(Expr::MetaSet {
+            key: MetaKey::Mark,
+            sreg: REG_1,
+        });
+        self
+    }
+
+    /// `meta mark & bits == 0` (when `set` is false) or `!= 0`.
+    pub fn mark_has(mut self, bits: u32, set: bool) -> Self {
+        self.exprs.push(Field::Mark.load(REG_1));
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: 4,
+            mask: bits.to_ne_bytes().to_vec(),
+            xor: vec![0; 4],
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: if set { CmpOp::Neq } else { CmpOp::Eq },
+            data: vec![0; 4],
+        });
+        self
+    }
+
+    /// `ct status <bit>` / `ct state <bits>`: any of the bits set.
+    pub fn ct_has(mut self, key: CtKey, bits: u32) -> Self {
+        self.exprs.push(Expr::Ct { key, dreg: REG_1 });
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: 4,
+            mask: bits.to_ne_bytes().to_vec(),
+            xor: vec![0; 4],
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: CmpOp::Neq,
+            data: vec![0; 4],
+        });
+        self
+    }
+
+    /// `numgen random mod modulus == value`.
+    pub fn numgen_eq(mut self, modulus: u32, value: u32) -> Self {
+        self.exprs.push(Expr::Numgen {
+            dreg: REG_1,
+            modulus,
+            random: true,
+            offset: 0,
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: CmpOp::Eq,
+            data: value.to_ne_bytes().to_vec(),
+        });
+        self
+    }
+
+    /// `dnat to addr:port`.
+    pub fn dnat(mut self, addr: &IpAddr, port: u16) -> Self {
+        self.exprs.push(Expr::Immediate {
+            dreg: REG_1,
+            data: ip_bytes(addr),
+        });
+        self.exprs.push(Expr::Immediate {
+            dreg: REG_2,
+            data: port.to_be_bytes().to_vec(),
+        });
+        self.exprs.push(Expr::Nat {
+            kind: NatKind::Dnat,
+            family: family_of(addr),
+            reg_addr: Some(REG_1),
+            reg_proto: Some(REG_2),
+            flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+        });
+        self
+    }
+
+    pub fn masquerade(mut self, fully_random: bool) -> Self {
+        self.exprs.push(Expr::Masq {
+            flags: if fully_random {
+                NAT_F_PROTO_RANDOM_FULLY
+            } else {
+                0
+            },
+        });
+        self
+    }
+
+    pub fn reject(mut self, kind: RejectKind) -> Self {
+        self.exprs.push(Expr::Reject(kind));
+        self
+    }
+
+    pub fn verdict(mut self, v: Verdict) -> Self {
+        self.exprs.push(Expr::Verdict(v));
+        self
+    }
+
+    pub fn expr(mut self, e: Expr) -> Self {
+        self.exprs.push(e);
+        self
+    }
+
+    pub fn build(self) -> Rule {
+        Rule {
+            exprs: self.exprs,
+            comment: self.comment,
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! An in-memory stand-in for the kernel's nf_tables, strict where the kernel is strict (missing objects,
+//! objects still in use, key lengths), so the sync engine's transactions are tested without root.
+
+use super::backend::Backend;
+use super::ir::*;
+use super::netlink::{CommitError, DumpError};
+use super::tx::{Op, Transaction};
+use crate::netlink::NetlinkError;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Default, Clone)]
+pub struct FakeKernel {
+    pub tables: BTreeMap<(Family, String), TableState>,
+    /// Number of transactions committed.
+    pub commits: usize,
+    /// When set, the next commit fails with this errno on the change at this index.
+    pub fail_next: Option<(usize, i32)>,
+}
+
+fn fail(i: usize, errno: i32, what: String) -> CommitError {
+    CommitError {
+        failures: vec![(
+            Some(what),
+            NetlinkError::Kernel {
+                seq: i as u32,
+                errno,
+                ext_ack: None,
+            },
+        )],
+    }
+}
+
+impl FakeKernel {
+    fn apply(
+        tables: &mut BTreeMap<(Family, String), TableState>,
+        tx: &Transaction,
+    ) -> Result<(), CommitError> {
+        for (i, c) in tx.changes.iter().enumerate() {
+            let key = (c.family, c.table.clone());
+            let what = c.to_string();
+            if let Op::AddTable = c.op {
+                tables
+                    .entry(key.clone())
+                    .or_insert_with(|| TableState::new(c.family, c.table.clone()));
+                continue;
+            }
+            if let Op::DeleteTable = c.op {
+                if tables.remove(&key).is_none() {
+                    return Err(fail(i, libc::ENOENT, what));
+                }
+                continue;
+            }
+            let t = tables
+                .get_mut(&key)
+                .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
+            match &c.op {
+                Op::AddTable | Op::DeleteTable => unreachable!(),
+                Op::AddChain(ch) => {
+                    t.add_chain(ch.clone());
+                }
+                Op::FlushChain(name) => {
+                    t.chains
+                        .get_mut(name)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?
+                        .rules
+                        .clear();
+                }
+                Op::DeleteChain(name) => {
+                    let used = t.chains.values().any(|ch| {
+                        ch.rules.iter().any(|r| {
+                            r.exprs.iter().any(|e| matches!(e, Expr::Verdict(v) if v.chain() == Some(name)))
+                        })
+                    }) || t.sets.values().any(|s| {
+                        s.elements.iter().any(|e| {
+                            matches!(&e.value, Some(ElementValue::Verdict(v)) if v.chain() == Some(name))
+                        })
+                    });
+                    let ch = t
+                        .chains
+                        .get(name)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
+                    if used || !ch.rules.is_empty() {
+                        return Err(fail(i, libc::EBUSY, what));
+                    }
+                    t.chains.remove(name);
+                }
+                Op::AddRule { chain, rule } => {
+                    for e in &rule.exprs {
+                        let missing_set = match e {
+                            Expr::Lookup { set, .. } | Expr::Dynset { set, .. } => {
+                                !t.sets.contains_key(set)
+                            }
+                            _ => false,
+                        };
+                        let missing_chain = match e {
+                            Expr::Verdict(v) => {
+                                v.chain().is_some_and(|c| !t.chains.contains_key(c))
+                            }
+                            _ => false,
+                        };
+                        if missing_set || missing_chain {
+                            return Err(fail(i, libc::ENOENT, what));
+                        }
+                    }
+                    t.chains
+                        .get_mut(chain)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?
+                        .rules
+                        .push(rule.clone());
+                }
+                Op::AddSet(s) => {
+                    if let Some(existing) = t.sets.get(&s.name) {
+                        if existing.set != *s {
+                            return Err(fail(i, libc::EEXIST, what));
+                        }
+                    } else {
+                        t.add_set(s.clone());
+                    }
+                }
+                Op::DeleteSet(name) => {
+                    let used = t.chains.values().any(|ch| {
+                        ch.rules.iter().any(|r| {
+                            r.exprs.iter().any(|e| {
+                                matches!(e, Expr::Lookup { set, .. } | Expr::Dynset { set, .. } if set == name)
+                            })
+                        })
+                    });
+                    if used {
+                        return Err(fail(i, libc::EBUSY, what));
+                    }
+                    t.sets
+                        .remove(name)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what))?;
+                }
+                Op::AddElements { set, elements } => {
+                    let chains: Vec<String> = t.chains.keys().cloned().collect();
+                    let s = t
+                        .sets
+                        .get_mut(set)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
+                    let klen = key_len(&s.set.key);
+                    for e in elements {
+                        if e.key.len() != klen {
+                            return Err(fail(i, libc::EINVAL, what));
+                        }
+                        if let Some(ElementValue::Verdict(v)) = &e.value {
+                            if v.chain().is_some_and(|c| !chains.iter().any(|x| x == c)) {
+                                return Err(fail(i, libc::ENOENT, what));
+                            }
+                        }
+                        // Same key with another value: the kernel refuses to overwrite.
+                        if s.elements
+                            .iter()
+                            .any(|x| x.key == e.key && x.value != e.value)
+                        {
+                            return Err(fail(i, libc::EEXIST, what));
+                        }
+                        s.elements.insert(e.clone());
+                    }
+                }
+                Op::DeleteElements { set, elements } => {
+                    let s = t
+                        .sets
+                        .get_mut(set)
+                        .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
+                    for e in elements {
+                        if !s.elements.iter().any(|x| x.key == e.key) {
+                            return Err(fail(i, libc::ENOENT, what));
+                        }
+                        s.elements.retain(|x| x.key != e.key);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for FakeKernel {
+    fn commit(&mut self, tx: &Transaction) -> Result<usize, CommitError> {
+        if let Some((i, errno)) = self.fail_next.take() {
+            let what = tx.changes.get(i).map(|c| c.to_string()).unwrap_or_default();
+            return Err(fail(i, errno, what));
+        }
+        // Atomic: work on a copy and keep it only if every change applies.
+        let mut next = self.tables.clone();
+        Self::apply(&mut next, tx)?;
+        self.tables = next;
+        self.commits += 1;
+        Ok(tx.changes.len())
+    }
+
+    fn read_table(&mut self, family: Family, name: &str) -> Result<Option<TableState>, DumpError> {
+        Ok(self.tables.get(&(family, name.to_owned())).cloned())
+    }
+}

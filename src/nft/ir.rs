@@ -1,0 +1,674 @@
+//! nf_tables objects as typed data: what we want in the kernel and what we read back from it.
+//!
+//! Rules are lists of the kernel's own expressions (payload, meta, cmp, lookup, ...), so the codec is a direct
+//! translation and a rule read back from the kernel compares equal to the rule we rendered. Human-readable nft
+//! syntax is produced from this data by `text.rs`; it is never parsed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// nf_tables address family of a table (`NFPROTO_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    Inet,
+    Ip,
+    Ip6,
+}
+
+impl Family {
+    pub fn nfproto(self) -> u8 {
+        match self {
+            Family::Inet => 1,
+            Family::Ip => 2,
+            Family::Ip6 => 10,
+        }
+    }
+    pub fn from_nfproto(v: u8) -> Option<Family> {
+        match v {
+            1 => Some(Family::Inet),
+            2 => Some(Family::Ip),
+            10 => Some(Family::Ip6),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::Inet => "inet",
+            Family::Ip => "ip",
+            Family::Ip6 => "ip6",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+impl Hook {
+    pub fn number(self) -> u32 {
+        match self {
+            Hook::Prerouting => 0,
+            Hook::Input => 1,
+            Hook::Forward => 2,
+            Hook::Output => 3,
+            Hook::Postrouting => 4,
+        }
+    }
+    pub fn from_number(v: u32) -> Option<Hook> {
+        [
+            Hook::Prerouting,
+            Hook::Input,
+            Hook::Forward,
+            Hook::Output,
+            Hook::Postrouting,
+        ]
+        .into_iter()
+        .find(|h| h.number() == v)
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Input => "input",
+            Hook::Forward => "forward",
+            Hook::Output => "output",
+            Hook::Postrouting => "postrouting",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChainType {
+    Filter,
+    Nat,
+    Route,
+}
+
+impl ChainType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+            ChainType::Route => "route",
+        }
+    }
+    pub fn parse(s: &str) -> Option<ChainType> {
+        match s {
+            "filter" => Some(ChainType::Filter),
+            "nat" => Some(ChainType::Nat),
+            "route" => Some(ChainType::Route),
+            _ => None,
+        }
+    }
+}
+
+/// Where a base chain attaches. Base chains always have policy accept here: we only ever add behaviour for
+/// traffic we own and let everything else through to other tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BaseHook {
+    pub hook: Hook,
+    pub chain_type: ChainType,
+    pub priority: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Chain {
+    pub name: String,
+    pub base: Option<BaseHook>,
+}
+
+/// nft data types, used for set keys and values: they fix the byte length and how `nft` displays a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DataType {
+    Ipv4Addr,
+    Ipv6Addr,
+    InetProto,
+    InetService,
+    Mark,
+    /// A plain integer of the given byte length (numgen output, counters, ...), host byte order.
+    Integer(u8),
+    Verdict,
+}
+
+impl DataType {
+    /// nft's type number (`enum datatypes` in nftables' datatype.h).
+    pub fn nft_id(self) -> u32 {
+        match self {
+            DataType::Verdict => 1,
+            DataType::Integer(_) => 4,
+            DataType::Ipv4Addr => 7,
+            DataType::Ipv6Addr => 8,
+            DataType::InetProto => 12,
+            DataType::InetService => 13,
+            DataType::Mark => 19,
+        }
+    }
+    /// Byte length of a value (0 for verdicts, which are not bytes).
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(self) -> usize {
+        match self {
+            DataType::Verdict => 0,
+            DataType::Integer(n) => n as usize,
+            DataType::Ipv4Addr => 4,
+            DataType::Ipv6Addr => 16,
+            DataType::InetProto => 1,
+            DataType::InetService => 2,
+            DataType::Mark => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::Verdict => "verdict",
+            DataType::Integer(_) => "integer",
+            DataType::Ipv4Addr => "ipv4_addr",
+            DataType::Ipv6Addr => "ipv6_addr",
+            DataType::InetProto => "inet_proto",
+            DataType::InetService => "inet_service",
+            DataType::Mark => "mark",
+        }
+    }
+    pub fn from_nft_id(id: u32, len: usize) -> Option<DataType> {
+        Some(match id {
+            1 => DataType::Verdict,
+            4 => DataType::Integer(len as u8),
+            7 => DataType::Ipv4Addr,
+            8 => DataType::Ipv6Addr,
+            12 => DataType::InetProto,
+            13 => DataType::InetService,
+            19 => DataType::Mark,
+            _ => return None,
+        })
+    }
+}
+
+/// Bits of nft's concatenated type number per component.
+const TYPE_BITS: u32 = 6;
+
+/// The nft type number of a (possibly concatenated) key: each component shifted in, as nft does.
+pub fn concat_type_id(types: &[DataType]) -> u32 {
+    types
+        .iter()
+        .fold(0, |acc, t| (acc << TYPE_BITS) | t.nft_id())
+}
+
+/// Byte length of a key: a single component as is, concatenations with each component padded to 4 bytes.
+pub fn key_len(types: &[DataType]) -> usize {
+    if types.len() == 1 {
+        types[0].len()
+    } else {
+        types.iter().map(|t| crate::netlink::align4(t.len())).sum()
+    }
+}
+
+/// Decodes a concatenated nft type number given the total key length. Only succeeds when the components
+/// are types we know and their lengths add up.
+pub fn split_type_id(mut id: u32, len: usize) -> Option<Vec<DataType>> {
+    let mut ids = Vec::new();
+    while id != 0 {
+        ids.push(id & ((1 << TYPE_BITS) - 1));
+        id >>= TYPE_BITS;
+    }
+    ids.reverse();
+    if ids.len() == 1 {
+        return DataType::from_nft_id(ids[0], len).map(|t| vec![t]);
+    }
+    let types: Option<Vec<DataType>> = ids.iter().map(|&i| DataType::from_nft_id(i, 4)).collect();
+    let types = types?;
+    (key_len(&types) == len).then_some(types)
+}
+
+/// A named set or map.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Set {
+    pub name: String,
+    pub key: Vec<DataType>,
+    /// Value types for a map: `[Verdict]` for a verdict map, data types otherwise; empty for a plain set.
+    pub data: Vec<DataType>,
+    /// Elements expire after this many milliseconds unless refreshed (dynamic sets).
+    pub timeout_ms: Option<u64>,
+    /// Updated from the packet path (`update @set`): nft's "dynamic" flag.
+    pub dynamic: bool,
+}
+
+impl Set {
+    pub fn is_map(&self) -> bool {
+        !self.data.is_empty()
+    }
+    pub fn is_verdict_map(&self) -> bool {
+        self.data == [DataType::Verdict]
+    }
+    /// NFT_SET_* flags as the kernel stores them.
+    pub fn flags(&self) -> u32 {
+        let mut f = 0;
+        if self.is_map() {
+            f |= SET_F_MAP;
+        }
+        if self.timeout_ms.is_some() {
+            f |= SET_F_TIMEOUT;
+        }
+        if self.dynamic {
+            f |= SET_F_EVAL;
+        }
+        f
+    }
+}
+
+pub const SET_F_ANONYMOUS: u32 = 0x1;
+pub const SET_F_CONSTANT: u32 = 0x2;
+pub const SET_F_INTERVAL: u32 = 0x4;
+pub const SET_F_MAP: u32 = 0x8;
+pub const SET_F_TIMEOUT: u32 = 0x10;
+pub const SET_F_EVAL: u32 = 0x20;
+
+/// One element: its key bytes (components padded to 4 bytes when concatenated) and, in maps, its value.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Element {
+    pub key: Vec<u8>,
+    pub value: Option<ElementValue>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ElementValue {
+    Verdict(Verdict),
+    Data(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Continue,
+    Return,
+    Jump(String),
+    Goto(String),
+}
+
+impl Verdict {
+    pub fn code(&self) -> i32 {
+        match self {
+            Verdict::Drop => 0,
+            Verdict::Accept => 1,
+            Verdict::Continue => -1,
+            Verdict::Jump(_) => -3,
+            Verdict::Goto(_) => -4,
+            Verdict::Return => -5,
+        }
+    }
+    pub fn chain(&self) -> Option<&str> {
+        match self {
+            Verdict::Jump(c) | Verdict::Goto(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// Kernel register numbers. `R1` is the 16-byte NFT_REG_1; `reg32(i)` the i-th 4-byte register, which
+/// overlaps: R1 == reg32(0..4). Concatenated keys are loaded into consecutive 4-byte registers.
+pub const REG_VERDICT: u32 = 0;
+pub const REG_1: u32 = 1;
+pub const REG_2: u32 = 2;
+pub const fn reg32(i: u32) -> u32 {
+    8 + i
+}
+
+/// The register that starts at a 4-byte slot, spelled the way the kernel dumps it: a 16-byte register
+/// (NFT_REG_1..4) where the slot is 16-byte aligned, a 4-byte register otherwise. Encoding it the same way
+/// makes rules read back from the kernel compare equal to ours.
+pub fn reg_at_slot(slot: u32) -> u32 {
+    if slot.is_multiple_of(4) {
+        REG_1 + slot / 4
+    } else {
+        reg32(slot)
+    }
+}
+
+/// The 4-byte slot a register starts at (for following concatenations).
+pub fn reg_slot(reg: u32) -> Option<u32> {
+    match reg {
+        1..=4 => Some((reg - 1) * 4),
+        8..=23 => Some(reg - 8),
+        _ => None,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PayloadBase {
+    LinkLayer,
+    Network,
+    Transport,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MetaKey {
+    Mark,
+    L4Proto,
+    NfProto,
+    Iif,
+    Oif,
+    IifName,
+    OifName,
+}
+
+impl MetaKey {
+    pub fn number(self) -> u32 {
+        match self {
+            MetaKey::Mark => 3,
+            MetaKey::Iif => 4,
+            MetaKey::Oif => 5,
+            MetaKey::IifName => 6,
+            MetaKey::OifName => 7,
+            MetaKey::NfProto => 15,
+            MetaKey::L4Proto => 16,
+        }
+    }
+    pub fn from_number(v: u32) -> Option<MetaKey> {
+        [
+            MetaKey::Mark,
+            MetaKey::L4Proto,
+            MetaKey::NfProto,
+            MetaKey::Iif,
+            MetaKey::Oif,
+            MetaKey::IifName,
+            MetaKey::OifName,
+        ]
+        .into_iter()
+        .find(|k| k.number() == v)
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MetaKey::Mark => "mark",
+            MetaKey::L4Proto => "l4proto",
+            MetaKey::NfProto => "nfproto",
+            MetaKey::Iif => "iif",
+            MetaKey::Oif => "oif",
+            MetaKey::IifName => "iifname",
+            MetaKey::OifName => "oifname",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CtKey {
+    State,
+    Status,
+    Mark,
+}
+
+impl CtKey {
+    pub fn number(self) -> u32 {
+        match self {
+            CtKey::State => 0,
+            CtKey::Status => 2,
+            CtKey::Mark => 3,
+        }
+    }
+    pub fn from_number(v: u32) -> Option<CtKey> {
+        [CtKey::State, CtKey::Status, CtKey::Mark]
+            .into_iter()
+            .find(|k| k.number() == v)
+    }
+}
+
+/// Conntrack status bit for "this connection was destination-NATed" (IPS_DST_NAT).
+pub const CT_STATUS_DNAT: u32 = 1 << 5;
+/// `ct state` bits (NF_CT_STATE_BIT).
+pub const CT_STATE_INVALID: u32 = 1;
+pub const CT_STATE_ESTABLISHED: u32 = 1 << 1;
+pub const CT_STATE_RELATED: u32 = 1 << 2;
+pub const CT_STATE_NEW: u32 = 1 << 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CmpOp {
+    Eq,
+    Neq,
+    Lt,
+    Lte,
+    Gt,
+    Gte,
+}
+
+impl CmpOp {
+    pub fn number(self) -> u32 {
+        self as u32
+    }
+    pub fn from_number(v: u32) -> Option<CmpOp> {
+        [
+            CmpOp::Eq,
+            CmpOp::Neq,
+            CmpOp::Lt,
+            CmpOp::Lte,
+            CmpOp::Gt,
+            CmpOp::Gte,
+        ]
+        .into_iter()
+        .find(|o| o.number() == v)
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "==",
+            CmpOp::Neq => "!=",
+            CmpOp::Lt => "<",
+            CmpOp::Lte => "<=",
+            CmpOp::Gt => ">",
+            CmpOp::Gte => ">=",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NatKind {
+    Snat,
+    Dnat,
+}
+
+/// `NF_NAT_RANGE_*` flags.
+/// The kernel adds MAP_IPS itself when an address register is given and dumps it back; we send it too so a
+/// rule read back compares equal to the rule we rendered.
+pub const NAT_F_MAP_IPS: u32 = 0x1;
+pub const NAT_F_PROTO_SPECIFIED: u32 = 0x2;
+pub const NAT_F_PROTO_RANDOM: u32 = 0x4;
+pub const NAT_F_PERSISTENT: u32 = 0x8;
+pub const NAT_F_PROTO_RANDOM_FULLY: u32 = 0x10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RejectKind {
+    /// ICMP (v4) or ICMPv6 unreachable with this code, depending on the table family.
+    IcmpUnreach(u8),
+    TcpReset,
+    /// Family-independent ICMPx code (inet tables).
+    IcmpxUnreach(u8),
+}
+
+/// ICMP port unreachable (v4 code 3); ICMPv6's is 4; icmpx's is 1.
+pub const ICMP_PORT_UNREACH: u8 = 3;
+pub const ICMPV6_PORT_UNREACH: u8 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DynsetOp {
+    Add,
+    Update,
+}
+
+/// `fib` lookups: which address to look up, what to return.
+pub const FIB_F_SADDR: u32 = 1;
+pub const FIB_F_DADDR: u32 = 2;
+pub const FIB_F_MARK: u32 = 4;
+pub const FIB_F_IIF: u32 = 8;
+pub const FIB_F_OIF: u32 = 16;
+pub const FIB_RESULT_OIF: u32 = 1;
+pub const FIB_RESULT_ADDRTYPE: u32 = 3;
+/// `RTN_LOCAL`: what `fib daddr type local` compares the address type to.
+pub const RTN_LOCAL: u32 = 2;
+
+/// One nf_tables expression, as the kernel knows it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Expr {
+    Payload {
+        base: PayloadBase,
+        offset: u32,
+        len: u32,
+        dreg: u32,
+    },
+    Meta {
+        key: MetaKey,
+        dreg: u32,
+    },
+    MetaSet {
+        key: MetaKey,
+        sreg: u32,
+    },
+    Cmp {
+        sreg: u32,
+        op: CmpOp,
+        data: Vec<u8>,
+    },
+    /// `dreg = (sreg & mask) ^ xor` over `len` bytes.
+    Bitwise {
+        sreg: u32,
+        dreg: u32,
+        len: u32,
+        mask: Vec<u8>,
+        xor: Vec<u8>,
+    },
+    Immediate {
+        dreg: u32,
+        data: Vec<u8>,
+    },
+    /// A verdict: immediate into the verdict register.
+    Verdict(Verdict),
+    /// Set membership (`dreg` None) or map lookup into `dreg` (REG_VERDICT for a verdict map).
+    Lookup {
+        set: String,
+        sreg: u32,
+        dreg: Option<u32>,
+        invert: bool,
+    },
+    Numgen {
+        dreg: u32,
+        modulus: u32,
+        random: bool,
+        offset: u32,
+    },
+    Dynset {
+        set: String,
+        op: DynsetOp,
+        sreg_key: u32,
+        sreg_data: Option<u32>,
+        timeout_ms: Option<u64>,
+    },
+    Nat {
+        kind: NatKind,
+        family: Family,
+        reg_addr: Option<u32>,
+        reg_proto: Option<u32>,
+        flags: u32,
+    },
+    Masq {
+        flags: u32,
+    },
+    Reject(RejectKind),
+    Ct {
+        key: CtKey,
+        dreg: u32,
+    },
+    Fib {
+        flags: u32,
+        result: u32,
+        dreg: u32,
+    },
+    Counter,
+}
+
+impl Expr {
+    /// The kernel's expression name.
+    pub fn kernel_name(&self) -> &'static str {
+        match self {
+            Expr::Payload { .. } => "payload",
+            Expr::Meta { .. } | Expr::MetaSet { .. } => "meta",
+            Expr::Cmp { .. } => "cmp",
+            Expr::Bitwise { .. } => "bitwise",
+            Expr::Immediate { .. } | Expr::Verdict(_) => "immediate",
+            Expr::Lookup { .. } => "lookup",
+            Expr::Numgen { .. } => "numgen",
+            Expr::Dynset { .. } => "dynset",
+            Expr::Nat { .. } => "nat",
+            Expr::Masq { .. } => "masq",
+            Expr::Reject(_) => "reject",
+            Expr::Ct { .. } => "ct",
+            Expr::Fib { .. } => "fib",
+            Expr::Counter => "counter",
+        }
+    }
+}
+
+/// A rule: the expressions in order, and an optional comment (kept in the rule's userdata as nft does).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rule {
+    pub exprs: Vec<Expr>,
+    pub comment: Option<String>,
+}
+
+/// A chain and its rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainState {
+    pub chain: Chain,
+    pub rules: Vec<Rule>,
+}
+
+/// A set or map and its elements.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetState {
+    pub set: Set,
+    pub elements: BTreeSet<Element>,
+}
+
+/// The whole content of one of our tables, keyed by name so two states diff cheaply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableState {
+    pub family: Family,
+    pub name: String,
+    pub sets: BTreeMap<String, SetState>,
+    pub chains: BTreeMap<String, ChainState>,
+}
+
+impl TableState {
+    pub fn new(family: Family, name: impl Into<String>) -> Self {
+        TableState {
+            family,
+            name: name.into(),
+            sets: BTreeMap::new(),
+            chains: BTreeMap::new(),
+        }
+    }
+
+    pub fn add_chain(&mut self, chain: Chain) -> &mut ChainState {
+        let name = chain.name.clone();
+        self.chains.entry(name).or_insert(ChainState {
+            chain,
+            rules: Vec::new(),
+        })
+    }
+
+    pub fn chain_mut(&mut self, name: &str) -> &mut ChainState {
+        self.chains
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("chain {name} not declared"))
+    }
+
+    pub fn add_set(&mut self, set: Set) -> &mut SetState {
+        let name = set.name.clone();
+        self.sets.entry(name).or_insert(SetState {
+            set,
+            elements: BTreeSet::new(),
+        })
+    }
+
+    pub fn set_mut(&mut self, name: &str) -> &mut SetState {
+        self.sets
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("set {name} not declared"))
+    }
+}

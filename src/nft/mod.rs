@@ -1,0 +1,11 @@
+//! nf_tables: the typed IR, its text rendering, the netlink codec and transport.
+pub mod backend;
+pub mod build;
+pub mod fake;
+pub mod ir;
+pub mod netlink;
+pub mod text;
+pub mod tx;
+pub mod wire;
+
+pub use backend::Backend;

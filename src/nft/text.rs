@@ -1,0 +1,624 @@
+//! Renders tables in nft syntax, for `plan`, logs and diffs. The output is meant to be loadable by `nft -f`
+//! (benchmarks use it as an anchor), so it sticks to syntax nft 1.0 accepts.
+//!
+//! Rules are rendered by following the registers through the expression list, the way nft's own
+//! netlink_delinearize does for the shapes we generate; anything unrecognised is printed in nft's debug form
+//! (`[ payload load 4b @ network header + 16 => reg 1 ]`) rather than guessed.
+
+use super::ir::*;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+/// Renders a whole table.
+pub fn render_table(t: &TableState) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "table {} {} {{", t.family.as_str(), t.name);
+    for s in t.sets.values() {
+        render_set(&mut out, s);
+    }
+    for c in t.chains.values() {
+        let _ = writeln!(out, "\tchain {} {{", c.chain.name);
+        if let Some(b) = &c.chain.base {
+            let _ = writeln!(
+                out,
+                "\t\ttype {} hook {} priority {}; policy accept;",
+                b.chain_type.as_str(),
+                b.hook.as_str(),
+                b.priority
+            );
+        }
+        for r in &c.rules {
+            let _ = writeln!(out, "\t\t{}", render_rule(r, t));
+        }
+        let _ = writeln!(out, "\t}}");
+    }
+    let _ = writeln!(out, "}}");
+    out
+}
+
+fn render_set(out: &mut String, s: &SetState) {
+    let kind = if s.set.is_map() { "map" } else { "set" };
+    let _ = writeln!(out, "\t{kind} {} {{", s.set.name);
+    let key: Vec<&str> = s.set.key.iter().map(|t| t.name()).collect();
+    let mut ty = format!("type {}", key.join(" . "));
+    if s.set.is_map() {
+        let data: Vec<&str> = s.set.data.iter().map(|t| t.name()).collect();
+        let _ = write!(ty, " : {}", data.join(" . "));
+    }
+    let _ = writeln!(out, "\t\t{ty}");
+    let mut flags = Vec::new();
+    if s.set.dynamic {
+        flags.push("dynamic");
+    }
+    if s.set.timeout_ms.is_some() {
+        flags.push("timeout");
+    }
+    if !flags.is_empty() {
+        let _ = writeln!(out, "\t\tflags {}", flags.join(","));
+    }
+    if let Some(ms) = s.set.timeout_ms {
+        let _ = writeln!(out, "\t\ttimeout {}", duration(ms));
+    }
+    if !s.elements.is_empty() {
+        let items: Vec<String> = s.elements.iter().map(|e| element_text(&s.set, e)).collect();
+        let _ = writeln!(out, "\t\telements = {{ {} }}", items.join(",\n\t\t\t     "));
+    }
+    let _ = writeln!(out, "\t}}");
+}
+
+fn duration(ms: u64) -> String {
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// One element as nft writes it: `key : value`.
+pub fn element_text(set: &Set, e: &Element) -> String {
+    let mut s = value_text(&set.key, &e.key);
+    match &e.value {
+        Some(ElementValue::Verdict(v)) => {
+            let _ = write!(s, " : {}", verdict_text(v));
+        }
+        Some(ElementValue::Data(d)) => {
+            let _ = write!(s, " : {}", value_text(&set.data, d));
+        }
+        None => {}
+    }
+    s
+}
+
+pub fn verdict_text(v: &Verdict) -> String {
+    match v {
+        Verdict::Accept => "accept".into(),
+        Verdict::Drop => "drop".into(),
+        Verdict::Continue => "continue".into(),
+        Verdict::Return => "return".into(),
+        Verdict::Jump(c) => format!("jump {c}"),
+        Verdict::Goto(c) => format!("goto {c}"),
+    }
+}
+
+/// Formats a (possibly concatenated) value of the given types.
+pub fn value_text(types: &[DataType], bytes: &[u8]) -> String {
+    if types.len() <= 1 {
+        let t = types
+            .first()
+            .copied()
+            .unwrap_or(DataType::Integer(bytes.len() as u8));
+        return scalar_text(t, bytes);
+    }
+    let mut parts = Vec::new();
+    let mut off = 0;
+    for t in types {
+        let end = (off + t.len()).min(bytes.len());
+        parts.push(scalar_text(*t, &bytes[off..end]));
+        off = crate::netlink::align4(off + t.len());
+    }
+    parts.join(" . ")
+}
+
+fn scalar_text(t: DataType, b: &[u8]) -> String {
+    match (t, b.len()) {
+        (DataType::Ipv4Addr, 4) => Ipv4Addr::new(b[0], b[1], b[2], b[3]).to_string(),
+        (DataType::Ipv6Addr, 16) => {
+            let a: [u8; 16] = b.try_into().unwrap();
+            Ipv6Addr::from(a).to_string()
+        }
+        (DataType::InetProto, 1) => match b[0] {
+            6 => "tcp".into(),
+            17 => "udp".into(),
+            132 => "sctp".into(),
+            n => n.to_string(),
+        },
+        (DataType::InetService, 2) => u16::from_be_bytes([b[0], b[1]]).to_string(),
+        (DataType::Mark, 4) => format!("0x{:08x}", u32::from_ne_bytes(b.try_into().unwrap())),
+        (_, 4) => u32::from_ne_bytes(b.try_into().unwrap()).to_string(),
+        (_, 1) => b[0].to_string(),
+        _ => hex(b),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    let mut s = String::from("0x");
+    for x in b {
+        let _ = write!(s, "{x:02x}");
+    }
+    s
+}
+
+/// What a register holds while a rule is being read.
+#[derive(Debug, Clone)]
+struct RegValue {
+    text: String,
+    ty: DataType,
+    /// Set by `& mask` with a zero xor: a later compare may read as a prefix or flag test.
+    mask: Option<Vec<u8>>,
+    kind: RegKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum RegKind {
+    Plain,
+    CtStatus,
+    CtState,
+    FibType,
+    Literal,
+}
+
+/// Renders one rule; `table` supplies set definitions for typing lookups.
+pub fn render_rule(rule: &Rule, table: &TableState) -> String {
+    let mut regs: BTreeMap<u32, RegValue> = BTreeMap::new();
+    let mut out: Vec<String> = Vec::new();
+    let family = table.family;
+    for e in &rule.exprs {
+        match e {
+            Expr::Payload {
+                base,
+                offset,
+                len,
+                dreg,
+            } => {
+                let (text, ty) = payload_name(family, *base, *offset, *len);
+                put(&mut regs, *dreg, plain(text, ty));
+            }
+            Expr::Meta { key, dreg } => {
+                let ty = match key {
+                    MetaKey::L4Proto => DataType::InetProto,
+                    MetaKey::Mark => DataType::Mark,
+                    _ => DataType::Integer(4),
+                };
+                put(
+                    &mut regs,
+                    *dreg,
+                    plain(format!("meta {}", key.as_str()), ty),
+                );
+            }
+            Expr::Ct { key, dreg } => {
+                let (name, kind) = match key {
+                    CtKey::State => ("ct state", RegKind::CtState),
+                    CtKey::Status => ("ct status", RegKind::CtStatus),
+                    CtKey::Mark => ("ct mark", RegKind::Plain),
+                };
+                let mut v = plain(name.into(), DataType::Mark);
+                v.kind = kind;
+                put(&mut regs, *dreg, v);
+            }
+            Expr::Numgen {
+                dreg,
+                modulus,
+                random,
+                offset,
+            } => {
+                let mut text = format!(
+                    "numgen {} mod {modulus}",
+                    if *random { "random" } else { "inc" }
+                );
+                if *offset != 0 {
+                    let _ = write!(text, " offset {offset}");
+                }
+                put(&mut regs, *dreg, plain(text, DataType::Integer(4)));
+            }
+            Expr::Fib {
+                flags,
+                result,
+                dreg,
+            } => {
+                let mut what = Vec::new();
+                if flags & FIB_F_SADDR != 0 {
+                    what.push("saddr");
+                }
+                if flags & FIB_F_DADDR != 0 {
+                    what.push("daddr");
+                }
+                if flags & FIB_F_MARK != 0 {
+                    what.push("mark");
+                }
+                if flags & FIB_F_IIF != 0 {
+                    what.push("iif");
+                }
+                if flags & FIB_F_OIF != 0 {
+                    what.push("oif");
+                }
+                let res = match *result {
+                    FIB_RESULT_ADDRTYPE => "type",
+                    FIB_RESULT_OIF => "oif",
+                    _ => "oifname",
+                };
+                let mut v = plain(
+                    format!("fib {} {res}", what.join(" . ")),
+                    DataType::Integer(4),
+                );
+                if *result == FIB_RESULT_ADDRTYPE {
+                    v.kind = RegKind::FibType;
+                }
+                put(&mut regs, *dreg, v);
+            }
+            Expr::Bitwise {
+                sreg,
+                dreg,
+                mask,
+                xor,
+                ..
+            } => {
+                let Some(src) = get(&regs, *sreg) else {
+                    out.push(debug_expr(e));
+                    continue;
+                };
+                let zero_xor = xor.iter().all(|b| *b == 0);
+                let inverse = mask.iter().zip(xor).all(|(m, x)| *m == !*x);
+                let all_ones = mask.iter().all(|b| *b == 0xff);
+                let mut v = src.clone();
+                if zero_xor {
+                    v.mask = Some(mask.clone());
+                } else if inverse {
+                    v.text = format!("{} | {}", src.text, scalar_text(src.ty, xor));
+                } else if all_ones {
+                    v.text = format!("{} ^ {}", src.text, scalar_text(src.ty, xor));
+                } else {
+                    v.text = format!(
+                        "({} & {}) ^ {}",
+                        src.text,
+                        scalar_text(src.ty, mask),
+                        scalar_text(src.ty, xor)
+                    );
+                }
+                put(&mut regs, *dreg, v);
+            }
+            Expr::Cmp { sreg, op, data } => match get(&regs, *sreg) {
+                Some(v) => out.push(cmp_text(v, *op, data)),
+                None => out.push(debug_expr(e)),
+            },
+            Expr::Immediate { dreg, data } => {
+                let ty = match data.len() {
+                    4 if family == Family::Ip => DataType::Ipv4Addr,
+                    16 => DataType::Ipv6Addr,
+                    2 => DataType::InetService,
+                    n => DataType::Integer(n as u8),
+                };
+                let mut v = plain(scalar_text(ty, data), ty);
+                v.kind = RegKind::Literal;
+                put(&mut regs, *dreg, v);
+            }
+            Expr::Verdict(v) => out.push(verdict_text(v)),
+            Expr::Lookup {
+                set,
+                sreg,
+                dreg,
+                invert,
+            } => {
+                let def = table.sets.get(set).map(|s| &s.set);
+                let key = match def {
+                    Some(d) => concat_text(&regs, *sreg, &d.key),
+                    None => get(&regs, *sreg).map(|v| v.text.clone()),
+                };
+                let Some(key) = key else {
+                    out.push(debug_expr(e));
+                    continue;
+                };
+                match dreg {
+                    None => out.push(format!("{key} {}@{set}", if *invert { "!= " } else { "" })),
+                    Some(REG_VERDICT) => out.push(format!("{key} vmap @{set}")),
+                    Some(r) => {
+                        let ty = def
+                            .and_then(|d| d.data.first().copied())
+                            .unwrap_or(DataType::Integer(4));
+                        put(&mut regs, *r, plain(format!("{key} map @{set}"), ty));
+                    }
+                }
+            }
+            Expr::Dynset {
+                set,
+                op,
+                sreg_key,
+                sreg_data,
+                timeout_ms,
+            } => {
+                let def = table.sets.get(set).map(|s| &s.set);
+                let key = def
+                    .and_then(|d| concat_text(&regs, *sreg_key, &d.key))
+                    .or_else(|| get(&regs, *sreg_key).map(|v| v.text.clone()))
+                    .unwrap_or_else(|| "?".into());
+                let mut s = format!(
+                    "{} @{set} {{ {key}",
+                    if *op == DynsetOp::Add {
+                        "add"
+                    } else {
+                        "update"
+                    }
+                );
+                if let Some(ms) = timeout_ms {
+                    let _ = write!(s, " timeout {}", duration(*ms));
+                }
+                if let Some(d) = sreg_data {
+                    let data = def
+                        .and_then(|dd| concat_text(&regs, *d, &dd.data))
+                        .or_else(|| get(&regs, *d).map(|v| v.text.clone()))
+                        .unwrap_or_else(|| "?".into());
+                    let _ = write!(s, " : {data}");
+                }
+                s.push_str(" }");
+                out.push(s);
+            }
+            Expr::Nat {
+                kind,
+                family: nat_family,
+                reg_addr,
+                reg_proto,
+                flags,
+            } => {
+                let verb = if *kind == NatKind::Dnat {
+                    "dnat"
+                } else {
+                    "snat"
+                };
+                let addr = reg_addr.and_then(|r| get(&regs, r)).map(|v| v.text.clone());
+                let port = reg_proto
+                    .and_then(|r| get(&regs, r))
+                    .map(|v| v.text.clone());
+                let mut s = format!("{verb} to ");
+                match (addr, port) {
+                    (Some(a), Some(p)) if *nat_family == Family::Ip6 => {
+                        let _ = write!(s, "[{a}]:{p}");
+                    }
+                    (Some(a), Some(p)) => {
+                        let _ = write!(s, "{a}:{p}");
+                    }
+                    (Some(a), None) => s.push_str(&a),
+                    (None, Some(p)) => {
+                        let _ = write!(s, ":{p}");
+                    }
+                    (None, None) => s = verb.to_string(),
+                }
+                s.push_str(&nat_flags_text(*flags));
+                out.push(s);
+            }
+            Expr::Masq { flags } => out.push(format!("masquerade{}", nat_flags_text(*flags))),
+            Expr::Reject(kind) => out.push(reject_text(family, *kind)),
+            Expr::Counter => out.push("counter".into()),
+            Expr::MetaSet { key, sreg } => match get(&regs, *sreg) {
+                Some(v) => out.push(format!("meta {} set {}", key.as_str(), v.text)),
+                None => out.push(debug_expr(e)),
+            },
+        }
+    }
+    let mut s = out.join(" ");
+    if let Some(c) = &rule.comment {
+        let _ = write!(s, " comment \"{c}\"");
+    }
+    s
+}
+
+fn plain(text: String, ty: DataType) -> RegValue {
+    RegValue {
+        text,
+        ty,
+        mask: None,
+        kind: RegKind::Plain,
+    }
+}
+
+fn put(regs: &mut BTreeMap<u32, RegValue>, reg: u32, v: RegValue) {
+    if let Some(slot) = reg_slot(reg) {
+        regs.insert(slot, v);
+    }
+}
+
+fn get(regs: &BTreeMap<u32, RegValue>, reg: u32) -> Option<&RegValue> {
+    regs.get(&reg_slot(reg)?)
+}
+
+/// Reads a concatenated key of the given types out of consecutive registers starting at `sreg`.
+fn concat_text(regs: &BTreeMap<u32, RegValue>, sreg: u32, types: &[DataType]) -> Option<String> {
+    let mut slot = reg_slot(sreg)?;
+    let mut parts = Vec::new();
+    for t in types {
+        parts.push(regs.get(&slot)?.text.clone());
+        slot += crate::netlink::align4(t.len()).max(4) as u32 / 4;
+    }
+    Some(parts.join(" . "))
+}
+
+fn payload_name(family: Family, base: PayloadBase, offset: u32, len: u32) -> (String, DataType) {
+    let named = match (base, offset, len) {
+        (PayloadBase::Network, 12, 4) if family != Family::Ip6 => {
+            Some(("ip saddr", DataType::Ipv4Addr))
+        }
+        (PayloadBase::Network, 16, 4) if family != Family::Ip6 => {
+            Some(("ip daddr", DataType::Ipv4Addr))
+        }
+        (PayloadBase::Network, 9, 1) if family != Family::Ip6 => {
+            Some(("ip protocol", DataType::InetProto))
+        }
+        (PayloadBase::Network, 8, 16) if family != Family::Ip => {
+            Some(("ip6 saddr", DataType::Ipv6Addr))
+        }
+        (PayloadBase::Network, 24, 16) if family != Family::Ip => {
+            Some(("ip6 daddr", DataType::Ipv6Addr))
+        }
+        (PayloadBase::Transport, 0, 2) => Some(("th sport", DataType::InetService)),
+        (PayloadBase::Transport, 2, 2) => Some(("th dport", DataType::InetService)),
+        _ => None,
+    };
+    match named {
+        Some((n, t)) => (n.to_string(), t),
+        None => {
+            let b = match base {
+                PayloadBase::LinkLayer => "ll",
+                PayloadBase::Network => "nh",
+                PayloadBase::Transport => "th",
+            };
+            (
+                format!("@{b},{},{}", offset * 8, len * 8),
+                DataType::Integer(len as u8),
+            )
+        }
+    }
+}
+
+fn cmp_text(v: &RegValue, op: CmpOp, data: &[u8]) -> String {
+    let is_zero = data.iter().all(|b| *b == 0);
+    if let Some(mask) = &v.mask {
+        // Flag tests: `ct status dnat`, `ct state established,related`.
+        if matches!(v.kind, RegKind::CtStatus | RegKind::CtState) && is_zero && mask.len() == 4 {
+            let bits = u32::from_ne_bytes(mask[..4].try_into().unwrap());
+            let names = if v.kind == RegKind::CtStatus {
+                ct_status_names(bits)
+            } else {
+                ct_state_names(bits)
+            };
+            return match op {
+                CmpOp::Neq => format!("{} {names}", v.text),
+                _ => format!("{} & {names} == 0", v.text),
+            };
+        }
+        // Prefix matches: `ip saddr != 10.244.0.0/16`.
+        if matches!(v.ty, DataType::Ipv4Addr | DataType::Ipv6Addr) {
+            if let Some(prefix) = prefix_len(mask) {
+                let net = scalar_text(v.ty, data);
+                let op = if op == CmpOp::Eq {
+                    String::new()
+                } else {
+                    format!("{} ", op.as_str())
+                };
+                return format!("{} {op}{net}/{prefix}", v.text);
+            }
+        }
+        return format!(
+            "{} & {} {} {}",
+            v.text,
+            scalar_text(v.ty, mask),
+            op.as_str(),
+            scalar_text(v.ty, data)
+        );
+    }
+    if v.kind == RegKind::FibType && data.len() == 4 {
+        let t = u32::from_ne_bytes(data.try_into().unwrap());
+        let name = match t {
+            RTN_LOCAL => "local".to_string(),
+            1 => "unicast".to_string(),
+            3 => "broadcast".to_string(),
+            5 => "multicast".to_string(),
+            n => n.to_string(),
+        };
+        let op = if op == CmpOp::Eq {
+            String::new()
+        } else {
+            format!("{} ", op.as_str())
+        };
+        return format!("{} {op}{name}", v.text);
+    }
+    let value = scalar_text(v.ty, data);
+    match op {
+        CmpOp::Eq => format!("{} {value}", v.text),
+        _ => format!("{} {} {value}", v.text, op.as_str()),
+    }
+}
+
+fn prefix_len(mask: &[u8]) -> Option<u32> {
+    let mut ones = 0;
+    let mut seen_zero = false;
+    for b in mask {
+        for i in (0..8).rev() {
+            if b & (1 << i) != 0 {
+                if seen_zero {
+                    return None;
+                }
+                ones += 1;
+            } else {
+                seen_zero = true;
+            }
+        }
+    }
+    Some(ones)
+}
+
+fn ct_status_names(bits: u32) -> String {
+    let names = [
+        (1 << 0, "expected"),
+        (1 << 1, "seen-reply"),
+        (1 << 2, "assured"),
+        (1 << 3, "confirmed"),
+        (1 << 4, "snat"),
+        (1 << 5, "dnat"),
+        (1 << 9, "dying"),
+    ];
+    flag_names(bits, &names)
+}
+
+fn ct_state_names(bits: u32) -> String {
+    let names = [
+        (CT_STATE_INVALID, "invalid"),
+        (CT_STATE_ESTABLISHED, "established"),
+        (CT_STATE_RELATED, "related"),
+        (CT_STATE_NEW, "new"),
+        (1 << 6, "untracked"),
+    ];
+    flag_names(bits, &names)
+}
+
+fn flag_names(bits: u32, names: &[(u32, &str)]) -> String {
+    let mut out: Vec<String> = names
+        .iter()
+        .filter(|(b, _)| bits & b != 0)
+        .map(|(_, n)| n.to_string())
+        .collect();
+    let known: u32 = names.iter().map(|(b, _)| b).fold(0, |a, b| a | b);
+    if bits & !known != 0 {
+        out.push(format!("0x{:x}", bits & !known));
+    }
+    out.join(",")
+}
+
+fn nat_flags_text(flags: u32) -> String {
+    let mut s = String::new();
+    if flags & NAT_F_PROTO_RANDOM_FULLY != 0 {
+        s.push_str(" fully-random");
+    }
+    if flags & NAT_F_PROTO_RANDOM != 0 {
+        s.push_str(" random");
+    }
+    if flags & NAT_F_PERSISTENT != 0 {
+        s.push_str(" persistent");
+    }
+    s
+}
+
+fn reject_text(family: Family, kind: RejectKind) -> String {
+    match (family, kind) {
+        (_, RejectKind::TcpReset) => "reject with tcp reset".into(),
+        (Family::Ip, RejectKind::IcmpUnreach(ICMP_PORT_UNREACH)) => "reject".into(),
+        (Family::Ip6, RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH)) => "reject".into(),
+        (Family::Ip6, RejectKind::IcmpUnreach(c)) => format!("reject with icmpv6 type {c}"),
+        (_, RejectKind::IcmpUnreach(c)) => format!("reject with icmp type {c}"),
+        (Family::Inet, RejectKind::IcmpxUnreach(1)) => "reject".into(),
+        (_, RejectKind::IcmpxUnreach(c)) => format!("reject with icmpx type {c}"),
+    }
+}
+
+/// nft's `--debug=netlink` style for expressions we cannot put into words.
+fn debug_expr(e: &Expr) -> String {
+    format!("[ {} {:?} ]", e.kernel_name(), e)
+}

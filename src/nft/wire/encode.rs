@@ -1,0 +1,526 @@
+//! Encoding of transactions into one nf_tables netlink batch. Pure: bytes in, bytes out.
+
+use super::consts::*;
+use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
+use crate::nft::ir::*;
+use crate::nft::tx::{Change, Op, Transaction};
+
+/// Elements per NEWSETELEM message are limited by the 64 KiB length of the nested element list attribute.
+const MAX_ELEMENT_BYTES: usize = 48 * 1024;
+
+/// An encoded batch and the map from sequence numbers back to the transaction's changes.
+#[derive(Debug)]
+pub struct EncodedBatch {
+    pub bytes: Vec<u8>,
+    /// (sequence number, index of the change in the transaction) for every object message.
+    pub seqs: Vec<(u32, usize)>,
+    /// The sequence number whose acknowledgement closes the batch.
+    pub ack_seq: u32,
+}
+
+impl EncodedBatch {
+    /// The change a kernel error's sequence number points at.
+    pub fn change_index(&self, seq: u32) -> Option<usize> {
+        self.seqs.iter().find(|(s, _)| *s == seq).map(|(_, i)| *i)
+    }
+}
+
+fn nfgen(family: u8, res_id: u16) -> [u8; 4] {
+    let r = res_id.to_be_bytes();
+    [family, 0, r[0], r[1]]
+}
+
+fn msg_type(t: u16) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | t
+}
+
+/// Encodes the transaction as BEGIN, one message per object (element lists split into chunks), END.
+/// Sequence numbers start at `first_seq`. Only the last object message asks for an ACK (see socket.rs).
+pub fn encode_batch(tx: &Transaction, first_seq: u32) -> EncodedBatch {
+    let mut seq = first_seq;
+    let mut bytes = Vec::new();
+    let mut begin = MsgBuilder::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq);
+    begin.raw(&nfgen(0, NFNL_SUBSYS_NFTABLES));
+    bytes.extend(begin.finish());
+    seq = seq.wrapping_add(1);
+
+    let mut msgs: Vec<(u16, u8, usize, Body)> = Vec::new();
+    for (i, change) in tx.changes.iter().enumerate() {
+        for (t, flags, body) in object_messages(change) {
+            msgs.push((t, flags, i, body));
+        }
+    }
+    let mut seqs = Vec::with_capacity(msgs.len());
+    let n = msgs.len();
+    for (k, (t, extra, i, body)) in msgs.into_iter().enumerate() {
+        let mut flags = NLM_F_REQUEST | ((extra as u16) << 8);
+        if k + 1 == n {
+            flags |= NLM_F_ACK;
+        }
+        let mut m = MsgBuilder::new(msg_type(t), flags, seq);
+        m.raw(&nfgen(tx.changes[i].family.nfproto(), 0));
+        body(&mut m);
+        bytes.extend(m.finish());
+        seqs.push((seq, i));
+        seq = seq.wrapping_add(1);
+    }
+    let ack_seq = seqs.last().map(|(s, _)| *s).unwrap_or(first_seq);
+    let mut end = MsgBuilder::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq);
+    end.raw(&nfgen(0, NFNL_SUBSYS_NFTABLES));
+    bytes.extend(end.finish());
+    EncodedBatch {
+        bytes,
+        seqs,
+        ack_seq,
+    }
+}
+
+/// The number of sequence numbers `encode_batch` will use for this transaction.
+pub fn seq_count(tx: &Transaction) -> u32 {
+    2 + tx
+        .changes
+        .iter()
+        .map(|c| object_messages(c).len() as u32)
+        .sum::<u32>()
+}
+
+type Body = Box<dyn Fn(&mut MsgBuilder)>;
+
+/// Message type, high flag byte (CREATE/APPEND >> 8) and attribute writer for each message of a change.
+fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
+    let table = c.table.clone();
+    let create = (NLM_F_CREATE >> 8) as u8;
+    let append = (NLM_F_APPEND >> 8) as u8;
+    match &c.op {
+        Op::AddTable => vec![(
+            NFT_MSG_NEWTABLE,
+            create,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_TABLE_NAME, &table);
+                m.attr_be32(NFTA_TABLE_FLAGS, 0);
+            }),
+        )],
+        Op::DeleteTable => vec![(
+            NFT_MSG_DELTABLE,
+            0,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_TABLE_NAME, &table);
+            }),
+        )],
+        Op::AddChain(chain) => {
+            let chain = chain.clone();
+            vec![(
+                NFT_MSG_NEWCHAIN,
+                create,
+                Box::new(move |m: &mut MsgBuilder| encode_chain(m, &table, &chain)),
+            )]
+        }
+        Op::FlushChain(name) => {
+            let name = name.clone();
+            vec![(
+                NFT_MSG_DELRULE,
+                0,
+                Box::new(move |m: &mut MsgBuilder| {
+                    m.attr_str(NFTA_RULE_TABLE, &table);
+                    m.attr_str(NFTA_RULE_CHAIN, &name);
+                }),
+            )]
+        }
+        Op::DeleteChain(name) => {
+            let name = name.clone();
+            vec![(
+                NFT_MSG_DELCHAIN,
+                0,
+                Box::new(move |m: &mut MsgBuilder| {
+                    m.attr_str(NFTA_CHAIN_TABLE, &table);
+                    m.attr_str(NFTA_CHAIN_NAME, &name);
+                }),
+            )]
+        }
+        Op::AddRule { chain, rule } => {
+            let (chain, rule) = (chain.clone(), rule.clone());
+            vec![(
+                NFT_MSG_NEWRULE,
+                create | append,
+                Box::new(move |m: &mut MsgBuilder| encode_rule(m, &table, &chain, &rule)),
+            )]
+        }
+        Op::AddSet(set) => {
+            let set = set.clone();
+            vec![(
+                NFT_MSG_NEWSET,
+                create,
+                Box::new(move |m: &mut MsgBuilder| encode_set(m, &table, &set)),
+            )]
+        }
+        Op::DeleteSet(name) => {
+            let name = name.clone();
+            vec![(
+                NFT_MSG_DELSET,
+                0,
+                Box::new(move |m: &mut MsgBuilder| {
+                    m.attr_str(NFTA_SET_TABLE, &table);
+                    m.attr_str(NFTA_SET_NAME, &name);
+                }),
+            )]
+        }
+        Op::AddElements { set, elements } => element_chunks(elements)
+            .into_iter()
+            .map(|chunk| {
+                let (table, set) = (table.clone(), set.clone());
+                (
+                    NFT_MSG_NEWSETELEM,
+                    create,
+                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, &table, &set, &chunk))
+                        as Body,
+                )
+            })
+            .collect(),
+        Op::DeleteElements { set, elements } => element_chunks(elements)
+            .into_iter()
+            .map(|chunk| {
+                let (table, set) = (table.clone(), set.clone());
+                (
+                    NFT_MSG_DELSETELEM,
+                    0,
+                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, &table, &set, &chunk))
+                        as Body,
+                )
+            })
+            .collect(),
+    }
+}
+
+fn element_chunks(elements: &[Element]) -> Vec<Vec<Element>> {
+    let mut chunks = Vec::new();
+    let mut cur = Vec::new();
+    let mut size = 0;
+    for e in elements {
+        let s = element_size(e);
+        if size + s > MAX_ELEMENT_BYTES && !cur.is_empty() {
+            chunks.push(std::mem::take(&mut cur));
+            size = 0;
+        }
+        size += s;
+        cur.push(e.clone());
+    }
+    if !cur.is_empty() {
+        chunks.push(cur);
+    }
+    chunks
+}
+
+fn element_size(e: &Element) -> usize {
+    let value = match &e.value {
+        None => 0,
+        Some(ElementValue::Data(d)) => 8 + d.len(),
+        Some(ElementValue::Verdict(v)) => 24 + v.chain().map_or(0, |c| c.len() + 1),
+    };
+    24 + e.key.len() + value + 8
+}
+
+fn encode_chain(m: &mut MsgBuilder, table: &str, chain: &Chain) {
+    m.attr_str(NFTA_CHAIN_TABLE, table);
+    m.attr_str(NFTA_CHAIN_NAME, &chain.name);
+    if let Some(b) = &chain.base {
+        m.nested(NFTA_CHAIN_HOOK, |m| {
+            m.attr_be32(NFTA_HOOK_HOOKNUM, b.hook.number());
+            m.attr_be32(NFTA_HOOK_PRIORITY, b.priority as u32);
+        });
+        m.attr_be32(NFTA_CHAIN_POLICY, 1); // NF_ACCEPT
+        m.attr_str(NFTA_CHAIN_TYPE, b.chain_type.as_str());
+    }
+}
+
+fn encode_set(m: &mut MsgBuilder, table: &str, set: &Set) {
+    m.attr_str(NFTA_SET_TABLE, table);
+    m.attr_str(NFTA_SET_NAME, &set.name);
+    m.attr_be32(NFTA_SET_FLAGS, set.flags());
+    m.attr_be32(NFTA_SET_KEY_TYPE, concat_type_id(&set.key));
+    m.attr_be32(NFTA_SET_KEY_LEN, key_len(&set.key) as u32);
+    if set.is_verdict_map() {
+        m.attr_be32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+    } else if set.is_map() {
+        m.attr_be32(NFTA_SET_DATA_TYPE, concat_type_id(&set.data));
+        m.attr_be32(NFTA_SET_DATA_LEN, key_len(&set.data) as u32);
+    }
+    if let Some(ms) = set.timeout_ms {
+        m.attr_be64(NFTA_SET_TIMEOUT, ms);
+    }
+    // The kernel requires an ID (it lets later messages of the batch name the set before it has a
+    // handle). We always refer to sets by name, so any stable number will do.
+    m.attr_be32(NFTA_SET_ID, set_id(&set.name));
+}
+
+fn set_id(name: &str) -> u32 {
+    name.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    })
+}
+
+fn encode_elements(m: &mut MsgBuilder, table: &str, set: &str, elements: &[Element]) {
+    m.attr_str(NFTA_SET_ELEM_LIST_TABLE, table);
+    m.attr_str(NFTA_SET_ELEM_LIST_SET, set);
+    m.nested(NFTA_SET_ELEM_LIST_ELEMENTS, |m| {
+        for e in elements {
+            m.nested(NFTA_LIST_ELEM, |m| {
+                m.nested(NFTA_SET_ELEM_KEY, |m| {
+                    m.attr(NFTA_DATA_VALUE, &e.key);
+                });
+                match &e.value {
+                    None => {}
+                    Some(ElementValue::Data(d)) => {
+                        m.nested(NFTA_SET_ELEM_DATA, |m| {
+                            m.attr(NFTA_DATA_VALUE, d);
+                        });
+                    }
+                    Some(ElementValue::Verdict(v)) => {
+                        m.nested(NFTA_SET_ELEM_DATA, |m| encode_verdict(m, v));
+                    }
+                }
+            });
+        }
+    });
+}
+
+fn encode_verdict(m: &mut MsgBuilder, v: &Verdict) {
+    m.nested(NFTA_DATA_VERDICT, |m| {
+        m.attr_be32(NFTA_VERDICT_CODE, v.code() as u32);
+        if let Some(c) = v.chain() {
+            m.attr_str(NFTA_VERDICT_CHAIN, c);
+        }
+    });
+}
+
+fn encode_rule(m: &mut MsgBuilder, table: &str, chain: &str, rule: &Rule) {
+    m.attr_str(NFTA_RULE_TABLE, table);
+    m.attr_str(NFTA_RULE_CHAIN, chain);
+    m.nested(NFTA_RULE_EXPRESSIONS, |m| {
+        for e in &rule.exprs {
+            m.nested(NFTA_LIST_ELEM, |m| {
+                m.attr_str(NFTA_EXPR_NAME, e.kernel_name());
+                m.nested(NFTA_EXPR_DATA, |m| encode_expr(m, e));
+            });
+        }
+    });
+    if let Some(c) = &rule.comment {
+        m.attr(NFTA_RULE_USERDATA, &comment_udata(c));
+    }
+}
+
+/// nftnl's userdata TLV holding a comment (NUL-terminated, at most 128 bytes with the NUL).
+pub fn comment_udata(c: &str) -> Vec<u8> {
+    let mut text: Vec<u8> = c.as_bytes().iter().copied().take(127).collect();
+    text.push(0);
+    let mut out = vec![NFTNL_UDATA_RULE_COMMENT, text.len() as u8];
+    out.extend(text);
+    out
+}
+
+fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
+    match e {
+        Expr::Payload {
+            base,
+            offset,
+            len,
+            dreg,
+        } => {
+            m.attr_be32(NFTA_PAYLOAD_DREG, *dreg);
+            m.attr_be32(
+                NFTA_PAYLOAD_BASE,
+                match base {
+                    PayloadBase::LinkLayer => 0,
+                    PayloadBase::Network => 1,
+                    PayloadBase::Transport => 2,
+                },
+            );
+            m.attr_be32(NFTA_PAYLOAD_OFFSET, *offset);
+            m.attr_be32(NFTA_PAYLOAD_LEN, *len);
+        }
+        Expr::Meta { key, dreg } => {
+            m.attr_be32(NFTA_META_KEY, key.number());
+            m.attr_be32(NFTA_META_DREG, *dreg);
+        }
+        Expr::MetaSet { key, sreg } => {
+            m.attr_be32(NFTA_META_KEY, key.number());
+            m.attr_be32(NFTA_META_SREG, *sreg);
+        }
+        Expr::Cmp { sreg, op, data } => {
+            m.attr_be32(NFTA_CMP_SREG, *sreg);
+            m.attr_be32(NFTA_CMP_OP, op.number());
+            m.nested(NFTA_CMP_DATA, |m| {
+                m.attr(NFTA_DATA_VALUE, data);
+            });
+        }
+        Expr::Bitwise {
+            sreg,
+            dreg,
+            len,
+            mask,
+            xor,
+        } => {
+            m.attr_be32(NFTA_BITWISE_SREG, *sreg);
+            m.attr_be32(NFTA_BITWISE_DREG, *dreg);
+            m.attr_be32(NFTA_BITWISE_LEN, *len);
+            m.nested(NFTA_BITWISE_MASK, |m| {
+                m.attr(NFTA_DATA_VALUE, mask);
+            });
+            m.nested(NFTA_BITWISE_XOR, |m| {
+                m.attr(NFTA_DATA_VALUE, xor);
+            });
+        }
+        Expr::Immediate { dreg, data } => {
+            m.attr_be32(NFTA_IMMEDIATE_DREG, *dreg);
+            m.nested(NFTA_IMMEDIATE_DATA, |m| {
+                m.attr(NFTA_DATA_VALUE, data);
+            });
+        }
+        Expr::Verdict(v) => {
+            m.attr_be32(NFTA_IMMEDIATE_DREG, REG_VERDICT);
+            m.nested(NFTA_IMMEDIATE_DATA, |m| encode_verdict(m, v));
+        }
+        Expr::Lookup {
+            set,
+            sreg,
+            dreg,
+            invert,
+        } => {
+            m.attr_str(NFTA_LOOKUP_SET, set);
+            m.attr_be32(NFTA_LOOKUP_SREG, *sreg);
+            if let Some(d) = dreg {
+                m.attr_be32(NFTA_LOOKUP_DREG, *d);
+            }
+            if *invert {
+                m.attr_be32(NFTA_LOOKUP_FLAGS, NFT_LOOKUP_F_INV);
+            }
+        }
+        Expr::Numgen {
+            dreg,
+            modulus,
+            random,
+            offset,
+        } => {
+            m.attr_be32(NFTA_NG_DREG, *dreg);
+            m.attr_be32(NFTA_NG_MODULUS, *modulus);
+            m.attr_be32(
+                NFTA_NG_TYPE,
+                if *random {
+                    NFT_NG_RANDOM
+                } else {
+                    NFT_NG_INCREMENTAL
+                },
+            );
+            if *offset != 0 {
+                m.attr_be32(NFTA_NG_OFFSET, *offset);
+            }
+        }
+        Expr::Dynset {
+            set,
+            op,
+            sreg_key,
+            sreg_data,
+            timeout_ms,
+        } => {
+            m.attr_str(NFTA_DYNSET_SET_NAME, set);
+            m.attr_be32(
+                NFTA_DYNSET_OP,
+                match op {
+                    DynsetOp::Add => 0,
+                    DynsetOp::Update => 1,
+                },
+            );
+            m.attr_be32(NFTA_DYNSET_SREG_KEY, *sreg_key);
+            if let Some(d) = sreg_data {
+                m.attr_be32(NFTA_DYNSET_SREG_DATA, *d);
+            }
+            if let Some(t) = timeout_ms {
+                m.attr_be64(NFTA_DYNSET_TIMEOUT, *t);
+            }
+        }
+        Expr::Nat {
+            kind,
+            family,
+            reg_addr,
+            reg_proto,
+            flags,
+        } => {
+            m.attr_be32(
+                NFTA_NAT_TYPE,
+                match kind {
+                    NatKind::Snat => 0,
+                    NatKind::Dnat => 1,
+                },
+            );
+            m.attr_be32(NFTA_NAT_FAMILY, family.nfproto() as u32);
+            if let Some(r) = reg_addr {
+                m.attr_be32(NFTA_NAT_REG_ADDR_MIN, *r);
+            }
+            if let Some(r) = reg_proto {
+                m.attr_be32(NFTA_NAT_REG_PROTO_MIN, *r);
+            }
+            if *flags != 0 {
+                m.attr_be32(NFTA_NAT_FLAGS, *flags);
+            }
+        }
+        Expr::Masq { flags } => {
+            if *flags != 0 {
+                m.attr_be32(NFTA_MASQ_FLAGS, *flags);
+            }
+        }
+        Expr::Reject(kind) => {
+            let (t, code) = match kind {
+                RejectKind::IcmpUnreach(c) => (0, *c),
+                RejectKind::TcpReset => (1, 0),
+                RejectKind::IcmpxUnreach(c) => (2, *c),
+            };
+            m.attr_be32(NFTA_REJECT_TYPE, t);
+            m.attr_u8(NFTA_REJECT_ICMP_CODE, code);
+        }
+        Expr::Ct { key, dreg } => {
+            m.attr_be32(NFTA_CT_DREG, *dreg);
+            m.attr_be32(NFTA_CT_KEY, key.number());
+        }
+        Expr::Fib {
+            flags,
+            result,
+            dreg,
+        } => {
+            m.attr_be32(NFTA_FIB_DREG, *dreg);
+            m.attr_be32(NFTA_FIB_RESULT, *result);
+            m.attr_be32(NFTA_FIB_FLAGS, *flags);
+        }
+        Expr::Counter => {
+            m.attr_be64(NFTA_COUNTER_BYTES, 0);
+            m.attr_be64(NFTA_COUNTER_PACKETS, 0);
+        }
+    }
+}
+
+/// A dump request for one object kind of one family, optionally naming the table (and set, for elements).
+pub fn dump_request(
+    msg: u16,
+    family: Family,
+    table: Option<&str>,
+    set: Option<&str>,
+    seq: u32,
+) -> Vec<u8> {
+    let flags = NLM_F_REQUEST | crate::netlink::NLM_F_DUMP;
+    let mut m = MsgBuilder::new(msg_type(msg), flags, seq);
+    m.raw(&nfgen(family.nfproto(), 0));
+    if let Some(t) = table {
+        // NFTA_TABLE_NAME, NFTA_CHAIN_TABLE, NFTA_RULE_TABLE, NFTA_SET_TABLE and
+        // NFTA_SET_ELEM_LIST_TABLE are all attribute 1.
+        m.attr_str(1, t);
+    }
+    if let Some(s) = set {
+        m.attr_str(NFTA_SET_ELEM_LIST_SET, s);
+    }
+    m.finish()
+}
+
+/// A NFT_MSG_GETGEN request: the ruleset generation changes with every commit by anyone.
+pub fn getgen_request(seq: u32) -> Vec<u8> {
+    let mut m = MsgBuilder::new(msg_type(NFT_MSG_GETGEN), NLM_F_REQUEST | NLM_F_ACK, seq);
+    m.raw(&nfgen(0, 0));
+    m.finish()
+}

@@ -1,0 +1,1044 @@
+//! Services and EndpointSlices from manifest files: a directory of `*.yaml` / `*.yml` / `*.json` files
+//! (non-recursive, sorted by name, dotfiles ignored) or a single file.
+//!
+//! Policy: bad input loses nothing.
+//! - A malformed document is reported ([`SourceError`], also logged with `tracing::warn`) and skipped;
+//!   every other document of the file, and every other file, still loads.
+//! - If a document fails for an identifiable object (kind Service / EndpointSlice with a name), the last
+//!   good version of that object stays: no Deleted event for it.
+//! - If a file has a document that cannot be identified (YAML syntax error, no kind, no name) or the
+//!   file cannot be read, every object it produced before is kept: we cannot tell a removed object from
+//!   a broken one. Deletions from that file take effect once it loads cleanly again.
+//! - If the path itself cannot be read (a missing directory or file), nothing is deleted.
+//! - A file that disappears from a directory is a deletion of its objects.
+//! - The same object defined twice: the first definition (in file order) wins, the other is an error.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde_json::Value;
+
+use super::convert::{self, ServiceConversion, SliceConversion};
+use super::Event;
+use crate::model::{NamespacedName, ServicePort, SliceInfo};
+
+/// A problem with one file or one document of a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceError {
+    pub path: PathBuf,
+    /// 0-based index of the document in the file (among non-empty documents); None for the whole file.
+    pub document: Option<usize>,
+    /// "namespace/name" of the object, when known.
+    pub object: Option<String>,
+    pub reason: String,
+}
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.path.display())?;
+        if let Some(d) = self.document {
+            write!(f, " document {d}")?;
+        }
+        if let Some(o) = &self.object {
+            write!(f, " ({o})")?;
+        }
+        write!(f, ": {}", self.reason)
+    }
+}
+
+impl std::error::Error for SourceError {}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum ObjectKey {
+    Service(NamespacedName),
+    Slice(NamespacedName),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Object {
+    Service(Vec<ServicePort>),
+    Slice(SliceInfo),
+}
+
+/// Where an object was loaded from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Origin {
+    path: PathBuf,
+    document: usize,
+}
+
+/// Identity of a file's content as far as the filesystem tells: re-read when it changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    modified: Option<SystemTime>,
+    ctime: (i64, i64),
+    size: u64,
+    inode: u64,
+}
+
+type Fingerprint = Result<BTreeMap<PathBuf, FileStamp>, String>;
+
+/// The result of reading every file once.
+#[derive(Default)]
+struct Snapshot {
+    objects: BTreeMap<ObjectKey, (Object, Origin)>,
+    errors: Vec<SourceError>,
+    /// Objects whose document failed: keep their last good version.
+    keep: BTreeSet<ObjectKey>,
+    /// Files with a failure we cannot attribute to an object: keep everything they produced.
+    tainted: BTreeSet<PathBuf>,
+    /// The path itself could not be read: keep everything.
+    unreadable: bool,
+}
+
+/// Reads Services and EndpointSlices from files and reports them as [`Event`]s.
+#[derive(Debug)]
+pub struct ManifestSource {
+    path: PathBuf,
+    fingerprint: Option<Fingerprint>,
+    /// What we last emitted, and where it came from.
+    emitted: BTreeMap<ObjectKey, (Object, Origin)>,
+}
+
+impl ManifestSource {
+    /// `path` is a directory (its `*.yaml`, `*.yml` and `*.json` files) or a single file.
+    pub fn new(path: PathBuf) -> Self {
+        ManifestSource {
+            path,
+            fingerprint: None,
+            emitted: BTreeMap::new(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A complete snapshot (Applied for every object) followed by `Event::Synced`. Forgets anything
+    /// emitted before.
+    pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
+        self.emitted.clear();
+        self.fingerprint = Some(self.fingerprint());
+        let snap = self.read();
+        let mut events = Vec::with_capacity(snap.objects.len() + 1);
+        for (key, (object, origin)) in snap.objects {
+            events.push(applied(&key, &object));
+            self.emitted.insert(key, (object, origin));
+        }
+        events.push(Event::Synced);
+        (events, snap.errors)
+    }
+
+    /// If any file changed (mtime, ctime, size, inode, or the set of files), re-reads and returns the
+    /// difference against what was last emitted. Nothing (and no errors) if nothing changed.
+    pub fn poll(&mut self) -> (Vec<Event>, Vec<SourceError>) {
+        let fingerprint = self.fingerprint();
+        if self.fingerprint.as_ref() == Some(&fingerprint) {
+            return (Vec::new(), Vec::new());
+        }
+        self.fingerprint = Some(fingerprint);
+        let snap = self.read();
+        let mut events = BTreeMap::new();
+        // Deleted: emitted before, absent now, and not protected by a failure that may hide it.
+        let gone: Vec<ObjectKey> = self
+            .emitted
+            .iter()
+            .filter(|(key, (_, origin))| {
+                !snap.objects.contains_key(*key)
+                    && !snap.keep.contains(*key)
+                    && !snap.tainted.contains(&origin.path)
+                    && !snap.unreadable
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in gone {
+            self.emitted.remove(&key);
+            let ev = match &key {
+                ObjectKey::Service(n) => Event::ServiceDeleted(n.clone()),
+                ObjectKey::Slice(n) => Event::SliceDeleted {
+                    namespace: n.namespace.clone(),
+                    name: n.name.clone(),
+                },
+            };
+            events.insert(key, ev);
+        }
+        // Applied: new or different.
+        for (key, (object, origin)) in snap.objects {
+            if self.emitted.get(&key).map(|(o, _)| o) != Some(&object) {
+                events.insert(key.clone(), applied(&key, &object));
+            }
+            self.emitted.insert(key, (object, origin));
+        }
+        (events.into_values().collect(), snap.errors)
+    }
+
+    fn files(&self) -> Result<Vec<PathBuf>, String> {
+        let meta = std::fs::metadata(&self.path).map_err(|e| format!("cannot read: {e}"))?;
+        if !meta.is_dir() {
+            return Ok(vec![self.path.clone()]);
+        }
+        let dir =
+            std::fs::read_dir(&self.path).map_err(|e| format!("cannot list directory: {e}"))?;
+        let mut files = Vec::new();
+        for entry in dir {
+            let entry = entry.map_err(|e| format!("cannot list directory: {e}"))?;
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') {
+                continue;
+            }
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if !matches!(ext, "yaml" | "yml" | "json") {
+                continue;
+            }
+            // Follows symlinks (ConfigMap mounts are symlinks); dangling ones are skipped.
+            if std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+                files.push(path);
+            }
+        }
+        files.sort();
+        Ok(files)
+    }
+
+    fn fingerprint(&self) -> Fingerprint {
+        use std::os::unix::fs::MetadataExt;
+        let mut out = BTreeMap::new();
+        for path in self.files()? {
+            // A file we cannot stat gets an empty stamp; reading it reports the error.
+            let stamp = match std::fs::metadata(&path) {
+                Ok(m) => FileStamp {
+                    modified: m.modified().ok(),
+                    ctime: (m.ctime(), m.ctime_nsec()),
+                    size: m.size(),
+                    inode: m.ino(),
+                },
+                Err(_) => FileStamp {
+                    modified: None,
+                    ctime: (0, 0),
+                    size: 0,
+                    inode: 0,
+                },
+            };
+            out.insert(path, stamp);
+        }
+        Ok(out)
+    }
+
+    fn read(&self) -> Snapshot {
+        let mut snap = Snapshot::default();
+        match self.files() {
+            Ok(files) => {
+                for path in files {
+                    read_file(&path, &mut snap);
+                }
+            }
+            Err(reason) => {
+                snap.unreadable = true;
+                report(
+                    &mut snap,
+                    SourceError {
+                        path: self.path.clone(),
+                        document: None,
+                        object: None,
+                        reason,
+                    },
+                );
+            }
+        }
+        snap
+    }
+}
+
+fn applied(key: &ObjectKey, object: &Object) -> Event {
+    match (key, object) {
+        (ObjectKey::Service(n), Object::Service(ports)) => Event::ServiceApplied {
+            key: n.clone(),
+            ports: ports.clone(),
+        },
+        (_, Object::Slice(s)) => Event::SliceApplied(s.clone()),
+        (ObjectKey::Slice(_), Object::Service(_)) => {
+            unreachable!("slice key with a service object")
+        }
+    }
+}
+
+fn report(snap: &mut Snapshot, err: SourceError) {
+    tracing::warn!("{err}");
+    snap.errors.push(err);
+}
+
+fn read_file(path: &Path, snap: &mut Snapshot) {
+    let text = match std::fs::read(path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| String::from_utf8(b).map_err(|_| "not UTF-8".to_string()))
+    {
+        Ok(t) => t,
+        Err(e) => {
+            snap.tainted.insert(path.to_path_buf());
+            report(
+                snap,
+                SourceError {
+                    path: path.to_path_buf(),
+                    document: None,
+                    object: None,
+                    reason: format!("cannot read: {e}"),
+                },
+            );
+            return;
+        }
+    };
+    let is_json = path.extension().is_some_and(|e| e == "json");
+    let documents = if is_json {
+        vec![text]
+    } else {
+        split_documents(&text)
+    };
+    for (index, doc) in documents.iter().enumerate() {
+        let parsed: Result<Value, String> = if is_json {
+            serde_json::from_str(doc).map_err(|e| format!("invalid JSON: {e}"))
+        } else {
+            serde_yaml::from_str(doc).map_err(|e| format!("invalid YAML: {e}"))
+        };
+        let mut ctx = DocContext {
+            path,
+            document: index,
+            snap,
+        };
+        match parsed {
+            Ok(value) => ctx.value(value, None, None),
+            Err(reason) => ctx.unidentified(None, reason),
+        }
+    }
+}
+
+/// Splits a YAML stream into its non-empty documents at `---` / `...` marker lines (which YAML forbids
+/// inside content, so this is exact) so that a syntax error in one document does not hide the others.
+fn split_documents(text: &str) -> Vec<String> {
+    fn is_marker(line: &str, marker: &str) -> bool {
+        line.strip_prefix(marker)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t']))
+    }
+    fn is_blank(doc: &str) -> bool {
+        doc.lines().all(|l| {
+            let t = l.trim();
+            t.is_empty() || t.starts_with('#')
+        })
+    }
+    let mut docs = Vec::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        if is_marker(line, "---") {
+            let prev = std::mem::take(&mut current);
+            if !is_blank(&prev) {
+                docs.push(prev);
+            }
+            current.push_str(&line[3..]);
+            current.push('\n');
+        } else if is_marker(line, "...") {
+            let prev = std::mem::take(&mut current);
+            if !is_blank(&prev) {
+                docs.push(prev);
+            }
+        } else if line.starts_with('%') && is_blank(&current) {
+            // A directive (%YAML, %TAG) before a document: nothing for us.
+        } else {
+            current.push_str(line);
+            current.push('\n');
+        }
+    }
+    if !is_blank(&current) {
+        docs.push(current);
+    }
+    docs
+}
+
+struct DocContext<'a> {
+    path: &'a Path,
+    document: usize,
+    snap: &'a mut Snapshot,
+}
+
+impl DocContext<'_> {
+    fn error(&mut self, object: Option<String>, reason: String) {
+        let err = SourceError {
+            path: self.path.to_path_buf(),
+            document: Some(self.document),
+            object,
+            reason,
+        };
+        report(self.snap, err);
+    }
+
+    /// A failure we cannot attribute to an object: keep everything the file produced before.
+    fn unidentified(&mut self, item: Option<usize>, reason: String) {
+        self.snap.tainted.insert(self.path.to_path_buf());
+        self.error(None, with_item(item, reason));
+    }
+
+    /// One document, or one item of a List. `default_kind` comes from a typed list (`ServiceList`).
+    fn value(&mut self, mut value: Value, item: Option<usize>, default_kind: Option<(&str, &str)>) {
+        if value.is_null() {
+            return;
+        }
+        let Some(obj) = value.as_object_mut() else {
+            return self.unidentified(item, "not an object".into());
+        };
+        if let Some((kind, api_version)) = default_kind {
+            obj.entry("kind")
+                .or_insert_with(|| Value::String(kind.into()));
+            obj.entry("apiVersion")
+                .or_insert_with(|| Value::String(api_version.into()));
+        }
+        let Some(kind) = obj.get("kind").and_then(Value::as_str).map(str::to_owned) else {
+            return self.unidentified(item, "missing kind".into());
+        };
+        let api_version = obj
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        match kind.as_str() {
+            "Service" | "EndpointSlice" => self.object(&kind, &api_version, value, item),
+            "List" | "ServiceList" | "EndpointSliceList" if item.is_none() => {
+                let element_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
+                let Some(items) = obj.get_mut("items").map(Value::take) else {
+                    return self.unidentified(item, format!("{kind} without items"));
+                };
+                let Value::Array(items) = items else {
+                    return self.unidentified(item, format!("{kind} items is not a list"));
+                };
+                for (i, it) in items.into_iter().enumerate() {
+                    self.value(it, Some(i), element_kind.map(|k| (k, api_version.as_str())));
+                }
+            }
+            other => {
+                tracing::debug!(
+                    path = %self.path.display(),
+                    document = self.document,
+                    kind = other,
+                    "ignoring document of another kind"
+                );
+            }
+        }
+    }
+
+    fn object(&mut self, kind: &str, api_version: &str, value: Value, item: Option<usize>) {
+        let meta = value.get("metadata");
+        let name = meta
+            .and_then(|m| m.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let Some(name) = name else {
+            return self.unidentified(item, format!("{kind} without metadata.name"));
+        };
+        let namespace = meta
+            .and_then(|m| m.get("namespace"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default");
+        let nn = NamespacedName::new(namespace, name);
+        let object_name = nn.to_string();
+        let key = if kind == "Service" {
+            ObjectKey::Service(nn)
+        } else {
+            ObjectKey::Slice(nn)
+        };
+        match convert_object(kind, api_version, value) {
+            Ok(Some(object)) => {
+                if let Some((_, first)) = self.snap.objects.get(&key) {
+                    let reason = format!(
+                        "duplicate {kind}, already defined in {} document {}; ignoring this one",
+                        first.path.display(),
+                        first.document
+                    );
+                    self.snap.keep.insert(key);
+                    return self.error(Some(object_name), with_item(item, reason));
+                }
+                let origin = Origin {
+                    path: self.path.to_path_buf(),
+                    document: self.document,
+                };
+                self.snap.objects.insert(key, (object, origin));
+            }
+            Ok(None) => {}
+            Err(reason) => {
+                self.snap.keep.insert(key);
+                self.error(Some(object_name), with_item(item, reason));
+            }
+        }
+    }
+}
+
+fn with_item(item: Option<usize>, reason: String) -> String {
+    match item {
+        Some(i) => format!("items[{i}]: {reason}"),
+        None => reason,
+    }
+}
+
+/// Ok(None) for an object that converts to nothing (an FQDN slice).
+fn convert_object(kind: &str, api_version: &str, value: Value) -> Result<Option<Object>, String> {
+    if kind == "Service" {
+        if api_version != "v1" {
+            return Err(format!(
+                "unsupported apiVersion {api_version:?} for Service (want v1)"
+            ));
+        }
+        let svc: Service =
+            serde_json::from_value(value).map_err(|e| format!("invalid Service: {e}"))?;
+        match convert::service_ports(&svc).map_err(|e| e.reason)? {
+            ServiceConversion::Ports(ports) => Ok(Some(Object::Service(ports))),
+            ServiceConversion::Skipped(reason) => {
+                tracing::debug!(service = ?svc.metadata.name, reason, "service not proxied");
+                Ok(Some(Object::Service(Vec::new())))
+            }
+        }
+    } else {
+        if api_version != "discovery.k8s.io/v1" {
+            return Err(format!(
+                "unsupported apiVersion {api_version:?} for EndpointSlice (want discovery.k8s.io/v1)"
+            ));
+        }
+        let slice: EndpointSlice =
+            serde_json::from_value(value).map_err(|e| format!("invalid EndpointSlice: {e}"))?;
+        match convert::endpoint_slice(&slice).map_err(|e| e.reason)? {
+            SliceConversion::Slice(info) => Ok(Some(Object::Slice(info))),
+            SliceConversion::Skipped(reason) => {
+                tracing::debug!(slice = ?slice.metadata.name, reason, "EndpointSlice ignored");
+                Ok(None)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ClusterState, Protocol};
+    use crate::source::apply_event;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A temporary directory removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let nanos = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let dir = std::env::temp_dir().join(format!(
+                "nftkube-manifests-{tag}-{}-{}-{nanos}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+
+        /// Writes through a temporary file and a rename, as editors and ConfigMap updates do (a new
+        /// inode, so the change is seen even within one mtime tick).
+        fn write(&self, name: &str, content: &str) -> PathBuf {
+            let tmp = self.0.join(format!(".tmp-{name}"));
+            std::fs::write(&tmp, content).unwrap();
+            let path = self.0.join(name);
+            std::fs::rename(&tmp, &path).unwrap();
+            path
+        }
+
+        fn remove(&self, name: &str) {
+            std::fs::remove_file(self.0.join(name)).unwrap();
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn service(name: &str, ip: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: demo\n\
+             spec:\n  clusterIP: {ip}\n  ports:\n  - name: tcp\n    port: 80\n    targetPort: 8080\n"
+        )
+    }
+
+    fn slice(name: &str, svc: &str, ips: &[&str]) -> String {
+        let mut s = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: demo\n  \
+             labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n- name: tcp\n  port: 8080\n  \
+             protocol: TCP\nendpoints:\n"
+        );
+        for ip in ips {
+            s.push_str(&format!(
+                "- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n"
+            ));
+        }
+        s
+    }
+
+    /// A short rendering of events for assertions.
+    fn names(events: &[Event]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                Event::ServiceApplied { key, ports } => {
+                    format!("svc+ {key} ({} ports)", ports.len())
+                }
+                Event::ServiceDeleted(key) => format!("svc- {key}"),
+                Event::SliceApplied(s) => format!(
+                    "slice+ {}/{} ({} eps)",
+                    s.namespace,
+                    s.name,
+                    s.endpoints.len()
+                ),
+                Event::SliceDeleted { namespace, name } => format!("slice- {namespace}/{name}"),
+                Event::Synced => "synced".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn multi_document_file() {
+        let dir = TempDir::new("multi");
+        let content = format!(
+            "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: demo\n---\n{}---\n# only a comment\n---\n{}\n---\n{}...\n",
+            service("a", "10.96.0.1"),
+            service("b", "10.96.0.2"),
+            slice("a-1", "a", &["10.244.1.2", "10.244.2.2"]),
+        );
+        dir.write("all.yaml", &content);
+        dir.write("ignored.txt", "not: loaded");
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, errors) = src.initial();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            names(&events),
+            [
+                "svc+ demo/a (1 ports)",
+                "svc+ demo/b (1 ports)",
+                "slice+ demo/a-1 (2 eps)",
+                "synced"
+            ]
+        );
+        // Nothing changed: nothing to report.
+        let (events, errors) = src.poll();
+        assert!(events.is_empty() && errors.is_empty());
+    }
+
+    #[test]
+    fn malformed_document_next_to_valid_ones() {
+        let dir = TempDir::new("malformed");
+        let content = format!(
+            "{}---\nkind: Service\nmetadata: [unclosed\n---\n{}---\n{}---\n{}---\nkind: Service\nmetadata: {{namespace: x}}\n",
+            service("good", "10.96.0.1"),
+            service("broken", "10.0.0.300").replace("namespace: demo", "namespace: default"),
+            slice("good-1", "good", &["10.244.1.2"]),
+            slice("bad-1", "good", &["10.244.1.256"]),
+        );
+        let path = dir.write("bad.yaml", &content);
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, errors) = src.initial();
+        assert_eq!(
+            names(&events),
+            [
+                "svc+ demo/good (1 ports)",
+                "slice+ demo/good-1 (1 eps)",
+                "synced"
+            ]
+        );
+        assert_eq!(errors.len(), 4, "{errors:?}");
+        assert_eq!(errors[0].document, Some(1));
+        assert_eq!(errors[0].object, None);
+        assert!(
+            errors[0].reason.starts_with("invalid YAML"),
+            "{}",
+            errors[0]
+        );
+        assert_eq!(
+            errors[1].to_string(),
+            format!(
+                "{} document 2 (default/broken): invalid clusterIP \"10.0.0.300\"",
+                path.display()
+            )
+        );
+        assert_eq!(errors[2].object.as_deref(), Some("demo/bad-1"));
+        assert!(
+            errors[2]
+                .reason
+                .contains("invalid endpoint address \"10.244.1.256\""),
+            "{}",
+            errors[2]
+        );
+        assert_eq!(errors[3].document, Some(5));
+        assert!(
+            errors[3].reason.contains("without metadata.name"),
+            "{}",
+            errors[3]
+        );
+    }
+
+    #[test]
+    fn reread_emits_only_the_difference() {
+        let dir = TempDir::new("diff");
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}",
+                service("a", "10.96.0.1"),
+                service("b", "10.96.0.2")
+            ),
+        );
+        dir.write("eps.yaml", &slice("a-1", "a", &["10.244.1.2"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, _) = src.initial();
+        assert_eq!(events.len(), 4);
+        // Change b, add c, leave a alone; add an endpoint.
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}---\n{}",
+                service("a", "10.96.0.1"),
+                service("b", "10.96.0.22"),
+                service("c", "10.96.0.3")
+            ),
+        );
+        dir.write(
+            "eps.yaml",
+            &slice("a-1", "a", &["10.244.1.2", "10.244.2.2"]),
+        );
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            names(&events),
+            [
+                "svc+ demo/b (1 ports)",
+                "svc+ demo/c (1 ports)",
+                "slice+ demo/a-1 (2 eps)"
+            ]
+        );
+        // Rewriting identical content re-reads but reports nothing.
+        dir.write(
+            "eps.yaml",
+            &slice("a-1", "a", &["10.244.1.2", "10.244.2.2"]),
+        );
+        let (events, errors) = src.poll();
+        assert!(events.is_empty() && errors.is_empty());
+        // Moving an object to another file is not a change.
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}",
+                service("a", "10.96.0.1"),
+                service("b", "10.96.0.22")
+            ),
+        );
+        dir.write("svc2.yml", &service("c", "10.96.0.3"));
+        let (events, _) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
+        // Removing a document deletes its object.
+        dir.write("svc.yaml", &service("a", "10.96.0.1"));
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc- demo/b"]);
+    }
+
+    #[test]
+    fn deleting_a_file_deletes_its_objects() {
+        let dir = TempDir::new("delete");
+        dir.write("svc.yaml", &service("a", "10.96.0.1"));
+        dir.write("eps.yaml", &slice("a-1", "a", &["10.244.1.2"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        dir.remove("eps.yaml");
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty());
+        assert_eq!(names(&events), ["slice- demo/a-1"]);
+        dir.remove("svc.yaml");
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc- demo/a"]);
+    }
+
+    #[test]
+    fn invalid_object_keeps_its_last_good_version() {
+        let dir = TempDir::new("keep-object");
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}",
+                service("a", "10.96.0.1"),
+                service("b", "10.96.0.2")
+            ),
+        );
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        // a becomes invalid, b is removed: b is deleted, a stays as it was.
+        dir.write("svc.yaml", &service("a", "10.96.0.999"));
+        let (events, errors) = src.poll();
+        assert_eq!(names(&events), ["svc- demo/b"]);
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].object.as_deref(), Some("demo/a"));
+        // Fixed: a changes.
+        dir.write("svc.yaml", &service("a", "10.96.0.11"));
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty());
+        assert_eq!(names(&events), ["svc+ demo/a (1 ports)"]);
+        // Broken again, then the whole file is removed: now it is a deletion.
+        dir.write("svc.yaml", &service("a", "bogus"));
+        let (events, _) = src.poll();
+        assert!(events.is_empty());
+        dir.remove("svc.yaml");
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc- demo/a"]);
+    }
+
+    #[test]
+    fn unparsable_file_keeps_everything_it_produced() {
+        let dir = TempDir::new("keep-file");
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}",
+                service("a", "10.96.0.1"),
+                service("b", "10.96.0.2")
+            ),
+        );
+        dir.write("other.yaml", &service("c", "10.96.0.3"));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        dir.write("svc.yaml", "kind: Service\nmetadata: {name: a\n");
+        dir.write("other.yaml", &service("c", "10.96.0.33"));
+        let (events, errors) = src.poll();
+        assert_eq!(
+            names(&events),
+            ["svc+ demo/c (1 ports)"],
+            "other files still load"
+        );
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].document, Some(0));
+        // One broken document among good ones also protects objects that vanished from the file.
+        dir.write(
+            "svc.yaml",
+            &format!("{}---\nfoo: [\n", service("a", "10.96.0.1")),
+        );
+        let (events, errors) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
+        assert_eq!(errors.len(), 1);
+        // Clean again: b is really gone.
+        dir.write("svc.yaml", &service("a", "10.96.0.1"));
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty());
+        assert_eq!(names(&events), ["svc- demo/b"]);
+    }
+
+    #[test]
+    fn missing_path_deletes_nothing() {
+        let dir = TempDir::new("missing");
+        let file = dir.write("svc.yaml", &service("a", "10.96.0.1"));
+        let mut src = ManifestSource::new(file.clone());
+        let (events, errors) = src.initial();
+        assert_eq!(events.len(), 2);
+        assert!(errors.is_empty());
+        dir.remove("svc.yaml");
+        let (events, errors) = src.poll();
+        assert!(events.is_empty());
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].document, None);
+        // The same error is not reported again while nothing changes.
+        let (events, errors) = src.poll();
+        assert!(events.is_empty() && errors.is_empty());
+        dir.write("svc.yaml", &service("a", "10.96.0.2"));
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc+ demo/a (1 ports)"]);
+    }
+
+    #[test]
+    fn headless_and_external_name_are_skipped() {
+        let dir = TempDir::new("headless");
+        dir.write(
+            "svc.yaml",
+            &format!(
+                "{}---\n{}---\napiVersion: v1\nkind: Service\nmetadata: {{name: ext, namespace: demo}}\n\
+                 spec: {{type: ExternalName, externalName: example.com}}\n",
+                service("a", "10.96.0.1"),
+                service("headless", "None"),
+            ),
+        );
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, errors) = src.initial();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            names(&events),
+            [
+                "svc+ demo/a (1 ports)",
+                "svc+ demo/ext (0 ports)",
+                "svc+ demo/headless (0 ports)",
+                "synced"
+            ]
+        );
+        // A service that turns headless is applied with no ports, which removes it from the model.
+        let mut state = ClusterState::new();
+        for ev in events {
+            apply_event(&mut state, ev);
+        }
+        assert_eq!(state.service_map().len(), 1);
+        dir.write("svc.yaml", &service("a", "None"));
+        let (events, _) = src.poll();
+        assert_eq!(
+            names(&events),
+            [
+                "svc+ demo/a (0 ports)",
+                "svc- demo/ext",
+                "svc- demo/headless"
+            ]
+        );
+        for ev in events {
+            apply_event(&mut state, ev);
+        }
+        assert!(state.service_map().is_empty());
+    }
+
+    #[test]
+    fn lists_json_and_fqdn_slices() {
+        let dir = TempDir::new("list");
+        dir.write(
+            "list.yaml",
+            &format!(
+                "apiVersion: v1\nkind: List\nitems:\n- {}\n- kind: ConfigMap\n  metadata: {{name: x}}\n",
+                serde_json::to_string(&serde_yaml::from_str::<Value>(&service("a", "10.96.0.1")).unwrap()).unwrap()
+            ),
+        );
+        dir.write(
+            "svc.json",
+            r#"{"apiVersion": "v1", "kind": "ServiceList", "items": [
+                {"metadata": {"name": "b", "namespace": "demo"}, "spec": {"clusterIP": "10.96.0.2", "ports": [{"port": 53, "protocol": "UDP"}]}},
+                {"metadata": {"name": "c", "namespace": "demo"}, "spec": {"clusterIP": "10.96.0.x", "ports": [{"port": 53}]}}
+            ]}"#,
+        );
+        dir.write(
+            "fqdn.yaml",
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: f\n  labels: \
+             {kubernetes.io/service-name: a}\naddressType: FQDN\nendpoints:\n- addresses: [example.com]\n",
+        );
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, errors) = src.initial();
+        assert_eq!(
+            names(&events),
+            ["svc+ demo/a (1 ports)", "svc+ demo/b (1 ports)", "synced"]
+        );
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].object.as_deref(), Some("demo/c"));
+        assert!(
+            errors[0].reason.starts_with("items[1]: invalid clusterIP"),
+            "{}",
+            errors[0]
+        );
+        let Event::ServiceApplied { ports, .. } = &events[1] else {
+            panic!()
+        };
+        assert_eq!(ports[0].protocol, Protocol::Udp);
+    }
+
+    #[test]
+    fn duplicate_objects_first_wins() {
+        let dir = TempDir::new("dup");
+        dir.write("1.yaml", &service("a", "10.96.0.1"));
+        dir.write("2.yaml", &service("a", "10.96.0.2"));
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, errors) = src.initial();
+        assert_eq!(events.len(), 2);
+        let Event::ServiceApplied { ports, .. } = &events[0] else {
+            panic!()
+        };
+        assert_eq!(ports[0].cluster_ips[0].to_string(), "10.96.0.1");
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].reason.contains("duplicate Service"),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn split_documents_markers() {
+        let docs = split_documents(
+            "%YAML 1.2\n---\na: 1\n--- # c\nb: 2\n...\n---\n\n# c\n---\nc: '---'\n",
+        );
+        assert_eq!(docs, ["\na: 1\n", " # c\nb: 2\n", "\nc: '---'\n"]);
+        assert_eq!(split_documents("a: 1\n----x: 2\n"), ["a: 1\n----x: 2\n"]);
+        assert!(split_documents("\n# nothing\n---\n").is_empty());
+    }
+
+    #[test]
+    fn examples_directory_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+        let mut src = ManifestSource::new(dir);
+        let (events, errors) = src.initial();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(events.last(), Some(&Event::Synced));
+        let mut state = ClusterState::new();
+        for ev in events {
+            apply_event(&mut state, ev);
+        }
+        let demo = |n: &str| NamespacedName::new("demo", n);
+        assert!(state
+            .service_names()
+            .is_superset(&[demo("echo"), demo("echo6"), demo("empty")].into()));
+        let ports = |n: &str| state.service_ports(&demo(n)).len();
+        assert_eq!((ports("echo"), ports("echo6"), ports("empty")), (2, 2, 2));
+        let eps = state.endpoints_map();
+        let count = |n: &str| -> usize {
+            eps.iter()
+                .filter(|(k, _)| k.service == demo(n))
+                .map(|(_, v)| v.len())
+                .sum()
+        };
+        assert_eq!((count("echo"), count("echo6"), count("empty")), (6, 6, 0));
+        let echo_udp = crate::model::ServicePortName {
+            service: demo("echo"),
+            port: "udp".into(),
+            protocol: Protocol::Udp,
+        };
+        let udp: Vec<String> = eps[&echo_udp]
+            .iter()
+            .map(|e| format!("{}:{}", e.ip, e.port))
+            .collect();
+        assert_eq!(
+            udp,
+            ["10.244.1.2:5353", "10.244.2.2:5353", "10.244.3.2:5353"]
+        );
+        let echo6_tcp = crate::model::ServicePortName {
+            service: demo("echo6"),
+            port: "tcp".into(),
+            protocol: Protocol::Tcp,
+        };
+        let tcp6: Vec<String> = eps[&echo6_tcp]
+            .iter()
+            .map(|e| format!("[{}]:{}", e.ip, e.port))
+            .collect();
+        assert_eq!(
+            tcp6,
+            [
+                "[fd00:244:1::2]:8080",
+                "[fd00:244:2::2]:8080",
+                "[fd00:244:3::2]:8080"
+            ]
+        );
+        let echo = state.service_ports(&demo("echo"));
+        assert_eq!(
+            echo[0].cluster_ips,
+            vec!["10.96.0.10".parse::<std::net::IpAddr>().unwrap()]
+        );
+        let echo6 = state.service_ports(&demo("echo6"));
+        assert_eq!(
+            echo6[0].cluster_ips,
+            vec!["fd00:96::10".parse::<std::net::IpAddr>().unwrap()]
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! The transaction that turns the committed state of a table into the desired one, touching only what
+//! differs. Order inside the batch respects the kernel's references: sets and chains exist before the
+//! rules and elements that name them; rules and elements that name a chain or set go before it is deleted.
+
+use crate::nft::ir::*;
+use crate::nft::tx::{Op, Transaction};
+
+/// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`.
+pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableState) {
+    let (fam, name) = (new.family, new.name.as_str());
+    let old = match old {
+        Some(o) if compatible(o, new) => o,
+        Some(_) => {
+            // A set's type or a base chain's hook changed (an upgrade of nftkube itself): such objects cannot
+            // be altered in place, so the table is replaced, still inside this one atomic batch.
+            tx.push(fam, name, Op::DeleteTable);
+            return create_table(tx, new);
+        }
+        None => return create_table(tx, new),
+    };
+
+    for (n, s) in &new.sets {
+        if !old.sets.contains_key(n) {
+            tx.push(fam, name, Op::AddSet(s.set.clone()));
+        }
+    }
+    for (n, c) in &new.chains {
+        if !old.chains.contains_key(n) {
+            tx.push(fam, name, Op::AddChain(c.chain.clone()));
+        }
+    }
+    // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
+    for (n, s) in &new.sets {
+        let Some(o) = old.sets.get(n) else { continue };
+        let gone: Vec<Element> = o.elements.difference(&s.elements).cloned().collect();
+        if !gone.is_empty() {
+            tx.push(
+                fam,
+                name,
+                Op::DeleteElements {
+                    set: n.clone(),
+                    elements: gone,
+                },
+            );
+        }
+    }
+    for (n, s) in &new.sets {
+        let added: Vec<Element> = match old.sets.get(n) {
+            Some(o) => s.elements.difference(&o.elements).cloned().collect(),
+            None => s.elements.iter().cloned().collect(),
+        };
+        if !added.is_empty() {
+            tx.push(
+                fam,
+                name,
+                Op::AddElements {
+                    set: n.clone(),
+                    elements: added,
+                },
+            );
+        }
+    }
+    for (n, c) in &new.chains {
+        match old.chains.get(n) {
+            Some(o) if o.rules == c.rules => {}
+            Some(o) => {
+                if !o.rules.is_empty() {
+                    tx.push(fam, name, Op::FlushChain(n.clone()));
+                }
+                add_rules(tx, fam, name, c);
+            }
+            None => add_rules(tx, fam, name, c),
+        }
+    }
+    // Stale chains: flush all of them first (they may jump into each other), then delete.
+    let stale: Vec<&ChainState> = old
+        .chains
+        .values()
+        .filter(|c| !new.chains.contains_key(&c.chain.name))
+        .collect();
+    for c in &stale {
+        if !c.rules.is_empty() {
+            tx.push(fam, name, Op::FlushChain(c.chain.name.clone()));
+        }
+    }
+    for c in &stale {
+        tx.push(fam, name, Op::DeleteChain(c.chain.name.clone()));
+    }
+    for n in old.sets.keys() {
+        if !new.sets.contains_key(n) {
+            tx.push(fam, name, Op::DeleteSet(n.clone()));
+        }
+    }
+}
+
+/// Whether `old` can be turned into `new` object by object: every set both have is the same definition and
+/// every chain both have attaches the same way.
+fn compatible(old: &TableState, new: &TableState) -> bool {
+    new.sets
+        .iter()
+        .all(|(n, s)| old.sets.get(n).is_none_or(|o| o.set == s.set))
+        && new
+            .chains
+            .iter()
+            .all(|(n, c)| old.chains.get(n).is_none_or(|o| o.chain == c.chain))
+}
+
+fn create_table(tx: &mut Transaction, t: &TableState) {
+    let (fam, name) = (t.family, t.name.as_str());
+    tx.push(fam, name, Op::AddTable);
+    for s in t.sets.values() {
+        tx.push(fam, name, Op::AddSet(s.set.clone()));
+    }
+    for c in t.chains.values() {
+        tx.push(fam, name, Op::AddChain(c.chain.clone()));
+    }
+    for s in t.sets.values() {
+        if !s.elements.is_empty() {
+            tx.push(
+                fam,
+                name,
+                Op::AddElements {
+                    set: s.set.name.clone(),
+                    elements: s.elements.iter().cloned().collect(),
+                },
+            );
+        }
+    }
+    for c in t.chains.values() {
+        add_rules(tx, fam, name, c);
+    }
+}
+
+fn add_rules(tx: &mut Transaction, fam: Family, table: &str, c: &ChainState) {
+    for r in &c.rules {
+        tx.push(
+            fam,
+            table,
+            Op::AddRule {
+                chain: c.chain.name.clone(),
+                rule: r.clone(),
+            },
+        );
+    }
+}

@@ -1,0 +1,5 @@
+//! Keeping the kernel in step with the model: diff, commit, recover.
+pub mod diff;
+pub mod engine;
+
+pub use engine::{delete_tables, SyncEngine, SyncError, SyncReport};
