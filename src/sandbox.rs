@@ -7,7 +7,7 @@
 //!        │             routes 10.96.0.0/12, 10.244.0.0/16, fd00:96::/64, fd00:244::/48 via the node
 //!   {prefix}-node eth0 192.168.200.1/24, fd00:200::1/64     default routes via ext (so traffic the node does not
 //!                 pod{i} 10.244.{i}.1/24, fd00:244:0:{i}::1/64  NAT is forwarded and filtered, not unroutable)
-//!        │             ip_forward=1, ipv6 forwarding=1, ICMP rate limits off
+//!        │             ip_forward=1, ipv6 forwarding=1 (ICMP rate limits are off in every namespace)
 //!   {prefix}-pod{i} eth0 10.244.{i}.2/24, fd00:244:0:{i}::2/64, default routes via the node side
 //!                 pod0 is a client pod; pod1..=N are backends
 //! ```
@@ -109,6 +109,22 @@ impl std::fmt::Debug for Sandbox {
     }
 }
 
+/// Tests count ICMP errors (the node's rejects, a backend's port unreachable); the per-destination limit (a burst
+/// of about 6, then one per second) would turn most of them into timeouts. Per namespace, so only ours.
+fn no_icmp_ratelimit() -> Result<(), NetnsError> {
+    set_sysctl("net/ipv4/icmp_ratelimit", "0")?;
+    set_sysctl("net/ipv6/icmp/ratelimit", "0")
+}
+
+/// No duplicate address detection for any link created from now on, link-local addresses included. With DAD the
+/// link-local address stays tentative for a second or two, and a *forwarding* node cannot solicit a neighbour
+/// meanwhile (a forwarded packet's source is not on the outgoing link, so the kernel falls back to the link-local
+/// source, which must not be tentative): the first forwarded IPv6 packet to each pod would wait ~2 s.
+fn no_dad() -> Result<(), NetnsError> {
+    set_sysctl("net/ipv6/conf/all/accept_dad", "0")?;
+    set_sysctl("net/ipv6/conf/default/accept_dad", "0")
+}
+
 fn in_ns<T>(
     ns: &NetNs,
     what: &str,
@@ -157,9 +173,24 @@ impl Sandbox {
     }
 
     fn wire(&self) -> anyhow::Result<()> {
+        // Before any veth exists: a link copies its IPv6 settings from `default` when it is created.
+        for ns in self.namespaces() {
+            let forward = if std::ptr::eq(ns, &self.node) {
+                "1"
+            } else {
+                "0"
+            };
+            in_ns(ns, "preparing the namespace", || {
+                set_link_up("lo")?;
+                no_dad()?;
+                no_icmp_ratelimit()?;
+                // New namespaces inherit the host's IPv4 forwarding setting: only the node forwards.
+                set_sysctl("net/ipv4/ip_forward", forward)?;
+                Ok(())
+            })?;
+        }
         let (ext, pods) = (&self.ext, &self.pods);
         in_ns(&self.node, "configuring the node", || {
-            set_link_up("lo")?;
             create_veth(NODE_UPLINK, NODE_UPLINK, ext)?;
             set_link_up(NODE_UPLINK)?;
             add_address(NODE_UPLINK, node_ip_v4().into(), 24)?;
@@ -171,21 +202,14 @@ impl Sandbox {
                 add_address(&ifname, pod_gateway_v4(i).into(), 24)?;
                 add_address(&ifname, pod_gateway_v6(i).into(), 64)?;
             }
-            // After the links exist: writing the "all" knobs also switches every existing link.
-            set_sysctl("net/ipv4/ip_forward", "1")?;
+            // After the links exist: writing the "all" knob also switches every existing link.
             set_sysctl("net/ipv6/conf/all/forwarding", "1")?;
-            // Tests count ICMP errors; the per-destination limit would turn most of them into timeouts.
-            set_sysctl("net/ipv4/icmp_ratelimit", "0")?;
-            set_sysctl("net/ipv6/icmp/ratelimit", "0")?;
             Ok(())
         })?;
         in_ns(&self.ext, "configuring ext", || {
-            set_link_up("lo")?;
             set_link_up(NODE_UPLINK)?;
             add_address(NODE_UPLINK, ext_ip_v4().into(), 24)?;
             add_address(NODE_UPLINK, ext_ip_v6().into(), 64)?;
-            // New namespaces inherit the host's IPv4 forwarding setting; ext must never forward.
-            set_sysctl("net/ipv4/ip_forward", "0")?;
             let via4 = Some(IpAddr::from(node_ip_v4()));
             let via6 = Some(IpAddr::from(node_ip_v6()));
             add_route(
@@ -216,11 +240,9 @@ impl Sandbox {
         })?;
         for (i, pod) in self.pods.iter().enumerate() {
             in_ns(pod, "configuring a pod", move || {
-                set_link_up("lo")?;
                 set_link_up(POD_IFNAME)?;
                 add_address(POD_IFNAME, pod_ip_v4(i).into(), 24)?;
                 add_address(POD_IFNAME, pod_ip_v6(i).into(), 64)?;
-                set_sysctl("net/ipv4/ip_forward", "0")?;
                 add_route(
                     Ipv4Addr::UNSPECIFIED.into(),
                     0,
@@ -629,9 +651,17 @@ mod tests {
         // Every pod address (and the node's side of each pod link) lies inside the cluster CIDRs: ext routes only
         // those to the node, and masquerade decisions compare against them.
         for i in 0..=MAX_BACKENDS {
-            assert!(in_cidr(pod_ip_v4(i).into(), CLUSTER_CIDR_V4), "{}", pod_ip_v4(i));
+            assert!(
+                in_cidr(pod_ip_v4(i).into(), CLUSTER_CIDR_V4),
+                "{}",
+                pod_ip_v4(i)
+            );
             assert!(in_cidr(pod_gateway_v4(i).into(), CLUSTER_CIDR_V4));
-            assert!(in_cidr(pod_ip_v6(i).into(), CLUSTER_CIDR_V6), "{}", pod_ip_v6(i));
+            assert!(
+                in_cidr(pod_ip_v6(i).into(), CLUSTER_CIDR_V6),
+                "{}",
+                pod_ip_v6(i)
+            );
             assert!(in_cidr(pod_gateway_v6(i).into(), CLUSTER_CIDR_V6));
         }
         assert!(!in_cidr("fd00:244:1::2".parse().unwrap(), CLUSTER_CIDR_V6));
@@ -699,7 +729,18 @@ mod tests {
             "pod3 10.244.0.2"
         );
 
-        // ext → pod2 through the forwarding node.
+        // ext → pod2 through the forwarding node. The first forwarded IPv6 packet to a pod must not wait for the
+        // node's link-local DAD (~2 s without `no_dad`).
+        let t = Instant::now();
+        assert_eq!(
+            tcp_request(sb.ext(), v6(2, tcp), T).unwrap(),
+            "pod2 fd00:200::2"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "first forwarded v6 request took {:?}",
+            t.elapsed()
+        );
         assert_eq!(
             tcp_request(sb.ext(), v4(2, tcp), T).unwrap(),
             "pod2 192.168.200.2"
@@ -747,7 +788,7 @@ mod tests {
             let e = udp_request(sb.client(), dst, T).unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "udp {dst}: {e}");
         }
-        // Refusals counted through the node: its ICMP rate limit is off, so none becomes a timeout.
+        // Refusals counted through the node: the backend's ICMP rate limit is off, so none becomes a timeout.
         let refusals = udp_requests(sb.ext(), v4(2, udp + 1), 20, T);
         assert!(
             refusals

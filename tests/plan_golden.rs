@@ -23,6 +23,10 @@ fn plan_of_examples_matches_golden() {
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(&golden, &text).unwrap();
     }
-    let want = std::fs::read_to_string(&golden).expect("golden file (run with UPDATE_GOLDEN=1 to create)");
-    assert_eq!(text, want, "plan output changed; if intended, regenerate with UPDATE_GOLDEN=1");
+    let want =
+        std::fs::read_to_string(&golden).expect("golden file (run with UPDATE_GOLDEN=1 to create)");
+    assert_eq!(
+        text, want,
+        "plan output changed; if intended, regenerate with UPDATE_GOLDEN=1"
+    );
 }

@@ -1,1 +1,248 @@
+//! Harness for privileged kernel tests: a sandbox of namespaces (nftkube::sandbox), the real `nftkube` binary
+//! running as the agent inside the node namespace, and helpers to observe traffic and the kernel's tables.
+//!
+//! Every test builds its own uniquely named namespaces and removes them on drop, also when it panics. Nothing
+//! here touches the host's own network namespace: the agent process enters the node namespace before it
+//! executes, and every client and server runs on a thread that entered its namespace.
 
+use nftkube::netns::{unique_name, NetNs};
+use nftkube::nft::ir::{Family, TableState};
+use nftkube::nft::netlink::NftSocket;
+use nftkube::sandbox::Sandbox;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub use nftkube::sandbox;
+
+/// Ports the sandbox backends listen on; the examples' targetPorts.
+pub const BACKEND_TCP_PORT: u16 = 8080;
+pub const BACKEND_UDP_PORT: u16 = 5353;
+
+/// Panics unless root: these tests need namespaces and nf_tables. Never skip silently.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "kernel tests need root (they create network namespaces); run `bash ci/test` as root"
+    );
+}
+
+/// The agent binary: `$NFTKUBE_BIN`, or the workspace's debug build (`cargo build --bins` first).
+pub fn nftkube_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NFTKUBE_BIN") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/nftkube");
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build --bins` first (ci/test does), or set NFTKUBE_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// A fresh sandbox with running backends; the name prefix is unique per test and process.
+pub fn sandbox(tag: &str, backends: usize) -> Sandbox {
+    require_root();
+    let sb = Sandbox::build(&unique_name(tag), backends).expect("building the sandbox");
+    sb.start_backends(BACKEND_TCP_PORT, BACKEND_UDP_PORT)
+        .expect("starting backends");
+    sb
+}
+
+/// A command that runs inside `ns`: the child enters the namespace between fork and exec.
+pub fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let file = std::fs::File::open(ns.path()).expect("opening the namespace file");
+    let mut cmd = Command::new(program);
+    // SAFETY: the closure runs in the forked child before exec and only calls setns, which is
+    // async-signal-safe; `file` stays open in the parent until the command is dropped.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Runs `nftkube ARGS` in `ns` to completion.
+pub fn nftkube_in(ns: &NetNs, args: &[&str]) -> Output {
+    command_in(ns, nftkube_bin())
+        .args(args)
+        .output()
+        .expect("running nftkube")
+}
+
+/// `nft list ruleset` in `ns` (the oracle): (exit success, stdout + stderr).
+pub fn nft_list_ruleset(ns: &NetNs) -> (bool, String) {
+    let out = command_in(ns, "nft")
+        .args(["list", "ruleset"])
+        .output()
+        .expect("running nft (apt-get install nftables)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Reads one of our tables back through netlink, from inside `ns`.
+pub fn dump_table(ns: &NetNs, family: Family) -> Option<TableState> {
+    ns.run(move || {
+        let mut s = NftSocket::open().expect("nf_tables socket");
+        s.dump_table(family, "nftkube").expect("dumping the table")
+    })
+    .expect("entering the namespace")
+}
+
+/// The agent (`nftkube proxy`) running in the sandbox's node namespace. SIGTERM and wait on drop.
+pub struct Agent {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Agent {
+    /// Starts `nftkube proxy --manifests DIR` in `ns` with the sandbox's cluster CIDRs and `extra` flags.
+    pub fn start(ns: &NetNs, manifests: &Path, extra: &[&str]) -> Agent {
+        let log = std::env::temp_dir().join(format!("{}.log", unique_name("nftkube-agent")));
+        let logfile = std::fs::File::create(&log).expect("agent log file");
+        let cidrs = format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6);
+        let child = command_in(ns, nftkube_bin())
+            .args(["--log-level", "debug", "proxy", "--manifests"])
+            .arg(manifests)
+            .args(["--hostname-override", "node-1", "--cluster-cidr", &cidrs])
+            .args(["--min-sync-period", "0.2"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(logfile)
+            .spawn()
+            .expect("starting nftkube proxy");
+        Agent {
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// Everything the agent logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the agent has logged `n` completed syncs; panics with the log after `timeout`.
+    pub fn wait_syncs(&self, n: usize, timeout: Duration) {
+        wait_until(timeout, || self.log().matches("sync complete").count() >= n)
+            .unwrap_or_else(|_| panic!("agent did not complete {n} syncs; log:\n{}", self.log()));
+    }
+
+    /// SIGTERM, then wait; returns whether it exited successfully.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        // SAFETY: kill on a pid we spawned and have not reaped yet.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.success();
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        } else {
+            eprintln!("agent log kept at {}", self.log.display());
+        }
+    }
+}
+
+/// Polls `cond` every 50 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> Result<Duration, ()> {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > timeout {
+            return Err(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A private copy of the repository's examples/ that a test may edit; removed on drop.
+pub struct Manifests {
+    pub dir: PathBuf,
+}
+
+impl Manifests {
+    pub fn examples() -> Manifests {
+        let dir = std::env::temp_dir().join(unique_name("nftkube-manifests"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for entry in std::fs::read_dir(src).unwrap() {
+            let p = entry.unwrap().path();
+            if p.extension().is_some_and(|e| e == "yaml") {
+                std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+            }
+        }
+        Manifests { dir }
+    }
+
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+
+    /// Rewrites a file through a rename, so the agent never reads it half-written (and sees a new inode, so
+    /// the change is noticed even within one mtime tick).
+    pub fn write(&self, file: &str, content: &str) {
+        let tmp = self.dir.join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, self.path(file)).unwrap();
+    }
+
+    pub fn read(&self, file: &str) -> String {
+        std::fs::read_to_string(self.path(file)).unwrap()
+    }
+
+    pub fn remove(&self, file: &str) {
+        std::fs::remove_file(self.path(file)).unwrap();
+    }
+}
+
+impl Drop for Manifests {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Chi-square statistic of observed counts against a uniform expectation.
+pub fn chi_square(counts: &[usize]) -> f64 {
+    let total: usize = counts.iter().sum();
+    let expected = total as f64 / counts.len() as f64;
+    counts
+        .iter()
+        .map(|&c| (c as f64 - expected).powi(2) / expected)
+        .sum()
+}
