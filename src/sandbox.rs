@@ -113,7 +113,13 @@ impl std::fmt::Debug for Sandbox {
 /// of about 6, then one per second) would turn most of them into timeouts. Per namespace, so only ours.
 fn no_icmp_ratelimit() -> Result<(), NetnsError> {
     set_sysctl("net/ipv4/icmp_ratelimit", "0")?;
-    set_sysctl("net/ipv6/icmp/ratelimit", "0")
+    set_sysctl("net/ipv6/icmp/ratelimit", "0")?;
+    // Besides the per-destination limit there is a host-wide budget (icmp_msgs_per_sec) shared by every
+    // namespace, which parallel tests drain; an empty rate mask exempts every ICMP type from both limits.
+    set_sysctl("net/ipv4/icmp_ratemask", "0")?;
+    // The IPv6 mask is a bitmap list; older kernels lack it, so it is best-effort.
+    let _ = set_sysctl("net/ipv6/icmp/ratemask", "");
+    Ok(())
 }
 
 /// No duplicate address detection for any link created from now on, link-local addresses included. With DAD the
