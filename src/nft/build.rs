@@ -299,6 +299,37 @@ impl RuleBuilder {
         self
     }
 
+    /// `dnat <family> addr . port to <fields> . numgen random mod n map @map`: the numgen value is appended
+    /// to the key in the next free register, and the map's `addr . port` value feeds the nat expression.
+    pub fn dnat_map(mut self, fields: &[Field], n: u32, map: &str, family: Family) -> Self {
+        self.exprs.extend(load_concat(fields));
+        let slot: u32 = fields
+            .iter()
+            .map(|f| crate::netlink::align4(f.data_type().len()) as u32 / 4)
+            .sum();
+        self.exprs.push(Expr::Numgen {
+            dreg: reg_at_slot(slot),
+            modulus: n,
+            random: true,
+            offset: 0,
+        });
+        self.exprs.push(Expr::Lookup {
+            set: map.to_owned(),
+            sreg: REG_1,
+            dreg: Some(REG_1),
+            invert: false,
+        });
+        let addr_slots = if family == Family::Ip6 { 4 } else { 1 };
+        self.exprs.push(Expr::Nat {
+            kind: NatKind::Dnat,
+            family,
+            reg_addr: Some(REG_1),
+            reg_proto: Some(reg_at_slot(addr_slots)),
+            flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+        });
+        self
+    }
+
     pub fn masquerade(mut self, fully_random: bool) -> Self {
         self.exprs.push(Expr::Masq {
             flags: if fully_random {

@@ -612,7 +612,7 @@ pub struct Rule {
 }
 
 /// A chain and its rules.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChainState {
     pub chain: Chain,
     pub rules: Vec<Rule>,

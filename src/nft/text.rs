@@ -12,12 +12,29 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 /// Renders a whole table.
 pub fn render_table(t: &TableState) -> String {
+    // Rules first: how they use a set tells its `typeof` when its key has no nft type of its own.
+    let mut usage = BTreeMap::new();
+    let rules: Vec<Vec<String>> = t
+        .chains
+        .values()
+        .map(|c| {
+            c.rules
+                .iter()
+                .map(|r| render_rule_with(r, t, &mut usage))
+                .collect()
+        })
+        .collect();
     let mut out = String::new();
     let _ = writeln!(out, "table {} {} {{", t.family.as_str(), t.name);
     for s in t.sets.values() {
-        render_set(&mut out, s);
+        render_set(
+            &mut out,
+            s,
+            usage.get(&s.set.name).map(String::as_str),
+            t.family,
+        );
     }
-    for c in t.chains.values() {
+    for (c, rules) in t.chains.values().zip(rules) {
         let _ = writeln!(out, "\tchain {} {{", c.chain.name);
         if let Some(b) = &c.chain.base {
             let _ = writeln!(
@@ -28,8 +45,8 @@ pub fn render_table(t: &TableState) -> String {
                 b.priority
             );
         }
-        for r in &c.rules {
-            let _ = writeln!(out, "\t\t{}", render_rule(r, t));
+        for r in rules {
+            let _ = writeln!(out, "\t\t{r}");
         }
         let _ = writeln!(out, "\t}}");
     }
@@ -37,15 +54,32 @@ pub fn render_table(t: &TableState) -> String {
     out
 }
 
-fn render_set(out: &mut String, s: &SetState) {
+fn render_set(out: &mut String, s: &SetState, key_usage: Option<&str>, family: Family) {
     let kind = if s.set.is_map() { "map" } else { "set" };
     let _ = writeln!(out, "\t{kind} {} {{", s.set.name);
-    let key: Vec<&str> = s.set.key.iter().map(|t| t.name()).collect();
-    let mut ty = format!("type {}", key.join(" . "));
-    if s.set.is_map() {
-        let data: Vec<&str> = s.set.data.iter().map(|t| t.name()).collect();
-        let _ = write!(ty, " : {}", data.join(" . "));
-    }
+    // A numgen slot in a concatenated key is stored as a mark (nft has no fixed-size integer type), which nft
+    // refuses to compare with numgen's integer: declare such a set by how the rules use it, as nft's
+    // `typeof` does.
+    let needs_typeof = s.set.key.len() > 1 && s.set.key.contains(&DataType::Mark);
+    let ty = match key_usage {
+        Some(usage) if needs_typeof => {
+            let mut ty = format!("typeof {usage}");
+            if s.set.is_map() {
+                let data: Vec<&str> = s.set.data.iter().map(|t| typeof_expr(*t, family)).collect();
+                let _ = write!(ty, " : {}", data.join(" . "));
+            }
+            ty
+        }
+        _ => {
+            let key: Vec<&str> = s.set.key.iter().map(|t| t.name()).collect();
+            let mut ty = format!("type {}", key.join(" . "));
+            if s.set.is_map() {
+                let data: Vec<&str> = s.set.data.iter().map(|t| t.name()).collect();
+                let _ = write!(ty, " : {}", data.join(" . "));
+            }
+            ty
+        }
+    };
     let _ = writeln!(out, "\t\t{ty}");
     let mut flags = Vec::new();
     if s.set.dynamic {
@@ -61,10 +95,33 @@ fn render_set(out: &mut String, s: &SetState) {
         let _ = writeln!(out, "\t\ttimeout {}", duration(ms));
     }
     if !s.elements.is_empty() {
-        let items: Vec<String> = s.elements.iter().map(|e| element_text(&s.set, e)).collect();
+        // Under `typeof`, the slot is numgen's integer, so print it as a number, not as a mark.
+        let shown = if needs_typeof && key_usage.is_some() {
+            let mut set = s.set.clone();
+            for t in set.key.iter_mut().filter(|t| **t == DataType::Mark) {
+                *t = DataType::Integer(4);
+            }
+            set
+        } else {
+            s.set.clone()
+        };
+        let items: Vec<String> = s.elements.iter().map(|e| element_text(&shown, e)).collect();
         let _ = writeln!(out, "\t\telements = {{ {} }}", items.join(",\n\t\t\t     "));
     }
     let _ = writeln!(out, "\t}}");
+}
+
+/// An expression of the given type, for `typeof` declarations.
+fn typeof_expr(t: DataType, _family: Family) -> &'static str {
+    match t {
+        DataType::Ipv4Addr => "ip daddr",
+        DataType::Ipv6Addr => "ip6 daddr",
+        DataType::InetProto => "meta l4proto",
+        DataType::InetService => "th dport",
+        DataType::Mark => "meta mark",
+        DataType::Verdict => "verdict",
+        DataType::Integer(_) => "numgen random mod 1",
+    }
 }
 
 fn duration(ms: u64) -> String {
@@ -166,10 +223,21 @@ enum RegKind {
     CtState,
     FibType,
     Literal,
+    /// A map lookup whose value is a concatenation (`addr . port`).
+    MapConcat,
 }
 
 /// Renders one rule; `table` supplies set definitions for typing lookups.
 pub fn render_rule(rule: &Rule, table: &TableState) -> String {
+    render_rule_with(rule, table, &mut BTreeMap::new())
+}
+
+/// Renders one rule and records, for each set it looks up, the key expression it uses.
+fn render_rule_with(
+    rule: &Rule,
+    table: &TableState,
+    usage: &mut BTreeMap<String, String>,
+) -> String {
     let mut regs: BTreeMap<u32, RegValue> = BTreeMap::new();
     let mut out: Vec<String> = Vec::new();
     let family = table.family;
@@ -318,6 +386,7 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                     out.push(debug_expr(e));
                     continue;
                 };
+                usage.entry(set.clone()).or_insert_with(|| key.clone());
                 match dreg {
                     None => out.push(format!("{key} {}@{set}", if *invert { "!= " } else { "" })),
                     Some(REG_VERDICT) => out.push(format!("{key} vmap @{set}")),
@@ -325,7 +394,11 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                         let ty = def
                             .and_then(|d| d.data.first().copied())
                             .unwrap_or(DataType::Integer(4));
-                        put(&mut regs, *r, plain(format!("{key} map @{set}"), ty));
+                        let mut v = plain(format!("{key} map @{set}"), ty);
+                        if def.is_some_and(|d| d.data.len() > 1) {
+                            v.kind = RegKind::MapConcat;
+                        }
+                        put(&mut regs, *r, v);
                     }
                 }
             }
@@ -374,6 +447,18 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                 } else {
                     "snat"
                 };
+                let from_map = reg_addr
+                    .and_then(|r| get(&regs, r))
+                    .filter(|v| v.kind == RegKind::MapConcat);
+                if let Some(v) = from_map {
+                    out.push(format!(
+                        "{verb} {} addr . port to {}{}",
+                        nat_family.as_str(),
+                        v.text,
+                        nat_flags_text(*flags)
+                    ));
+                    continue;
+                }
                 let addr = reg_addr.and_then(|r| get(&regs, r)).map(|v| v.text.clone());
                 let port = reg_proto
                     .and_then(|r| get(&regs, r))

@@ -3,9 +3,94 @@
 pub mod names;
 mod services;
 
-pub use services::render;
+pub use services::lb_chain_state;
 
-use crate::model::Cidr;
+use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
+use crate::nft::ir::{ChainState, Element, Family, TableState};
+use std::collections::BTreeMap;
+
+/// Something one service port needs in the kernel. Pieces of different services may coincide (two services
+/// with the same endpoint count share `lb-<n>`; two ports of one ClusterIP share its `cluster-ips` element):
+/// the sync engine counts references, so an object goes when the last service needing it goes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Piece {
+    Element {
+        family: Family,
+        set: &'static str,
+        element: Element,
+    },
+    Chain {
+        family: Family,
+        chain: ChainState,
+    },
+}
+
+/// The objects every table has whatever the services (ip, then ip6). Rendered even without services so that
+/// the hooks are in place before the first service of a family appears.
+pub fn skeleton(cfg: &RenderConfig) -> Vec<TableState> {
+    [IpFamily::V4, IpFamily::V6]
+        .into_iter()
+        .map(|f| services::skeleton(f, cfg))
+        .collect()
+}
+
+/// What one service port contributes, given all endpoints of that port.
+pub fn service_pieces(
+    svc: &ServicePort,
+    endpoints: Option<&Vec<crate::model::Endpoint>>,
+    cfg: &RenderConfig,
+) -> Vec<Piece> {
+    services::service_pieces(svc, endpoints.map(Vec::as_slice).unwrap_or(&[]), cfg)
+}
+
+/// Pieces of every service port.
+pub fn all_pieces(
+    services: &ServiceMap,
+    endpoints: &EndpointsMap,
+    cfg: &RenderConfig,
+) -> BTreeMap<ServicePortName, Vec<Piece>> {
+    services
+        .iter()
+        .map(|(spn, svc)| (spn.clone(), service_pieces(svc, endpoints.get(spn), cfg)))
+        .collect()
+}
+
+/// The skeleton with the pieces added: the complete desired tables.
+pub fn assemble<'a>(
+    cfg: &RenderConfig,
+    pieces: impl IntoIterator<Item = &'a Piece>,
+) -> Vec<TableState> {
+    let mut tables = skeleton(cfg);
+    for p in pieces {
+        let family = match p {
+            Piece::Element { family, .. } | Piece::Chain { family, .. } => *family,
+        };
+        let Some(t) = tables.iter_mut().find(|t| t.family == family) else {
+            continue;
+        };
+        match p {
+            Piece::Element { set, element, .. } => {
+                t.set_mut(set).elements.insert(element.clone());
+            }
+            Piece::Chain { chain, .. } => {
+                t.chains
+                    .entry(chain.chain.name.clone())
+                    .or_insert_with(|| chain.clone());
+            }
+        }
+    }
+    tables
+}
+
+/// The complete desired tables for a model.
+pub fn render(
+    services: &ServiceMap,
+    endpoints: &EndpointsMap,
+    cfg: &RenderConfig,
+) -> Vec<TableState> {
+    let pieces = all_pieces(services, endpoints, cfg);
+    assemble(cfg, pieces.values().flatten())
+}
 
 /// What shapes the rules besides the services themselves (kube-proxy's flags).
 #[derive(Debug, Clone, PartialEq, Eq)]

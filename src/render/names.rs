@@ -17,19 +17,30 @@ pub const CHAIN_REJECT: &str = "reject-chain";
 
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
 pub const MAP_SERVICE_IPS: &str = "service-ips";
+pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
 
-/// Prefix of every per-service-port chain.
-pub const SERVICE_CHAIN_PREFIX: &str = "service-";
+/// Prefix of the load-balancing chains, one per endpoint count in use.
+pub const LB_CHAIN_PREFIX: &str = "lb-";
 
-/// `service-<hash>-<namespace>/<name>/<protocol>/<port>`: readable, and unique even when names are long or
-/// would collide after truncation (the hash covers the full identity). Kernel limit: 256 bytes.
-pub fn service_chain(spn: &ServicePortName) -> String {
+/// `lb-<n>`: picks one of n endpoints with `numgen random mod n`.
+pub fn lb_chain(n: u32) -> String {
+    format!("{LB_CHAIN_PREFIX}{n}")
+}
+
+/// The endpoint count an `lb-<n>` chain serves, if `name` is one.
+pub fn lb_count(name: &str) -> Option<u32> {
+    name.strip_prefix(LB_CHAIN_PREFIX)?.parse().ok()
+}
+
+/// `<hash>-<namespace>/<name>/<protocol>/<port>`: a readable identity for a service port, unique even when
+/// names are long (the hash covers the full identity). Used in comments and logs.
+pub fn service_id(spn: &ServicePortName) -> String {
     let id = format!(
         "{}/{}/{}/{}",
         spn.service.namespace, spn.service.name, spn.protocol, spn.port
     );
-    format!("{SERVICE_CHAIN_PREFIX}{}-{id}", short_hash(&id))
+    format!("{}-{id}", short_hash(&id))
 }
 
 /// 8 characters of base32 over FNV-1a 64: stable across versions and platforms.
@@ -51,7 +62,13 @@ mod tests {
     use crate::model::{NamespacedName, Protocol};
 
     #[test]
-    fn service_chain_names_are_stable_and_distinct() {
+    fn lb_chain_names_round_trip() {
+        assert_eq!(lb_count(&lb_chain(7)), Some(7));
+        assert_eq!(lb_count("services"), None);
+    }
+
+    #[test]
+    fn service_ids_are_stable_and_distinct() {
         let a = ServicePortName {
             service: NamespacedName::new("demo", "echo"),
             port: "tcp".into(),
@@ -59,9 +76,8 @@ mod tests {
         };
         let mut b = a.clone();
         b.protocol = Protocol::Udp;
-        assert_eq!(service_chain(&a), service_chain(&a.clone()));
-        assert_ne!(service_chain(&a), service_chain(&b));
-        assert!(service_chain(&a).ends_with("-demo/echo/tcp/tcp"));
-        assert!(service_chain(&a).starts_with("service-"));
+        assert_eq!(service_id(&a), service_id(&a.clone()));
+        assert_ne!(service_id(&a), service_id(&b));
+        assert!(service_id(&a).ends_with("-demo/echo/tcp/tcp"));
     }
 }

@@ -1,42 +1,39 @@
 //! ClusterIP services: dispatch, load balancing, masquerade marking and rejection of unserved addresses.
 //!
-//! Per family, one table:
+//! The shape is chosen so that the kernel loads it in linear time and so that services come and go, and
+//! endpoints change, by **set elements only** (KERNEL-NOTES.md, "Candidate shapes", shape D):
 //! - `services` (reached from nat prerouting and output) looks up `daddr . l4proto . dport` in the verdict
-//!   map `service-ips` and jumps to the service port's chain: one lookup per new connection whatever the
-//!   number of services.
-//! - a service port chain marks for masquerade (source outside the cluster CIDR, or everything with
-//!   masquerade-all), then picks an endpoint uniformly: rule k of E is `numgen random mod (E-k) == 0 dnat`,
-//!   so each endpoint is chosen with probability 1/E, and no anonymous set or map is bound per service (the
-//!   shape that makes big kernel transactions quadratic, see KERNEL-NOTES.md).
-//! - postrouting masquerades marked packets and hairpin connections (an endpoint reaching itself through
-//!   its service: `ct status dnat` and `saddr . daddr` in `hairpin-endpoints`).
+//!   map `service-ips`, whose element for a service port says `goto lb-<n>` where n is its endpoint count:
+//!   one lookup per new connection whatever the number of services.
+//! - `lb-<n>` (one chain per endpoint count in use, shared by every service with n endpoints) marks for
+//!   masquerade when the source is outside the cluster CIDR (or always, with masquerade-all) and does
+//!   `dnat to daddr . l4proto . dport . numgen random mod n` looked up in `service-endpoints`: slot k of a
+//!   service maps to its k-th endpoint, so each endpoint is chosen with probability exactly 1/n.
+//! - postrouting masquerades marked packets and hairpin connections (an endpoint reaching itself through its
+//!   service: `ct status dnat` and `saddr . daddr` in `hairpin-endpoints`).
 //! - filter forward and output reject whatever still goes to a ClusterIP after NAT: a service with no
 //!   endpoints, or a port that is no service port (TCP: reset; others: ICMP port unreachable).
+//!
+//! No per-service chain or rule exists, so adding a service never adds a rule (rules make the kernel
+//! re-validate the whole table), and no anonymous set is bound per service (quadratic in the kernel).
 
 use super::names::*;
-use super::RenderConfig;
-use crate::model::{Endpoint, EndpointsMap, IpFamily, ServiceMap, ServicePort};
+use super::{Piece, RenderConfig};
+use crate::model::{Endpoint, IpFamily, ServicePort};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
-use std::net::IpAddr;
 
-/// Renders both tables (ip, then ip6). Tables are rendered even when empty so that the hooks are in
-/// place before the first service of a family appears.
-pub fn render(
-    services: &ServiceMap,
-    endpoints: &EndpointsMap,
-    cfg: &RenderConfig,
-) -> Vec<TableState> {
-    [IpFamily::V4, IpFamily::V6]
-        .into_iter()
-        .map(|f| render_family(f, services, endpoints, cfg))
-        .collect()
-}
-
-fn nft_family(f: IpFamily) -> Family {
+pub(super) fn nft_family(f: IpFamily) -> Family {
     match f {
         IpFamily::V4 => Family::Ip,
         IpFamily::V6 => Family::Ip6,
+    }
+}
+
+fn ip_family(f: Family) -> IpFamily {
+    match f {
+        Family::Ip6 => IpFamily::V6,
+        _ => IpFamily::V4,
     }
 }
 
@@ -84,94 +81,33 @@ const PRIO_DSTNAT: i32 = -100;
 const PRIO_SRCNAT: i32 = 100;
 const PRIO_FILTER_EARLY: i32 = -10;
 
-fn render_family(
-    f: IpFamily,
-    services: &ServiceMap,
-    endpoints: &EndpointsMap,
-    cfg: &RenderConfig,
-) -> TableState {
+/// The numgen slot is a host-endian 32-bit value; nft knows no fixed-size integer type for set keys, so the
+/// kernel object calls it a mark (same size and byte order). `plan` prints it as `typeof numgen ...`.
+const SLOT: DataType = DataType::Mark;
+
+/// The objects every table has whatever the services: hooks, the fixed chains and the sets.
+pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
     let mut t = TableState::new(nft_family(f), TABLE);
-    skeleton(&mut t, f, cfg);
-
-    for (spn, svc) in services {
-        let ips: Vec<&IpAddr> = svc
-            .cluster_ips
-            .iter()
-            .filter(|ip| IpFamily::of(ip) == f)
-            .collect();
-        if ips.is_empty() {
-            continue;
-        }
-        for ip in &ips {
-            t.set_mut(SET_CLUSTER_IPS).elements.insert(Element {
-                key: ip_bytes(ip),
-                value: None,
-            });
-        }
-        let eps = usable_endpoints(endpoints.get(spn).map(Vec::as_slice).unwrap_or(&[]), f);
-        if eps.is_empty() {
-            // No element in the dispatch map: the packet leaves NAT untouched and is rejected in filter.
-            continue;
-        }
-        let chain = service_chain(spn);
-        t.add_chain(regular(&chain)).rules = service_rules(f, svc, &eps, cfg);
-        for ip in &ips {
-            t.set_mut(MAP_SERVICE_IPS).elements.insert(Element {
-                key: concat_key(&[
-                    ip_bytes(ip),
-                    vec![svc.protocol.number()],
-                    svc.port.to_be_bytes().to_vec(),
-                ]),
-                value: Some(ElementValue::Verdict(Verdict::Goto(chain.clone()))),
-            });
-        }
-        for ep in &eps {
-            t.set_mut(SET_HAIRPIN).elements.insert(Element {
-                key: concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]),
-                value: None,
-            });
-        }
-    }
-    t
-}
-
-/// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
-/// fallback so that a rolling update does not black-hole a service).
-fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
-    let of_family = || all.iter().filter(move |e| IpFamily::of(&e.ip) == f);
-    let ready: Vec<Endpoint> = of_family().filter(|e| e.ready).cloned().collect();
-    if !ready.is_empty() {
-        return ready;
-    }
-    of_family()
-        .filter(|e| e.serving && e.terminating)
-        .cloned()
-        .collect()
-}
-
-fn skeleton(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
     let a = addr_type(f);
-    t.add_set(Set {
-        name: SET_CLUSTER_IPS.into(),
-        key: vec![a],
-        data: vec![],
+    let plain_set = |name: &str, key: Vec<DataType>, data: Vec<DataType>| Set {
+        name: name.into(),
+        key,
+        data,
         timeout_ms: None,
         dynamic: false,
-    });
-    t.add_set(Set {
-        name: MAP_SERVICE_IPS.into(),
-        key: vec![a, DataType::InetProto, DataType::InetService],
-        data: vec![DataType::Verdict],
-        timeout_ms: None,
-        dynamic: false,
-    });
-    t.add_set(Set {
-        name: SET_HAIRPIN.into(),
-        key: vec![a, a],
-        data: vec![],
-        timeout_ms: None,
-        dynamic: false,
-    });
+    };
+    t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
+    t.add_set(plain_set(
+        MAP_SERVICE_IPS,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_SERVICE_ENDPOINTS,
+        vec![a, DataType::InetProto, DataType::InetService, SLOT],
+        vec![a, DataType::InetService],
+    ));
+    t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
 
     let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
     t.add_chain(base(
@@ -249,15 +185,12 @@ fn skeleton(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
             .build(),
         RuleBuilder::new().reject(unreach).build(),
     ];
+    t
 }
 
-fn service_rules(
-    f: IpFamily,
-    svc: &ServicePort,
-    eps: &[Endpoint],
-    cfg: &RenderConfig,
-) -> Vec<Rule> {
-    let comment = svc.name.to_string();
+/// `lb-<n>`: masquerade marking, then the uniform choice among n endpoint slots.
+pub fn lb_chain_state(family: Family, n: u32, cfg: &RenderConfig) -> ChainState {
+    let f = ip_family(family);
     let mut rules = Vec::new();
     if cfg.masquerade_all {
         rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
@@ -272,21 +205,110 @@ fn service_rules(
             );
         }
     }
-    let n = eps.len() as u32;
-    for (k, ep) in eps.iter().enumerate() {
-        let remaining = n - k as u32;
-        // The transport match makes the port mapping explicit (and keeps the text loadable by nft).
-        let mut r = RuleBuilder::new().cmp(Field::L4Proto, CmpOp::Eq, vec![svc.protocol.number()]);
-        if remaining > 1 {
-            r = r.numgen_eq(remaining, 0);
-        }
-        rules.push(r.dnat(&ep.ip, ep.port).comment(comment.clone()).build());
+    rules.push(
+        RuleBuilder::new()
+            .dnat_map(
+                &[daddr(f), Field::L4Proto, Field::ThDport],
+                n,
+                MAP_SERVICE_ENDPOINTS,
+                family,
+            )
+            .build(),
+    );
+    ChainState {
+        chain: regular(&lb_chain(n)),
+        rules,
     }
-    rules
+}
+
+/// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
+/// fallback so that a rolling update does not black-hole a service).
+pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
+    let of_family = || all.iter().filter(move |e| IpFamily::of(&e.ip) == f);
+    let ready: Vec<Endpoint> = of_family().filter(|e| e.ready).cloned().collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    of_family()
+        .filter(|e| e.serving && e.terminating)
+        .cloned()
+        .collect()
+}
+
+/// Everything one service port adds to the tables, for every family it has a cluster IP in.
+pub(super) fn service_pieces(
+    svc: &ServicePort,
+    endpoints: &[Endpoint],
+    cfg: &RenderConfig,
+) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for f in [IpFamily::V4, IpFamily::V6] {
+        let family = nft_family(f);
+        let ips: Vec<_> = svc
+            .cluster_ips
+            .iter()
+            .filter(|ip| IpFamily::of(ip) == f)
+            .collect();
+        if ips.is_empty() {
+            continue;
+        }
+        let element =
+            |set: &'static str, key: Vec<u8>, value: Option<ElementValue>| Piece::Element {
+                family,
+                set,
+                element: Element { key, value },
+            };
+        for ip in &ips {
+            pieces.push(element(SET_CLUSTER_IPS, ip_bytes(ip), None));
+        }
+        let eps = usable_endpoints(endpoints, f);
+        if eps.is_empty() {
+            // No dispatch element: the packet leaves NAT untouched and is rejected in filter.
+            continue;
+        }
+        let n = eps.len() as u32;
+        pieces.push(Piece::Chain {
+            family,
+            chain: lb_chain_state(family, n, cfg),
+        });
+        for ip in &ips {
+            let frontend = [
+                ip_bytes(ip),
+                vec![svc.protocol.number()],
+                svc.port.to_be_bytes().to_vec(),
+            ];
+            for (slot, ep) in eps.iter().enumerate() {
+                let mut key = frontend.to_vec();
+                key.push((slot as u32).to_ne_bytes().to_vec());
+                pieces.push(element(
+                    MAP_SERVICE_ENDPOINTS,
+                    concat_key(&key),
+                    Some(ElementValue::Data(concat_key(&[
+                        ip_bytes(&ep.ip),
+                        ep.port.to_be_bytes().to_vec(),
+                    ]))),
+                ));
+            }
+            pieces.push(element(
+                MAP_SERVICE_IPS,
+                concat_key(&frontend),
+                Some(ElementValue::Verdict(Verdict::Goto(lb_chain(n)))),
+            ));
+        }
+        for ep in &eps {
+            pieces.push(element(
+                SET_HAIRPIN,
+                concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]),
+                None,
+            ));
+        }
+    }
+    pieces
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::render;
     use super::*;
     use crate::model::*;
 
@@ -329,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn endpoints_are_chosen_uniformly_and_dispatched_by_map() {
+    fn endpoints_fill_one_slot_each_and_dispatch_goes_to_the_count_chain() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
         let eps: EndpointsMap = [(
@@ -343,20 +365,20 @@ mod tests {
         .into();
         let tables = render(&services, &eps, &RenderConfig::default());
         let v4 = &tables[0];
-        let chain = &v4.chains[&service_chain(&spn)];
-        let moduli: Vec<Option<u32>> = chain
-            .rules
-            .iter()
-            .map(|r| {
-                r.exprs.iter().find_map(|e| match e {
-                    Expr::Numgen { modulus, .. } => Some(*modulus),
-                    _ => None,
-                })
-            })
-            .collect();
-        assert_eq!(moduli, vec![Some(3), Some(2), None]);
-        assert_eq!(v4.sets[MAP_SERVICE_IPS].elements.len(), 1);
+        let text = crate::nft::text::render_table(v4);
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-3"), "{text}");
+        assert!(
+            text.contains("10.96.0.1 . tcp . 80 . 2 : 10.0.0.3 . 8080"),
+            "{text}"
+        );
+        assert!(
+            text.contains("dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 3 map @service-endpoints"),
+            "{text}"
+        );
+        assert_eq!(v4.sets[MAP_SERVICE_ENDPOINTS].elements.len(), 3);
         assert_eq!(v4.sets[SET_HAIRPIN].elements.len(), 3);
+        // Only the count chain in use exists; no per-service chain.
+        assert!(v4.chains.contains_key("lb-3") && !v4.chains.contains_key("lb-2"));
         // The v6 table exists but holds no service.
         assert!(tables[1].sets[MAP_SERVICE_IPS].elements.is_empty());
     }
@@ -368,8 +390,9 @@ mod tests {
         let eps: EndpointsMap = [(spn.clone(), vec![ep("10.0.0.1", 8080, false)])].into();
         let t = &render(&services, &eps, &RenderConfig::default())[0];
         assert!(t.sets[MAP_SERVICE_IPS].elements.is_empty());
+        assert!(t.sets[MAP_SERVICE_ENDPOINTS].elements.is_empty());
         assert_eq!(t.sets[SET_CLUSTER_IPS].elements.len(), 1);
-        assert!(!t.chains.contains_key(&service_chain(&spn)));
+        assert!(!t.chains.keys().any(|c| c.starts_with(LB_CHAIN_PREFIX)));
     }
 
     #[test]
@@ -390,27 +413,37 @@ mod tests {
 
     #[test]
     fn masquerade_rule_follows_config() {
-        let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
-        let services: ServiceMap = [(spn.clone(), sp)].into();
-        let eps: EndpointsMap = [(spn.clone(), vec![ep("10.0.0.1", 8080, true)])].into();
         let mut cfg = RenderConfig::default();
-        let none = render(&services, &eps, &cfg)[0].chains[&service_chain(&spn)]
-            .rules
-            .len();
-        cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
-        let cidr = &render(&services, &eps, &cfg)[0];
-        let text = crate::nft::text::render_table(cidr);
-        assert!(
-            text.contains("ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000"),
-            "{text}"
-        );
-        assert_eq!(cidr.chains[&service_chain(&spn)].rules.len(), none + 1);
-        cfg.masquerade_all = true;
-        let all = &render(&services, &eps, &cfg)[0];
-        let rules = &all.chains[&service_chain(&spn)].rules;
+        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, cfg);
+        assert_eq!(lb(&cfg).rules.len(), 1);
+        cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        let t = TableState::new(Family::Ip, TABLE);
+        let rules = lb(&cfg).rules;
+        assert_eq!(rules.len(), 2, "only the v4 CIDR applies to the ip table");
         assert_eq!(
-            crate::nft::text::render_rule(&rules[0], all),
+            crate::nft::text::render_rule(&rules[0], &t),
+            "ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000 comment \"from outside the cluster CIDR\""
+        );
+        cfg.masquerade_all = true;
+        assert_eq!(
+            crate::nft::text::render_rule(&lb(&cfg).rules[0], &t),
             "meta mark set meta mark | 0x00004000"
         );
+    }
+
+    #[test]
+    fn dual_stack_services_land_in_both_tables() {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        sp.cluster_ips.push("fd00:96::1".parse().unwrap());
+        let services: ServiceMap = [(spn.clone(), sp)].into();
+        let eps: EndpointsMap = [(
+            spn.clone(),
+            vec![ep("10.0.0.1", 8080, true), ep("fd00::1", 8080, true)],
+        )]
+        .into();
+        let tables = render(&services, &eps, &RenderConfig::default());
+        assert_eq!(tables[0].sets[MAP_SERVICE_ENDPOINTS].elements.len(), 1);
+        assert_eq!(tables[1].sets[MAP_SERVICE_ENDPOINTS].elements.len(), 1);
+        assert!(tables[0].chains.contains_key("lb-1") && tables[1].chains.contains_key("lb-1"));
     }
 }
