@@ -1,11 +1,12 @@
 //! The proxy loop: watch the source, keep the kernel in sync, retry failures, resync periodically.
 
-use crate::model::{Cidr, ClusterState};
+use crate::model::{Cidr, ClusterState, NamespacedName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::netlink::NftSocket;
 use crate::render::{self, names::TABLE, RenderConfig};
 use crate::source::{apply_event, ManifestSource};
-use crate::sync::{delete_tables, SyncEngine};
+use crate::sync::{delete_tables, SyncEngine, SyncError, SyncReport};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -92,9 +93,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         let retry_due = retry_at.is_none_or(|t| Instant::now() >= t);
         if dirty && debounced && retry_due {
             let changes = state.take_changes();
-            let desired = render::render(state.service_map(), &state.endpoints_map(), &opts.render);
             last_sync = Some(Instant::now());
-            match engine.sync(&desired) {
+            match sync_once(&mut engine, &state, &changes.changed_services, &opts.render) {
                 Ok(report) => {
                     if report.full {
                         last_full = Instant::now();
@@ -105,10 +105,12 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                         bytes = report.bytes,
                         services = state.service_map().len(),
                         changed_services = changes.changed_services.len(),
+                        commit_ms = report.commit_time.as_secs_f64() * 1000.0,
                         elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
                         "sync complete"
                     );
-                    dirty = false;
+                    // Chains released by this commit are deleted by the next one.
+                    dirty = engine.has_pending_cleanup();
                     retry_at = None;
                     backoff = Duration::from_secs(1);
                 }
@@ -126,6 +128,38 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     }
     tracing::info!("stopping; rules stay in place");
     Ok(())
+}
+
+/// One sync: full (every service rendered, the kernel read back and repaired) when the engine cannot trust
+/// its memory, otherwise partial (only the changed services rendered, nothing read from the kernel).
+pub fn sync_once<B: crate::nft::Backend>(
+    engine: &mut SyncEngine<B>,
+    state: &ClusterState,
+    changed: &BTreeSet<NamespacedName>,
+    cfg: &RenderConfig,
+) -> Result<SyncReport, SyncError> {
+    if engine.needs_full_sync() {
+        let endpoints = state.endpoints_map();
+        let pieces = render::all_pieces(state.service_map(), &endpoints, cfg);
+        return engine.sync_full(render::skeleton(cfg), pieces);
+    }
+    let mut updates = Vec::new();
+    for name in changed {
+        let endpoints = state.service_endpoints(name);
+        let current = state.service_ports(name);
+        for sp in &current {
+            updates.push((
+                sp.name.clone(),
+                render::service_pieces(sp, endpoints.get(&sp.name), cfg),
+            ));
+        }
+        for old in engine.committed_ports(name) {
+            if !current.iter().any(|sp| sp.name == old) {
+                updates.push((old, Vec::new()));
+            }
+        }
+    }
+    engine.sync_partial(updates)
 }
 
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.

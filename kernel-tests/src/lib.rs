@@ -177,15 +177,19 @@ impl Drop for Agent {
     }
 }
 
-/// Polls `cond` every 50 ms until it holds or `timeout` passes.
-pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> Result<Duration, ()> {
+/// `wait_until` gave up.
+#[derive(Debug, Clone, Copy)]
+pub struct TimedOut;
+
+/// Polls `cond` every 50 ms until it holds or `timeout` passes; returns how long it took.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> Result<Duration, TimedOut> {
     let start = Instant::now();
     loop {
         if cond() {
             return Ok(start.elapsed());
         }
         if start.elapsed() > timeout {
-            return Err(());
+            return Err(TimedOut);
         }
         std::thread::sleep(Duration::from_millis(50));
     }

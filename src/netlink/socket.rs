@@ -152,6 +152,36 @@ impl NlSocket {
         }
     }
 
+    /// Sends one dump request and hands every answer (type, payload) to `f` as it arrives, without copying:
+    /// for dumps too big to collect (a conntrack table). Messages with another sequence number are skipped.
+    pub fn dump_each(
+        &mut self,
+        request: &[u8],
+        mut f: impl FnMut(u16, &[u8]),
+    ) -> Result<(), NetlinkError> {
+        let seq = u32::from_ne_bytes(request[8..12].try_into().unwrap());
+        self.sock.send(request, 0)?;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = recv(&self.sock, &mut buf, 0)?;
+            for msg in messages(&buf[..n]) {
+                if msg.seq != seq {
+                    continue;
+                }
+                match msg.msg_type {
+                    NLMSG_DONE => return Ok(()),
+                    NLMSG_ERROR => {
+                        return match parse_error(&msg)? {
+                            Some(e) => Err(e),
+                            None => Ok(()),
+                        }
+                    }
+                    t => f(t, msg.payload),
+                }
+            }
+        }
+    }
+
     /// Sends one request carrying NLM_F_ACK and waits for its acknowledgement.
     pub fn request_ack(&mut self, request: &[u8]) -> Result<(), NetlinkError> {
         let seq = u32::from_ne_bytes(request[8..12].try_into().unwrap());

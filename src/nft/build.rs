@@ -124,8 +124,10 @@ impl RuleBuilder {
         Self::default()
     }
 
+    /// A comment, cut to what the kernel stores (so the rule read back compares equal).
     pub fn comment(mut self, c: impl Into<String>) -> Self {
-        self.comment = Some(c.into());
+        let c: String = c.into();
+        self.comment = Some(crate::nft::wire::stored_comment(&c).to_owned());
         self
     }
 

@@ -90,6 +90,18 @@ impl NftSocket {
             .ok_or_else(|| NetlinkError::Protocol("no generation in answer".into()))
     }
 
+    /// The names of every table of `family`, ours and everyone else's.
+    pub fn list_tables(&mut self, family: Family) -> Result<Vec<String>, DumpError> {
+        let mut names = Vec::new();
+        for p in self.dump(NFT_MSG_GETTABLE, family, None, None)? {
+            let (f, n) = wire::decode_table(&p)?;
+            if f == family {
+                names.push(n);
+            }
+        }
+        Ok(names)
+    }
+
     /// Reads one table back (None when it does not exist).
     pub fn dump_table(
         &mut self,

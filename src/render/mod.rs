@@ -57,10 +57,9 @@ pub fn all_pieces(
 
 /// The skeleton with the pieces added: the complete desired tables.
 pub fn assemble<'a>(
-    cfg: &RenderConfig,
+    mut tables: Vec<TableState>,
     pieces: impl IntoIterator<Item = &'a Piece>,
 ) -> Vec<TableState> {
-    let mut tables = skeleton(cfg);
     for p in pieces {
         let family = match p {
             Piece::Element { family, .. } | Piece::Chain { family, .. } => *family,
@@ -70,7 +69,20 @@ pub fn assemble<'a>(
         };
         match p {
             Piece::Element { set, element, .. } => {
-                t.set_mut(set).elements.insert(element.clone());
+                // One value per key: when two service ports claim the same frontend, the first (in name
+                // order) keeps it, as the sync engine's index does.
+                let elements = &mut t.set_mut(set).elements;
+                let probe = Element {
+                    key: element.key.clone(),
+                    value: None,
+                };
+                let taken = elements
+                    .range(probe..)
+                    .next()
+                    .is_some_and(|e| e.key == element.key);
+                if !taken {
+                    elements.insert(element.clone());
+                }
             }
             Piece::Chain { chain, .. } => {
                 t.chains
@@ -89,7 +101,7 @@ pub fn render(
     cfg: &RenderConfig,
 ) -> Vec<TableState> {
     let pieces = all_pieces(services, endpoints, cfg);
-    assemble(cfg, pieces.values().flatten())
+    assemble(skeleton(cfg), pieces.values().flatten())
 }
 
 /// What shapes the rules besides the services themselves (kube-proxy's flags).

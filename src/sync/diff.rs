@@ -5,8 +5,11 @@
 use crate::nft::ir::*;
 use crate::nft::tx::{Op, Transaction};
 
-/// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`.
-pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableState) {
+/// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`. Returns the stale
+/// chains it left in place because something in `old` still pointed at them: kernels before 6.2 can answer
+/// EBUSY when a chain is deleted in the transaction that removes the last reference to it, so such chains
+/// are deleted by the next sync instead (as upstream kube-proxy does).
+pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableState) -> Vec<String> {
     let (fam, name) = (new.family, new.name.as_str());
     let old = match old {
         Some(o) if compatible(o, new) => o,
@@ -14,9 +17,13 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
             // A set's type or a base chain's hook changed (an upgrade of nftkube itself): such objects cannot
             // be altered in place, so the table is replaced, still inside this one atomic batch.
             tx.push(fam, name, Op::DeleteTable);
-            return create_table(tx, new);
+            create_table(tx, new);
+            return Vec::new();
         }
-        None => return create_table(tx, new),
+        None => {
+            create_table(tx, new);
+            return Vec::new();
+        }
     };
 
     for (n, s) in &new.sets {
@@ -72,12 +79,13 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
             None => add_rules(tx, fam, name, c),
         }
     }
-    // Stale chains: flush all of them first (they may jump into each other), then delete.
-    let stale: Vec<&ChainState> = old
+    // Stale chains: those still referenced by the old state wait for the next sync; the others are flushed
+    // first (they may jump into each other), then deleted.
+    let (deferred, stale): (Vec<&ChainState>, Vec<&ChainState>) = old
         .chains
         .values()
         .filter(|c| !new.chains.contains_key(&c.chain.name))
-        .collect();
+        .partition(|c| referenced(old, &c.chain.name));
     for c in &stale {
         if !c.rules.is_empty() {
             tx.push(fam, name, Op::FlushChain(c.chain.name.clone()));
@@ -91,6 +99,24 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
             tx.push(fam, name, Op::DeleteSet(n.clone()));
         }
     }
+    deferred.iter().map(|c| c.chain.name.clone()).collect()
+}
+
+/// Whether any element or rule of `t` jumps or goes to `chain`.
+fn referenced(t: &TableState, chain: &str) -> bool {
+    let by_element = t.sets.values().any(|s| {
+        s.elements
+            .iter()
+            .any(|e| matches!(&e.value, Some(ElementValue::Verdict(v)) if v.chain() == Some(chain)))
+    });
+    let by_rule = t.chains.values().any(|c| {
+        c.rules.iter().any(|r| {
+            r.exprs
+                .iter()
+                .any(|e| matches!(e, Expr::Verdict(v) if v.chain() == Some(chain)))
+        })
+    });
+    by_element || by_rule
 }
 
 /// Whether `old` can be turned into `new` object by object: every set both have is the same definition and

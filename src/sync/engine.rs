@@ -1,12 +1,16 @@
-//! The sync engine: keeps the last committed state in memory, commits the difference to the desired state
-//! in one atomic transaction, and re-reads the kernel when it cannot trust its memory (start, errors).
+//! The sync engine: remembers what it committed, commits differences in one atomic transaction, and re-reads
+//! the kernel when it cannot trust its memory (start, errors, periodic full syncs).
 
 use super::diff::diff_table;
+use super::index::Index;
+use crate::model::{NamespacedName, ServicePortName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::netlink::{CommitError, DumpError};
-use crate::nft::tx::Transaction;
+use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
-use std::collections::BTreeMap;
+use crate::render::names::{MAP_SERVICE_IPS, TABLE};
+use crate::render::Piece;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
@@ -15,32 +19,42 @@ pub enum SyncError {
     Read(#[from] DumpError),
     #[error(transparent)]
     Commit(#[from] CommitError),
+    #[error("the committed state is not known; a full sync is needed")]
+    NeedsFullSync,
 }
 
 /// What one sync did.
+/// What one sync did.
 #[derive(Debug, Clone, Default)]
 pub struct SyncReport {
-    /// Whether the kernel was read back first (startup, after an error, or a forced full sync).
+    /// Whether the kernel was read back first (startup, after an error, or a periodic full sync).
     pub full: bool,
     /// Object changes committed (0: the kernel already matched).
     pub changes: usize,
     /// Netlink bytes sent.
     pub bytes: usize,
+    /// Time spent inside the netlink commit (the kernel's share, plus the send and the acks).
+    pub commit_time: Duration,
     pub elapsed: Duration,
 }
 
+/// Keeps the kernel equal to the desired state. It remembers what it committed (per service port, see
+/// `Index`), so a partial sync builds its transaction from the changed services alone and never lists the
+/// kernel; a full sync reads the kernel back and repairs whatever differs.
 pub struct SyncEngine<B: Backend> {
     backend: B,
-    committed: BTreeMap<(Family, String), Option<TableState>>,
-    trust_memory: bool,
+    /// None when memory cannot be trusted (startup, after a failed commit): the next sync must be full.
+    index: Option<Index>,
+    /// Chains that no service needed after the last commit; deleted by the next one.
+    unused_chains: BTreeSet<(Family, String)>,
 }
 
 impl<B: Backend> SyncEngine<B> {
     pub fn new(backend: B) -> Self {
         SyncEngine {
             backend,
-            committed: BTreeMap::new(),
-            trust_memory: false,
+            index: None,
+            unused_chains: BTreeSet::new(),
         }
     }
 
@@ -48,51 +62,160 @@ impl<B: Backend> SyncEngine<B> {
         &mut self.backend
     }
 
-    /// The next sync reads the kernel back and repairs any drift.
-    pub fn force_full_sync(&mut self) {
-        self.trust_memory = false;
+    /// Whether the next sync has to be a full one.
+    pub fn needs_full_sync(&self) -> bool {
+        self.index.is_none()
     }
 
-    /// Brings the kernel to `desired`. On failure nothing was applied, and the next sync starts from a fresh
-    /// read of the kernel.
-    pub fn sync(&mut self, desired: &[TableState]) -> Result<SyncReport, SyncError> {
+    /// Whether a sync is due even without changes: chains released by the last commit wait for the next one.
+    pub fn has_pending_cleanup(&self) -> bool {
+        !self.unused_chains.is_empty()
+    }
+
+    /// Makes the next sync a full one (periodic resync, or drift noticed by a monitor).
+    pub fn force_full_sync(&mut self) {
+        self.index = None;
+    }
+
+    /// Service ports currently committed for a service (to find ports that disappeared).
+    pub fn committed_ports(&self, service: &NamespacedName) -> Vec<ServicePortName> {
+        self.index
+            .as_ref()
+            .map(|i| i.ports_of(service))
+            .unwrap_or_default()
+    }
+
+    /// Reads our tables back, and commits whatever differs from the skeleton plus every service's pieces.
+    pub fn sync_full(
+        &mut self,
+        skeleton: Vec<TableState>,
+        pieces: BTreeMap<ServicePortName, Vec<Piece>>,
+    ) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
-        let full = !self.trust_memory;
-        if full {
-            for t in desired {
-                let current = self.backend.read_table(t.family, &t.name)?;
-                self.committed.insert((t.family, t.name.clone()), current);
-            }
-        }
+        self.index = None;
+        let desired = crate::render::assemble(skeleton, pieces.values().flatten());
         let mut tx = Transaction::default();
-        for t in desired {
-            let old = self
-                .committed
-                .get(&(t.family, t.name.clone()))
-                .and_then(Option::as_ref);
-            diff_table(&mut tx, old, t);
-        }
-        for c in &tx.changes {
-            tracing::debug!(full, "{c}");
-        }
-        let bytes = match self.backend.commit(&tx) {
-            Ok(b) => b,
-            Err(e) => {
-                self.trust_memory = false;
-                return Err(e.into());
+        let mut deferred = BTreeSet::new();
+        for t in &desired {
+            let current = self.backend.read_table(t.family, &t.name)?;
+            for chain in diff_table(&mut tx, current.as_ref(), t) {
+                deferred.insert((t.family, chain));
             }
-        };
-        for t in desired {
-            self.committed
-                .insert((t.family, t.name.clone()), Some(t.clone()));
         }
-        self.trust_memory = true;
+        drop(desired);
+        let (bytes, commit_time) = self.commit(&tx)?;
+        self.index = Some(Index::build(pieces));
+        self.unused_chains = deferred;
         Ok(SyncReport {
-            full,
+            full: true,
             changes: tx.changes.len(),
             bytes,
+            commit_time,
             elapsed: start.elapsed(),
         })
+    }
+
+    /// Replaces the pieces of the given service ports (an empty list removes the port) without reading the
+    /// kernel. Falls back to an error if memory is not trusted; the caller then runs a full sync.
+    pub fn sync_partial(
+        &mut self,
+        updates: Vec<(ServicePortName, Vec<Piece>)>,
+    ) -> Result<SyncReport, SyncError> {
+        let start = Instant::now();
+        let index = self.index.as_mut().ok_or(SyncError::NeedsFullSync)?;
+        let delta = index.replace(updates);
+        let mut tx = Transaction::default();
+        let table = TABLE;
+
+        for (family, chain) in &delta.chains_added {
+            // Still in the kernel from an earlier round (released, not yet deleted): keep it.
+            if self
+                .unused_chains
+                .remove(&(*family, chain.chain.name.clone()))
+            {
+                continue;
+            }
+            tx.push(*family, table, Op::AddChain(chain.chain.clone()));
+            for rule in &chain.rules {
+                tx.push(
+                    *family,
+                    table,
+                    Op::AddRule {
+                        chain: chain.chain.name.clone(),
+                        rule: rule.clone(),
+                    },
+                );
+            }
+        }
+        // Dispatch goes first and comes last, so no packet is sent to a service whose endpoints are
+        // half-written (the batch is atomic anyway; this keeps chunked commits safe too).
+        let dispatch_first = |k: &(Family, &'static str)| (k.1 != MAP_SERVICE_IPS, *k);
+        let mut removed: Vec<_> = delta.elements_removed.into_iter().collect();
+        removed.sort_by_key(|(k, _)| dispatch_first(k));
+        for ((family, set), elements) in removed {
+            tx.push(
+                family,
+                table,
+                Op::DeleteElements {
+                    set: set.into(),
+                    elements,
+                },
+            );
+        }
+        let mut added: Vec<_> = delta.elements_added.into_iter().collect();
+        added.sort_by_key(|(k, _)| std::cmp::Reverse(dispatch_first(k)));
+        for ((family, set), elements) in added {
+            tx.push(
+                family,
+                table,
+                Op::AddElements {
+                    set: set.into(),
+                    elements,
+                },
+            );
+        }
+        // Chains released by an earlier commit: nothing points at them any more.
+        let index = self.index.as_ref().expect("checked above");
+        let ready: Vec<(Family, String)> = self
+            .unused_chains
+            .iter()
+            .filter(|(f, c)| !index.chain_in_use(*f, c))
+            .cloned()
+            .collect();
+        for (family, chain) in &ready {
+            tx.push(*family, table, Op::FlushChain(chain.clone()));
+            tx.push(*family, table, Op::DeleteChain(chain.clone()));
+        }
+        let (bytes, commit_time) = self.commit(&tx)?;
+        for c in ready {
+            self.unused_chains.remove(&c);
+        }
+        self.unused_chains.extend(delta.chains_unused);
+        Ok(SyncReport {
+            full: false,
+            changes: tx.changes.len(),
+            bytes,
+            commit_time,
+            elapsed: start.elapsed(),
+        })
+    }
+
+    fn commit(&mut self, tx: &Transaction) -> Result<(usize, Duration), SyncError> {
+        if tx.is_empty() {
+            return Ok((0, Duration::ZERO));
+        }
+        for c in &tx.changes {
+            tracing::trace!("{c}");
+        }
+        let start = Instant::now();
+        match self.backend.commit(tx) {
+            Ok(bytes) => Ok((bytes, start.elapsed())),
+            Err(e) => {
+                // Nothing of the transaction was applied, but the index may already describe it.
+                self.index = None;
+                Err(e.into())
+            }
+        }
     }
 }
 
@@ -116,20 +239,19 @@ mod tests {
     use super::*;
     use crate::model::*;
     use crate::nft::fake::FakeKernel;
-    use crate::render::{render, RenderConfig};
+    use crate::render::{all_pieces, render, service_pieces, skeleton, RenderConfig};
 
-    fn service(name: &str, ip: &str, eps: &[&str]) -> (ServicePort, Vec<Endpoint>) {
-        let spn = ServicePortName {
-            service: NamespacedName::new("ns", name),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        };
-        let sp = ServicePort {
-            name: spn,
+    fn port(name: &str, ip: &str, proto: Protocol) -> ServicePort {
+        ServicePort {
+            name: ServicePortName {
+                service: NamespacedName::new("ns", name),
+                port: proto.as_str().into(),
+                protocol: proto,
+            },
             service_type: ServiceType::ClusterIP,
-            cluster_ips: vec![ip.parse().unwrap()],
+            cluster_ips: ip.split(',').map(|i| i.parse().unwrap()).collect(),
             port: 80,
-            protocol: Protocol::Tcp,
+            protocol: proto,
             node_port: None,
             external_ips: vec![],
             load_balancer_ips: vec![],
@@ -138,9 +260,11 @@ mod tests {
             internal_traffic_policy: TrafficPolicy::Cluster,
             session_affinity_timeout: None,
             health_check_node_port: None,
-        };
-        let eps = eps
-            .iter()
+        }
+    }
+
+    fn eps(ips: &[&str]) -> Vec<Endpoint> {
+        ips.iter()
             .map(|e| Endpoint {
                 ip: e.parse().unwrap(),
                 port: 8080,
@@ -152,76 +276,252 @@ mod tests {
                 zone_hints: vec![],
                 node_hints: vec![],
             })
-            .collect();
-        (sp, eps)
+            .collect()
     }
 
-    fn world(list: &[(ServicePort, Vec<Endpoint>)]) -> Vec<TableState> {
-        let services: ServiceMap = list
-            .iter()
-            .map(|(s, _)| (s.name.clone(), s.clone()))
-            .collect();
-        let eps: EndpointsMap = list
-            .iter()
-            .map(|(s, e)| (s.name.clone(), e.clone()))
-            .collect();
-        render(&services, &eps, &RenderConfig::default())
+    /// A model small enough to write out, with what the tests need to change it.
+    #[derive(Clone, Default)]
+    struct World {
+        services: ServiceMap,
+        endpoints: EndpointsMap,
     }
 
-    fn kernel_matches(k: &FakeKernel, desired: &[TableState]) {
-        for t in desired {
-            assert_eq!(k.tables.get(&(t.family, t.name.clone())), Some(t));
+    impl World {
+        fn set(&mut self, sp: ServicePort, e: Vec<Endpoint>) -> ServicePortName {
+            let spn = sp.name.clone();
+            self.services.insert(spn.clone(), sp);
+            self.endpoints.insert(spn.clone(), e);
+            spn
+        }
+        fn remove(&mut self, spn: &ServicePortName) {
+            self.services.remove(spn);
+            self.endpoints.remove(spn);
+        }
+        fn tables(&self) -> Vec<TableState> {
+            render(&self.services, &self.endpoints, &RenderConfig::default())
+        }
+        fn full(&self, e: &mut SyncEngine<FakeKernel>) -> SyncReport {
+            let cfg = RenderConfig::default();
+            e.sync_full(
+                skeleton(&cfg),
+                all_pieces(&self.services, &self.endpoints, &cfg),
+            )
+            .unwrap()
+        }
+        fn partial(
+            &self,
+            e: &mut SyncEngine<FakeKernel>,
+            changed: &[&ServicePortName],
+        ) -> SyncReport {
+            let cfg = RenderConfig::default();
+            let updates = changed
+                .iter()
+                .map(|spn| {
+                    let pieces = match self.services.get(spn) {
+                        Some(sp) => service_pieces(sp, self.endpoints.get(spn), &cfg),
+                        None => Vec::new(),
+                    };
+                    ((*spn).clone(), pieces)
+                })
+                .collect();
+            e.sync_partial(updates).unwrap()
+        }
+    }
+
+    /// The fake kernel holds exactly the rendered tables, apart from chains waiting for deletion.
+    fn kernel_matches(k: &FakeKernel, w: &World, unused: &BTreeSet<(Family, String)>) {
+        for t in w.tables() {
+            let mut got = k.tables.get(&(t.family, t.name.clone())).unwrap().clone();
+            got.chains
+                .retain(|name, _| !unused.contains(&(t.family, name.clone())));
+            assert_eq!(got, t);
         }
     }
 
     #[test]
-    fn first_sync_creates_then_changes_are_minimal() {
+    fn full_then_partial_syncs_touch_only_what_changed() {
         let mut e = SyncEngine::new(FakeKernel::default());
-        let a = service("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]);
-        let b = service("b", "10.96.0.2", &["10.0.0.3"]);
-        let d1 = world(&[a.clone(), b.clone()]);
-        let r = e.sync(&d1).unwrap();
+        let mut w = World::default();
+        let a = w.set(
+            port("a", "10.96.0.1", Protocol::Tcp),
+            eps(&["10.0.0.1", "10.0.0.2"]),
+        );
+        let b = w.set(port("b", "10.96.0.2", Protocol::Udp), eps(&["10.0.0.3"]));
+        let r = w.full(&mut e);
         assert!(r.full && r.changes > 0);
-        kernel_matches(&e.backend, &d1);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        let commits = e.backend.commits;
 
         // Nothing changed: nothing sent.
-        assert_eq!(e.sync(&d1).unwrap().changes, 0);
+        assert_eq!(w.partial(&mut e, &[&a]).changes, 0);
+        assert_eq!(e.backend.commits, commits);
 
-        // One endpoint added to b: only b's chain is rewritten plus one hairpin element.
-        let b2 = service("b", "10.96.0.2", &["10.0.0.3", "10.0.0.4"]);
-        let d2 = world(&[a.clone(), b2]);
-        let r = e.sync(&d2).unwrap();
+        // One endpoint replaced (same count): one slot element out, one in. No rule, no chain.
+        w.set(port("b", "10.96.0.2", Protocol::Udp), eps(&["10.0.0.4"]));
+        let r = w.partial(&mut e, &[&b]);
         assert!(!r.full);
-        kernel_matches(&e.backend, &d2);
-        assert!(r.changes <= 5, "{} changes", r.changes);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        assert!(r.changes <= 4, "{r:?}");
 
-        // Service a removed: its chain and map element go away.
-        let d3 = world(std::slice::from_ref(&b));
-        e.sync(&d3).unwrap();
-        kernel_matches(&e.backend, &d3);
+        // An endpoint added to b: lb-2 already exists (a uses it), lb-1 is no longer needed.
+        w.set(
+            port("b", "10.96.0.2", Protocol::Udp),
+            eps(&["10.0.0.4", "10.0.0.5"]),
+        );
+        w.partial(&mut e, &[&b]);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        assert!(e.unused_chains.contains(&(Family::Ip, "lb-1".into())));
+        assert!(e.backend.tables[&(Family::Ip, "nftkube".into())]
+            .chains
+            .contains_key("lb-1"));
+
+        // The next sync deletes the released chain, even when it changes nothing else.
+        w.partial(&mut e, &[]);
+        assert!(!e.backend.tables[&(Family::Ip, "nftkube".into())]
+            .chains
+            .contains_key("lb-1"));
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+
+        // A service removed: its elements go; shared ones stay while another service needs them.
+        w.set(port("c", "10.96.0.1", Protocol::Udp), eps(&["10.0.0.1"]));
+        let c = ServicePortName {
+            service: NamespacedName::new("ns", "c"),
+            port: "udp".into(),
+            protocol: Protocol::Udp,
+        };
+        w.partial(&mut e, &[&c]);
+        w.remove(&a);
+        w.partial(&mut e, &[&a]);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        let t = &e.backend.tables[&(Family::Ip, "nftkube".into())];
+        // 10.96.0.1 is still c's ClusterIP; 10.0.0.1 still c's endpoint.
+        assert_eq!(
+            t.sets[crate::render::names::SET_CLUSTER_IPS].elements.len(),
+            2
+        );
     }
 
     #[test]
-    fn failed_commit_keeps_the_old_state_and_rereads_next_time() {
+    fn partial_syncs_agree_with_full_renders_through_random_changes() {
+        // A deterministic pseudo-random walk over services, ports, families and endpoint counts.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
         let mut e = SyncEngine::new(FakeKernel::default());
-        let d1 = world(&[service("a", "10.96.0.1", &["10.0.0.1"])]);
-        e.sync(&d1).unwrap();
+        let mut w = World::default();
+        w.full(&mut e);
+        for step in 0..400 {
+            let s = rnd(12);
+            let proto = if rnd(2) == 0 {
+                Protocol::Tcp
+            } else {
+                Protocol::Udp
+            };
+            let name = format!("s{s}");
+            // Frontends are unique per service (as ClusterIP allocation guarantees); endpoints are shared.
+            let ip = match rnd(3) {
+                0 => format!("10.96.0.{s}"),
+                1 => format!("fd00:96::{s}"),
+                _ => format!("10.96.0.{s},fd00:96::{s}"),
+            };
+            let sp = port(&name, &ip, proto);
+            let spn = sp.name.clone();
+            if rnd(5) == 0 {
+                w.remove(&spn);
+            } else {
+                let n = rnd(5) as usize;
+                let pool = [
+                    "10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::1", "fd00::2", "10.0.0.4", "fd00::3",
+                ];
+                let chosen: Vec<&str> = (0..n)
+                    .map(|_| pool[rnd(pool.len() as u64) as usize])
+                    .collect();
+                let mut list = eps(&chosen);
+                list.sort();
+                list.dedup();
+                w.set(sp, list);
+            }
+            w.partial(&mut e, &[&spn]);
+            kernel_matches(&e.backend, &w, &e.unused_chains);
+            if step % 97 == 0 {
+                // A full sync of the same state changes nothing but the deferred chain deletions.
+                let r = w.full(&mut e);
+                kernel_matches(&e.backend, &w, &e.unused_chains);
+                assert!(
+                    r.changes <= e.unused_chains.len() * 2 + 2,
+                    "step {step}: {r:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn two_services_claiming_one_frontend_never_fail_the_batch() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let a = w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        w.full(&mut e);
+        // b is given a's ClusterIP and port (bad input): a keeps the frontend, nothing fails.
+        let b = w.set(
+            port("b", "10.96.0.1", Protocol::Tcp),
+            eps(&["10.0.0.2", "10.0.0.3"]),
+        );
+        w.partial(&mut e, &[&b]);
+        let t = &e.backend.tables[&(Family::Ip, "nftkube".into())];
+        let text = crate::nft::text::render_table(t);
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-1"), "{text}");
+        // A full sync resolves it the same way (first by name keeps it).
+        w.full(&mut e);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        w.remove(&a);
+        w.partial(&mut e, &[&a]);
+        // b takes over on the next full sync (or its own next change).
+        w.full(&mut e);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        let text =
+            crate::nft::text::render_table(&e.backend.tables[&(Family::Ip, "nftkube".into())]);
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-2"), "{text}");
+    }
+
+    #[test]
+    fn failed_commit_keeps_the_old_state_and_forces_a_full_sync() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let a = w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        w.full(&mut e);
+        let before = e.backend.tables.clone();
         e.backend.fail_next = Some((0, libc::EINVAL));
-        let d2 = world(&[service("a", "10.96.0.1", &["10.0.0.2"])]);
-        let err = e.sync(&d2).unwrap_err();
+        w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.2"]));
+        let cfg = RenderConfig::default();
+        let err = e
+            .sync_partial(vec![(
+                a.clone(),
+                service_pieces(&w.services[&a], w.endpoints.get(&a), &cfg),
+            )])
+            .unwrap_err();
         assert!(err.to_string().contains("Invalid argument"), "{err}");
-        kernel_matches(&e.backend, &d1);
-        let r = e.sync(&d2).unwrap();
+        assert_eq!(e.backend.tables, before, "a rejected batch changes nothing");
+        assert!(e.needs_full_sync());
+        assert!(matches!(
+            e.sync_partial(vec![]),
+            Err(SyncError::NeedsFullSync)
+        ));
+        let r = w.full(&mut e);
         assert!(r.full);
-        kernel_matches(&e.backend, &d2);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
     }
 
     #[test]
     fn drift_is_repaired_on_a_full_sync() {
         let mut e = SyncEngine::new(FakeKernel::default());
-        let d = world(&[service("a", "10.96.0.1", &["10.0.0.1"])]);
-        e.sync(&d).unwrap();
-        // Someone flushes a chain and deletes the ip table's elements behind our back.
+        let mut w = World::default();
+        w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        w.full(&mut e);
+        // Someone flushes a chain and deletes elements behind our back.
         let t = e
             .backend
             .tables
@@ -229,15 +529,13 @@ mod tests {
             .unwrap();
         t.chains.get_mut("services").unwrap().rules.clear();
         t.sets.get_mut("service-ips").unwrap().elements.clear();
-        e.force_full_sync();
-        let r = e.sync(&d).unwrap();
+        let r = w.full(&mut e);
         assert!(r.full && r.changes > 0);
-        kernel_matches(&e.backend, &d);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
         // A table deleted entirely is recreated.
         e.backend.tables.clear();
-        e.force_full_sync();
-        e.sync(&d).unwrap();
-        kernel_matches(&e.backend, &d);
+        w.full(&mut e);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
     }
 
     #[test]
@@ -248,8 +546,9 @@ mod tests {
             TableState::new(Family::Ip, "other"),
         );
         let mut e = SyncEngine::new(k);
-        e.sync(&world(&[service("a", "10.96.0.1", &["10.0.0.1"])]))
-            .unwrap();
+        let mut w = World::default();
+        w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        w.full(&mut e);
         let n = delete_tables(
             e.backend(),
             &[(Family::Ip, "nftkube"), (Family::Ip6, "nftkube")],

@@ -1,5 +1,6 @@
 //! Keeping the kernel in step with the model: diff, commit, recover.
 pub mod diff;
 pub mod engine;
+pub mod index;
 
 pub use engine::{delete_tables, SyncEngine, SyncError, SyncReport};

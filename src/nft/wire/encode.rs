@@ -308,9 +308,22 @@ fn encode_rule(m: &mut MsgBuilder, table: &str, chain: &str, rule: &Rule) {
     }
 }
 
+/// The longest comment stored, in bytes, without its NUL (nft accepts 128 with the NUL).
+pub const MAX_COMMENT_BYTES: usize = 127;
+
+/// The part of a comment that is stored in the kernel and read back: at most `MAX_COMMENT_BYTES`, cut at a
+/// character boundary (a cut inside a UTF-8 sequence would not decode back as text).
+pub fn stored_comment(c: &str) -> &str {
+    let mut end = c.len().min(MAX_COMMENT_BYTES);
+    while !c.is_char_boundary(end) {
+        end -= 1;
+    }
+    &c[..end]
+}
+
 /// nftnl's userdata TLV holding a comment (NUL-terminated, at most 128 bytes with the NUL).
 pub fn comment_udata(c: &str) -> Vec<u8> {
-    let mut text: Vec<u8> = c.as_bytes().iter().copied().take(127).collect();
+    let mut text: Vec<u8> = stored_comment(c).as_bytes().to_vec();
     text.push(0);
     let mut out = vec![NFTNL_UDATA_RULE_COMMENT, text.len() as u8];
     out.extend(text);

@@ -5,3 +5,6 @@ pub mod encode;
 
 pub use decode::*;
 pub use encode::*;
+
+#[cfg(test)]
+mod tests;

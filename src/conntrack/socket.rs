@@ -1,0 +1,295 @@
+//! A ctnetlink socket: dump, delete by exact tuple, filtered delete, create; and the feature probe.
+//!
+//! Opened in the calling thread's network namespace; conntrack tables are per namespace.
+
+use super::wire::{
+    decode_entry, delete_has_tuple, encode_delete, encode_dump, encode_filtered_delete,
+    encode_new, DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, AF_INET, AF_INET6,
+    IPPROTO_TCP, IPPROTO_UDP, NFNL_SUBSYS_CTNETLINK,
+};
+use crate::netlink::{NetlinkError, NlSocket};
+use std::collections::HashMap;
+use std::io;
+use std::net::IpAddr;
+
+/// Messages per `sendmsg` when deleting or creating many entries.
+const CHUNK: usize = 2048;
+
+const ENOENT: i32 = libc::ENOENT;
+
+/// What a batch of exact deletes did.
+#[derive(Debug, Default)]
+pub struct DeleteOutcome {
+    pub deleted: usize,
+    /// Already gone (expired, deleted by someone else, or replaced by a newer entry with another id).
+    pub gone: usize,
+    /// Any other error, with the entry it concerned.
+    pub errors: Vec<(Entry, NetlinkError)>,
+}
+
+pub struct CtSocket {
+    sock: NlSocket,
+}
+
+impl CtSocket {
+    /// A NETLINK_NETFILTER socket in the calling thread's namespace.
+    pub fn open() -> io::Result<CtSocket> {
+        Ok(CtSocket {
+            sock: NlSocket::open(libc::NETLINK_NETFILTER)?,
+        })
+    }
+
+    /// Dumps the entries `filter` asks for, handing each to `f`; returns how many were received. Messages of
+    /// other subsystems (none expected) and undecodable ones are skipped.
+    pub fn dump(
+        &mut self,
+        filter: &DumpFilter,
+        mut f: impl FnMut(Entry),
+    ) -> Result<usize, NetlinkError> {
+        let seq = self.sock.reserve_seq(1);
+        let mut n = 0usize;
+        self.sock.dump_each(&encode_dump(filter, seq), |t, payload| {
+            if t >> 8 != NFNL_SUBSYS_CTNETLINK {
+                return;
+            }
+            if let Some(e) = decode_entry(payload) {
+                n += 1;
+                f(e);
+            }
+        })?;
+        Ok(n)
+    }
+
+    /// All entries `filter` asks for.
+    pub fn list(&mut self, filter: &DumpFilter) -> Result<Vec<Entry>, NetlinkError> {
+        let mut v = Vec::new();
+        self.dump(filter, |e| v.push(e))?;
+        Ok(v)
+    }
+
+    /// Both families, no filter: everything in this namespace's table.
+    pub fn list_all(&mut self) -> Result<Vec<Entry>, NetlinkError> {
+        let mut v = self.list(&DumpFilter::family(AF_INET))?;
+        v.extend(self.list(&DumpFilter::family(AF_INET6))?);
+        Ok(v)
+    }
+
+    /// Deletes each entry by its exact original tuple, zone and id, `CHUNK` messages per `sendmsg`.
+    pub fn delete(&mut self, entries: &[Entry]) -> Result<DeleteOutcome, NetlinkError> {
+        let mut out = DeleteOutcome::default();
+        for chunk in entries.chunks(CHUNK) {
+            let first = self.sock.reserve_seq(chunk.len() as u32);
+            let mut bytes = Vec::with_capacity(chunk.len() * 96);
+            for (i, e) in chunk.iter().enumerate() {
+                bytes.extend(encode_delete(
+                    e,
+                    first.wrapping_add(i as u32),
+                    i + 1 == chunk.len(),
+                ));
+            }
+            let by_seq: HashMap<u32, &Entry> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (first.wrapping_add(i as u32), e))
+                .collect();
+            let errors = self.send_checked(&bytes, first.wrapping_add(chunk.len() as u32 - 1))?;
+            let mut failed = 0;
+            for err in errors {
+                let entry = match &err {
+                    NetlinkError::Kernel { seq, .. } => by_seq.get(seq).copied(),
+                    _ => None,
+                };
+                match (entry, err.errno()) {
+                    (Some(_), Some(ENOENT)) => {
+                        out.gone += 1;
+                        failed += 1;
+                    }
+                    (Some(e), _) => {
+                        out.errors.push((e.clone(), err));
+                        failed += 1;
+                    }
+                    // A socket-level failure: nothing is known about the rest of the chunk.
+                    (None, _) => return Err(err),
+                }
+            }
+            out.deleted += chunk.len() - failed;
+        }
+        Ok(out)
+    }
+
+    /// One kernel-side filtered delete (Linux 6.12+; see [`probe`]).
+    pub fn filtered_delete(&mut self, f: &DeleteFilter) -> Result<(), NetlinkError> {
+        let seq = self.sock.reserve_seq(1);
+        let bytes = encode_filtered_delete(f, seq);
+        self.send_checked(&bytes, seq)?
+            .into_iter()
+            .next()
+            .map_or(Ok(()), Err)
+    }
+
+    /// Creates entries (`IPCTNL_MSG_CT_NEW`), `CHUNK` per `sendmsg`; returns how many were created and the
+    /// errors of the others.
+    pub fn create(
+        &mut self,
+        entries: &[NewEntry],
+    ) -> Result<(usize, Vec<NetlinkError>), NetlinkError> {
+        let mut created = 0;
+        let mut errors = Vec::new();
+        for chunk in entries.chunks(CHUNK) {
+            let first = self.sock.reserve_seq(chunk.len() as u32);
+            let mut bytes = Vec::with_capacity(chunk.len() * 112);
+            for (i, e) in chunk.iter().enumerate() {
+                bytes.extend(encode_new(
+                    e,
+                    first.wrapping_add(i as u32),
+                    i + 1 == chunk.len(),
+                ));
+            }
+            let errs = self.send_checked(&bytes, first.wrapping_add(chunk.len() as u32 - 1))?;
+            created += chunk.len() - errs.len();
+            errors.extend(errs);
+        }
+        Ok((created, errors))
+    }
+
+    /// Sends messages after checking that no DELETE among them lacks a tuple; returns the kernel's
+    /// per-message errors, or the socket error.
+    fn send_checked(
+        &mut self,
+        bytes: &[u8],
+        ack_seq: u32,
+    ) -> Result<Vec<NetlinkError>, NetlinkError> {
+        if !delete_has_tuple(bytes) {
+            // Unreachable through this module's encoders; refusing is the whole point of checking.
+            return Err(NetlinkError::Protocol(
+                "refusing to send a conntrack DELETE without a tuple (it would flush the table)".into(),
+            ));
+        }
+        match self.sock.transact(bytes, ack_seq) {
+            Ok(()) => Ok(Vec::new()),
+            Err(batch) => {
+                let mut kernel = Vec::new();
+                for e in batch.0 {
+                    match e {
+                        NetlinkError::Kernel { .. } => kernel.push(e),
+                        other => return Err(other),
+                    }
+                }
+                Ok(kernel)
+            }
+        }
+    }
+}
+
+/// What the running kernel was seen to do with ctnetlink filters (per address family).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Features {
+    /// A dump with `CTA_FILTER` on protocol and original destination returns exactly the matching entries.
+    pub dump_filter_v4: bool,
+    pub dump_filter_v6: bool,
+    /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+).
+    pub filtered_delete_v4: bool,
+    pub filtered_delete_v6: bool,
+}
+
+impl Features {
+    pub fn dump_filter(&self, family: u8) -> bool {
+        if family == AF_INET {
+            self.dump_filter_v4
+        } else {
+            self.dump_filter_v6
+        }
+    }
+    pub fn filtered_delete(&self, family: u8) -> bool {
+        if family == AF_INET {
+            self.filtered_delete_v4
+        } else {
+            self.filtered_delete_v6
+        }
+    }
+}
+
+/// Probes the kernel's ctnetlink filters in a throwaway network namespace (on a thread of its own that
+/// `unshare`s, so no table anyone uses is touched): a few entries are created, then a filtered dump and a
+/// filtered delete must select exactly the right ones. Anything unexpected, including not being allowed to
+/// create a namespace, leaves the feature off; the portable path (dump by family, filter in user space,
+/// delete by exact tuple) needs none of them.
+pub fn probe() -> Result<Features, String> {
+    std::thread::Builder::new()
+        .name("ct-probe".into())
+        .spawn(|| {
+            // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(format!(
+                    "creating a scratch network namespace: {}",
+                    io::Error::last_os_error()
+                ));
+            }
+            let mut s = CtSocket::open().map_err(|e| format!("ctnetlink socket: {e}"))?;
+            let v4 = probe_family(
+                &mut s,
+                "192.0.2.1".parse().unwrap(),
+                "192.0.2.2".parse().unwrap(),
+                "192.0.2.100".parse().unwrap(),
+            )?;
+            let v6 = probe_family(
+                &mut s,
+                "2001:db8::1".parse().unwrap(),
+                "2001:db8::2".parse().unwrap(),
+                "2001:db8::100".parse().unwrap(),
+            )?;
+            Ok(Features {
+                dump_filter_v4: v4.0,
+                filtered_delete_v4: v4.1,
+                dump_filter_v6: v6.0,
+                filtered_delete_v6: v6.1,
+            })
+        })
+        .map_err(|e| format!("spawning the probe thread: {e}"))?
+        .join()
+        .unwrap_or_else(|_| Err("the probe thread panicked".into()))
+}
+
+/// (dump filter works, filtered delete works) for one family: `a` is the target, `b` another address.
+fn probe_family(
+    s: &mut CtSocket,
+    a: IpAddr,
+    b: IpAddr,
+    client: IpAddr,
+) -> Result<(bool, bool), String> {
+    let udp_a = Tuple::new(client, 1000, a, 53, IPPROTO_UDP);
+    let udp_a2 = Tuple::new(client, 1001, a, 54, IPPROTO_UDP);
+    let udp_b = Tuple::new(client, 1000, b, 53, IPPROTO_UDP);
+    let tcp_a = Tuple::new(client, 1000, a, 53, IPPROTO_TCP);
+    let all = [udp_a, udp_a2, udp_b, tcp_a];
+    let new: Vec<NewEntry> = all.iter().map(|t| NewEntry::plain(*t, 60)).collect();
+    let (created, errors) = s.create(&new).map_err(|e| format!("creating probe entries: {e}"))?;
+    if created != new.len() {
+        return Err(format!("creating probe entries: {errors:?}"));
+    }
+    let family = if a.is_ipv4() { AF_INET } else { AF_INET6 };
+    let tuples = |v: Vec<Entry>| {
+        let mut t: Vec<Tuple> = v.into_iter().map(|e| e.orig).collect();
+        t.sort();
+        t
+    };
+    let expect = |v: &[Tuple]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v
+    };
+    let dump_ok = match s.list(&DumpFilter::dst(a, IPPROTO_UDP)) {
+        Ok(v) => tuples(v) == expect(&[udp_a, udp_a2]),
+        Err(_) => false,
+    };
+    let delete_ok = match s.filtered_delete(&DeleteFilter::to_socket(a, 53, IPPROTO_UDP)) {
+        Ok(()) => {
+            let left = s
+                .list(&DumpFilter::family(family))
+                .map_err(|e| format!("listing probe entries: {e}"))?;
+            tuples(left) == expect(&[udp_a2, udp_b, tcp_a])
+        }
+        Err(_) => false,
+    };
+    Ok((dump_ok, delete_ok))
+}

@@ -1,0 +1,471 @@
+//! ctnetlink messages, encoded and decoded without I/O: the dump request (with an optional kernel-side
+//! filter), the exact-tuple DELETE, the filtered DELETE, and NEW (creating entries, for tests and benchmarks).
+//!
+//! A DELETE without a tuple flushes the whole conntrack table. Every DELETE this module can encode carries
+//! `CTA_TUPLE_ORIG`, by construction: [`encode_delete`] takes a complete dumped [`Entry`], and
+//! [`encode_filtered_delete`] takes a [`DeleteFilter`] whose constructor demands a destination address and a
+//! protocol. [`delete_has_tuple`] checks encoded bytes (the socket refuses to send a DELETE without one).
+//! Kernels before 6.12 answer a DELETE that has a partial tuple with EINVAL (they take the exact-tuple path,
+//! which needs the whole tuple), so even the filtered form can never become a flush there.
+
+use crate::netlink::attr::{messages, Attr, Attrs};
+use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+pub const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+pub const IPCTNL_MSG_CT_NEW: u16 = 0;
+pub const IPCTNL_MSG_CT_GET: u16 = 1;
+pub const IPCTNL_MSG_CT_DELETE: u16 = 2;
+
+pub const AF_INET: u8 = 2;
+pub const AF_INET6: u8 = 10;
+
+// enum ctattr_type
+pub const CTA_TUPLE_ORIG: u16 = 1;
+pub const CTA_TUPLE_REPLY: u16 = 2;
+pub const CTA_STATUS: u16 = 3;
+pub const CTA_TIMEOUT: u16 = 7;
+pub const CTA_MARK: u16 = 8;
+pub const CTA_ID: u16 = 12;
+pub const CTA_ZONE: u16 = 18;
+pub const CTA_FILTER: u16 = 25;
+// enum ctattr_tuple
+pub const CTA_TUPLE_IP: u16 = 1;
+pub const CTA_TUPLE_PROTO: u16 = 2;
+pub const CTA_TUPLE_ZONE: u16 = 3;
+// enum ctattr_ip
+pub const CTA_IP_V4_SRC: u16 = 1;
+pub const CTA_IP_V4_DST: u16 = 2;
+pub const CTA_IP_V6_SRC: u16 = 3;
+pub const CTA_IP_V6_DST: u16 = 4;
+// enum ctattr_l4proto
+pub const CTA_PROTO_NUM: u16 = 1;
+pub const CTA_PROTO_SRC_PORT: u16 = 2;
+pub const CTA_PROTO_DST_PORT: u16 = 3;
+// enum ctattr_filter
+pub const CTA_FILTER_ORIG_FLAGS: u16 = 1;
+pub const CTA_FILTER_REPLY_FLAGS: u16 = 2;
+// CTA_FILTER_F_* (net/netfilter/nf_internals.h): which fields of the filter tuple count.
+pub const CTA_FILTER_F_IP_SRC: u32 = 1 << 0;
+pub const CTA_FILTER_F_IP_DST: u32 = 1 << 1;
+pub const CTA_FILTER_F_PROTO_NUM: u32 = 1 << 3;
+pub const CTA_FILTER_F_PROTO_SRC_PORT: u32 = 1 << 4;
+pub const CTA_FILTER_F_PROTO_DST_PORT: u32 = 1 << 5;
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
+
+/// The netlink message type of a ctnetlink message.
+pub const fn msg_type(msg: u16) -> u16 {
+    (NFNL_SUBSYS_CTNETLINK << 8) | msg
+}
+
+/// The address family byte of `nfgenmsg` for an address.
+pub fn family_of(ip: &IpAddr) -> u8 {
+    match ip {
+        IpAddr::V4(_) => AF_INET,
+        IpAddr::V6(_) => AF_INET6,
+    }
+}
+
+fn nfgenmsg(family: u8) -> [u8; 4] {
+    // family, version NFNETLINK_V0, res_id 0 (big-endian u16)
+    [family, 0, 0, 0]
+}
+
+/// One direction of a connection: addresses, layer-4 protocol and ports (0 for protocols without ports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tuple {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+impl Tuple {
+    pub fn new(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, proto: u8) -> Tuple {
+        Tuple {
+            src,
+            dst,
+            proto,
+            sport,
+            dport,
+        }
+    }
+
+    /// The tuple of the other direction for a connection without NAT.
+    pub fn inverse(&self) -> Tuple {
+        Tuple {
+            src: self.dst,
+            dst: self.src,
+            proto: self.proto,
+            sport: self.dport,
+            dport: self.sport,
+        }
+    }
+
+    pub fn family(&self) -> u8 {
+        family_of(&self.src)
+    }
+}
+
+impl std::fmt::Display for Tuple {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sock = |ip: &IpAddr, p: u16| match ip {
+            IpAddr::V4(a) => format!("{a}:{p}"),
+            IpAddr::V6(a) => format!("[{a}]:{p}"),
+        };
+        write!(
+            f,
+            "proto {} {} -> {}",
+            self.proto,
+            sock(&self.src, self.sport),
+            sock(&self.dst, self.dport)
+        )
+    }
+}
+
+/// Where an entry's zone was reported, so a delete names it the same way the kernel will look it up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ZoneScope {
+    /// Zone 0 (the default zone), or a zone that applies to the reply direction only: nothing to send.
+    #[default]
+    None,
+    /// `CTA_ZONE`: the zone applies to both directions.
+    Both(u16),
+    /// `CTA_TUPLE_ZONE` inside the original tuple: the zone applies to the original direction only.
+    Orig(u16),
+}
+
+impl ZoneScope {
+    pub fn id(&self) -> u16 {
+        match self {
+            ZoneScope::None => 0,
+            ZoneScope::Both(z) | ZoneScope::Orig(z) => *z,
+        }
+    }
+}
+
+/// One conntrack entry as a dump reports it (the fields cleanup needs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Entry {
+    pub orig: Tuple,
+    pub reply: Tuple,
+    pub zone: ZoneScope,
+    /// The kernel's id of the entry (`CTA_ID`); a delete carrying it fails with ENOENT if the tuple now
+    /// belongs to a newer entry.
+    pub id: Option<u32>,
+    pub mark: u32,
+    pub status: u32,
+    /// Seconds left.
+    pub timeout: u32,
+}
+
+fn put_ip(m: &mut MsgBuilder, v4: u16, v6: u16, ip: &IpAddr) {
+    match ip {
+        IpAddr::V4(a) => m.attr(v4, &a.octets()),
+        IpAddr::V6(a) => m.attr(v6, &a.octets()),
+    };
+}
+
+/// `CTA_TUPLE_*` content: CTA_TUPLE_IP { src, dst }, CTA_TUPLE_PROTO { num, sport, dport }.
+fn put_tuple(m: &mut MsgBuilder, t: &Tuple) {
+    m.nested(CTA_TUPLE_IP, |m| {
+        put_ip(m, CTA_IP_V4_SRC, CTA_IP_V6_SRC, &t.src);
+        put_ip(m, CTA_IP_V4_DST, CTA_IP_V6_DST, &t.dst);
+    });
+    m.nested(CTA_TUPLE_PROTO, |m| {
+        m.attr_u8(CTA_PROTO_NUM, t.proto);
+        if has_ports(t.proto) {
+            m.attr(CTA_PROTO_SRC_PORT, &t.sport.to_be_bytes());
+            m.attr(CTA_PROTO_DST_PORT, &t.dport.to_be_bytes());
+        }
+    });
+}
+
+/// Protocols whose tuples carry ports (the kernel's nf_ct_port_nlattr_to_tuple users).
+fn has_ports(proto: u8) -> bool {
+    matches!(proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | 33 /* DCCP */ | 136 /* UDPLITE */)
+}
+
+/// What a dump asks the kernel to leave out. The l3 family (nfgenmsg) is honoured by every kernel; `proto`
+/// and `dst` go into `CTA_FILTER` (Linux 5.8+; older kernels ignore it and send everything, which the caller
+/// filters again in user space anyway).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DumpFilter {
+    pub family: u8,
+    pub proto: Option<u8>,
+    /// Original destination address (needs `proto`: the kernel parses the tuple filter per protocol).
+    pub dst: Option<IpAddr>,
+}
+
+impl DumpFilter {
+    pub fn family(family: u8) -> DumpFilter {
+        DumpFilter {
+            family,
+            proto: None,
+            dst: None,
+        }
+    }
+    pub fn proto(family: u8, proto: u8) -> DumpFilter {
+        DumpFilter {
+            family,
+            proto: Some(proto),
+            dst: None,
+        }
+    }
+    pub fn dst(dst: IpAddr, proto: u8) -> DumpFilter {
+        DumpFilter {
+            family: family_of(&dst),
+            proto: Some(proto),
+            dst: Some(dst),
+        }
+    }
+    /// Whether a dumped entry passes this filter (what the kernel should have done).
+    pub fn matches(&self, e: &Entry) -> bool {
+        e.orig.family() == self.family
+            && self.proto.is_none_or(|p| e.orig.proto == p)
+            && self.dst.is_none_or(|d| e.orig.dst == d)
+    }
+}
+
+/// `IPCTNL_MSG_CT_GET` with NLM_F_DUMP: every entry of the filter's family, optionally filtered in the kernel.
+pub fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
+    let mut m = MsgBuilder::new(
+        msg_type(IPCTNL_MSG_CT_GET),
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+    );
+    m.raw(&nfgenmsg(filter.family));
+    if let Some(proto) = filter.proto {
+        let mut flags = CTA_FILTER_F_PROTO_NUM;
+        m.nested(CTA_TUPLE_ORIG, |m| {
+            if let Some(dst) = &filter.dst {
+                flags |= CTA_FILTER_F_IP_DST;
+                m.nested(CTA_TUPLE_IP, |m| put_ip(m, CTA_IP_V4_DST, CTA_IP_V6_DST, dst));
+            }
+            m.nested(CTA_TUPLE_PROTO, |m| {
+                m.attr_u8(CTA_PROTO_NUM, proto);
+            });
+        });
+        m.nested(CTA_FILTER, |m| {
+            m.attr_u32(CTA_FILTER_ORIG_FLAGS, flags);
+        });
+    }
+    m.finish()
+}
+
+/// `IPCTNL_MSG_CT_DELETE` of exactly one entry: its original tuple, its zone, and its id (so an entry that
+/// replaced it under the same tuple after the dump is left alone). Asks for an ACK when `ack`.
+pub fn encode_delete(e: &Entry, seq: u32, ack: bool) -> Vec<u8> {
+    let flags = NLM_F_REQUEST | if ack { NLM_F_ACK } else { 0 };
+    let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_DELETE), flags, seq);
+    m.raw(&nfgenmsg(e.orig.family()));
+    m.nested(CTA_TUPLE_ORIG, |m| {
+        put_tuple(m, &e.orig);
+        if let ZoneScope::Orig(z) = e.zone {
+            m.attr(CTA_TUPLE_ZONE, &z.to_be_bytes());
+        }
+    });
+    if let ZoneScope::Both(z) = e.zone {
+        m.attr(CTA_ZONE, &z.to_be_bytes());
+    }
+    if let Some(id) = e.id {
+        m.attr_be32(CTA_ID, id);
+    }
+    m.finish()
+}
+
+/// A kernel-side filtered delete: every entry (zone 0) whose original tuple has this destination address,
+/// protocol and, optionally, destination port. Only for kernels a probe showed honour it (6.12+).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeleteFilter {
+    dst: IpAddr,
+    proto: u8,
+    dport: Option<u16>,
+}
+
+impl DeleteFilter {
+    /// All flows of `proto` to `dst`. The destination address is mandatory: it is what keeps the message a
+    /// tuple-carrying DELETE.
+    pub fn to_ip(dst: IpAddr, proto: u8) -> DeleteFilter {
+        DeleteFilter {
+            dst,
+            proto,
+            dport: None,
+        }
+    }
+    /// All flows of `proto` to `dst:dport`.
+    pub fn to_socket(dst: IpAddr, dport: u16, proto: u8) -> DeleteFilter {
+        DeleteFilter {
+            dst,
+            proto,
+            dport: Some(dport),
+        }
+    }
+    pub fn matches(&self, e: &Entry) -> bool {
+        e.orig.dst == self.dst
+            && e.orig.proto == self.proto
+            && self.dport.is_none_or(|p| e.orig.dport == p)
+            && e.zone.id() == 0
+    }
+}
+
+/// `IPCTNL_MSG_CT_DELETE` with `CTA_FILTER` and a partial original tuple (Linux 6.12+: a filtered flush).
+/// Always carries `CTA_TUPLE_ORIG`.
+pub fn encode_filtered_delete(f: &DeleteFilter, seq: u32) -> Vec<u8> {
+    let mut m = MsgBuilder::new(
+        msg_type(IPCTNL_MSG_CT_DELETE),
+        NLM_F_REQUEST | NLM_F_ACK,
+        seq,
+    );
+    m.raw(&nfgenmsg(family_of(&f.dst)));
+    let mut flags = CTA_FILTER_F_IP_DST | CTA_FILTER_F_PROTO_NUM;
+    m.nested(CTA_TUPLE_ORIG, |m| {
+        m.nested(CTA_TUPLE_IP, |m| {
+            put_ip(m, CTA_IP_V4_DST, CTA_IP_V6_DST, &f.dst)
+        });
+        m.nested(CTA_TUPLE_PROTO, |m| {
+            m.attr_u8(CTA_PROTO_NUM, f.proto);
+            if let Some(p) = f.dport {
+                flags |= CTA_FILTER_F_PROTO_DST_PORT;
+                m.attr(CTA_PROTO_DST_PORT, &p.to_be_bytes());
+            }
+        });
+    });
+    m.nested(CTA_FILTER, |m| {
+        m.attr_u32(CTA_FILTER_ORIG_FLAGS, flags);
+    });
+    m.finish()
+}
+
+/// An entry to create with `IPCTNL_MSG_CT_NEW` (tests and benchmarks fill a table this way). `reply` may
+/// differ from `orig.inverse()` to imitate a NATed connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewEntry {
+    pub orig: Tuple,
+    pub reply: Tuple,
+    pub timeout_s: u32,
+    pub mark: u32,
+    pub zone: u16,
+}
+
+impl NewEntry {
+    /// A connection without NAT.
+    pub fn plain(orig: Tuple, timeout_s: u32) -> NewEntry {
+        NewEntry {
+            orig,
+            reply: orig.inverse(),
+            timeout_s,
+            mark: 0,
+            zone: 0,
+        }
+    }
+}
+
+/// `IPCTNL_MSG_CT_NEW` with NLM_F_CREATE | NLM_F_EXCL: fails with EEXIST if the tuple is taken.
+pub fn encode_new(e: &NewEntry, seq: u32, ack: bool) -> Vec<u8> {
+    let flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_EXCL | if ack { NLM_F_ACK } else { 0 };
+    let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_NEW), flags, seq);
+    m.raw(&nfgenmsg(e.orig.family()));
+    m.nested(CTA_TUPLE_ORIG, |m| put_tuple(m, &e.orig));
+    m.nested(CTA_TUPLE_REPLY, |m| put_tuple(m, &e.reply));
+    m.attr_be32(CTA_TIMEOUT, e.timeout_s);
+    if e.mark != 0 {
+        m.attr_be32(CTA_MARK, e.mark);
+    }
+    if e.zone != 0 {
+        m.attr(CTA_ZONE, &e.zone.to_be_bytes());
+    }
+    m.finish()
+}
+
+fn be16(a: &Attr<'_>) -> Option<u16> {
+    Some(u16::from_be_bytes(a.payload.get(..2)?.try_into().ok()?))
+}
+
+fn ip_of(a: &Attr<'_>) -> Option<IpAddr> {
+    match a.payload.len() {
+        4 => Some(IpAddr::V4(Ipv4Addr::from(
+            <[u8; 4]>::try_from(a.payload).ok()?,
+        ))),
+        16 => Some(IpAddr::V6(Ipv6Addr::from(
+            <[u8; 16]>::try_from(a.payload).ok()?,
+        ))),
+        _ => None,
+    }
+}
+
+/// Decodes a `CTA_TUPLE_*` payload; also returns its `CTA_TUPLE_ZONE`, if any.
+fn decode_tuple(attrs: Attrs<'_>) -> Option<(Tuple, Option<u16>)> {
+    let ip = attrs.get(CTA_TUPLE_IP)?.nested();
+    let (src, dst) = match (ip.get(CTA_IP_V4_SRC), ip.get(CTA_IP_V4_DST)) {
+        (Some(s), Some(d)) => (ip_of(&s)?, ip_of(&d)?),
+        _ => (
+            ip_of(&ip.get(CTA_IP_V6_SRC)?)?,
+            ip_of(&ip.get(CTA_IP_V6_DST)?)?,
+        ),
+    };
+    let proto = attrs.get(CTA_TUPLE_PROTO)?.nested();
+    let t = Tuple {
+        src,
+        dst,
+        proto: proto.get(CTA_PROTO_NUM)?.u8()?,
+        sport: proto
+            .get(CTA_PROTO_SRC_PORT)
+            .and_then(|a| be16(&a))
+            .unwrap_or(0),
+        dport: proto
+            .get(CTA_PROTO_DST_PORT)
+            .and_then(|a| be16(&a))
+            .unwrap_or(0),
+    };
+    let zone = attrs.get(CTA_TUPLE_ZONE).and_then(|a| be16(&a));
+    Some((t, zone))
+}
+
+/// Decodes the payload (nfgenmsg + attributes) of one dumped conntrack message. `None` if it lacks a tuple.
+pub fn decode_entry(payload: &[u8]) -> Option<Entry> {
+    let attrs = Attrs(payload.get(4..)?);
+    let (orig, orig_zone) = decode_tuple(attrs.get(CTA_TUPLE_ORIG)?.nested())?;
+    let (reply, _) = decode_tuple(attrs.get(CTA_TUPLE_REPLY)?.nested())?;
+    let zone = match (attrs.get(CTA_ZONE).and_then(|a| be16(&a)), orig_zone) {
+        (Some(z), _) if z != 0 => ZoneScope::Both(z),
+        (_, Some(z)) if z != 0 => ZoneScope::Orig(z),
+        _ => ZoneScope::None,
+    };
+    let be32 = |k| attrs.get(k).and_then(|a| a.be32());
+    Some(Entry {
+        orig,
+        reply,
+        zone,
+        id: be32(CTA_ID),
+        mark: be32(CTA_MARK).unwrap_or(0),
+        status: be32(CTA_STATUS).unwrap_or(0),
+        timeout: be32(CTA_TIMEOUT).unwrap_or(0),
+    })
+}
+
+/// True unless `bytes` holds a ctnetlink DELETE without `CTA_TUPLE_ORIG` / `CTA_TUPLE_REPLY` (a flush of the
+/// whole table) or cannot be parsed. Checked on everything the cleaner sends.
+pub fn delete_has_tuple(bytes: &[u8]) -> bool {
+    let mut seen = 0usize;
+    let mut total = 0usize;
+    for m in messages(bytes) {
+        total += crate::netlink::align4(16 + m.payload.len());
+        seen += 1;
+        if m.msg_type != msg_type(IPCTNL_MSG_CT_DELETE) {
+            continue;
+        }
+        let Some(attrs) = m.payload.get(4..).map(Attrs) else {
+            return false;
+        };
+        if attrs.get(CTA_TUPLE_ORIG).is_none() && attrs.get(CTA_TUPLE_REPLY).is_none() {
+            return false;
+        }
+    }
+    // Every byte belongs to a parsed message (a truncated tail could hide anything).
+    seen > 0 && total >= bytes.len()
+}

@@ -1,0 +1,216 @@
+//! What is committed, per service port, so that a partial sync computes its transaction from the changed
+//! services alone: O(changes), never O(cluster).
+//!
+//! Pieces that several services can need at once (a ClusterIP shared by two ports, an endpoint in two
+//! services, an `lb-<n>` chain) are reference-counted; the rest (dispatch and endpoint-slot elements, whose
+//! keys name the service's own frontend) belong to one service and are added and removed with it.
+
+use crate::model::{NamespacedName, ServicePortName};
+use crate::nft::ir::{ChainState, Element, Family};
+use crate::render::names::{SET_CLUSTER_IPS, SET_HAIRPIN};
+use crate::render::Piece;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+/// Whether elements of this set may be wanted by more than one service port.
+fn shared_set(set: &str) -> bool {
+    set == SET_CLUSTER_IPS || set == SET_HAIRPIN
+}
+
+/// The kernel-level effect of replacing some services' pieces.
+#[derive(Debug, Default)]
+pub struct Delta {
+    pub chains_added: Vec<(Family, ChainState)>,
+    /// Chains no service needs any more (deleted in a later transaction, see KERNEL-NOTES on EBUSY).
+    pub chains_unused: Vec<(Family, String)>,
+    pub elements_removed: BTreeMap<(Family, &'static str), Vec<Element>>,
+    pub elements_added: BTreeMap<(Family, &'static str), Vec<Element>>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        self.chains_added.is_empty()
+            && self.chains_unused.is_empty()
+            && self.elements_removed.is_empty()
+            && self.elements_added.is_empty()
+    }
+}
+
+/// A key of a per-service set: (family, set, key bytes).
+type HolderKey = (Family, &'static str, Box<[u8]>);
+
+#[derive(Debug, Default, Clone)]
+pub struct Index {
+    pieces: BTreeMap<ServicePortName, Vec<Piece>>,
+    shared_elements: HashMap<(Family, &'static str, Element), u32>,
+    /// Which service port holds each key of the per-service sets. Two ports claiming one frontend (two
+    /// Services given the same ClusterIP and port) must not make the kernel refuse the batch (EEXIST): the
+    /// first keeps it, the other is logged and waits (a full sync, or its next change, re-renders it).
+    holders: HashMap<HolderKey, Arc<ServicePortName>>,
+    chains: HashMap<(Family, String), u32>,
+}
+
+impl Index {
+    /// The index of a complete state.
+    pub fn build(pieces: BTreeMap<ServicePortName, Vec<Piece>>) -> Index {
+        let mut index = Index::default();
+        let mut ignore = Delta::default();
+        for (spn, list) in &pieces {
+            let holder = Arc::new(spn.clone());
+            for p in list {
+                index.acquire(&holder, p, &mut ignore);
+            }
+        }
+        index.pieces = pieces;
+        index
+    }
+
+    /// Service ports of a service currently committed.
+    pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
+        self.pieces
+            .keys()
+            .filter(|spn| &spn.service == service)
+            .cloned()
+            .collect()
+    }
+
+    pub fn service_ports(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// Whether a chain is needed by some service.
+    pub fn chain_in_use(&self, family: Family, name: &str) -> bool {
+        self.chains.contains_key(&(family, name.to_owned()))
+    }
+
+    /// Replaces the pieces of the given service ports (empty: the port is gone) and returns what changes in
+    /// the kernel. Applying it is the caller's business; on failure the caller discards this index.
+    pub fn replace(&mut self, updates: Vec<(ServicePortName, Vec<Piece>)>) -> Delta {
+        let mut delta = Delta::default();
+        for (spn, new) in updates {
+            let old = self.pieces.remove(&spn).unwrap_or_default();
+            let old_set: HashSet<&Piece> = old.iter().collect();
+            let new_set: HashSet<&Piece> = new.iter().collect();
+            let holder = Arc::new(spn.clone());
+            for p in old.iter().filter(|p| !new_set.contains(p)) {
+                self.release(&holder, p, &mut delta);
+            }
+            for p in new.iter().filter(|p| !old_set.contains(p)) {
+                self.acquire(&holder, p, &mut delta);
+            }
+            if !new.is_empty() {
+                self.pieces.insert(spn, new);
+            }
+        }
+        // A chain released and needed again within this delta stays as it is in the kernel.
+        let unused: BTreeSet<(Family, String)> = delta.chains_unused.iter().cloned().collect();
+        let added: BTreeSet<(Family, String)> = delta
+            .chains_added
+            .iter()
+            .map(|(f, c)| (*f, c.chain.name.clone()))
+            .collect();
+        delta.chains_unused.retain(|c| !added.contains(c));
+        delta
+            .chains_added
+            .retain(|(f, c)| !unused.contains(&(*f, c.chain.name.clone())));
+        delta
+    }
+
+    fn acquire(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: &mut Delta) {
+        match p {
+            Piece::Element {
+                family,
+                set,
+                element,
+            } => {
+                if shared_set(set) {
+                    let n = self
+                        .shared_elements
+                        .entry((*family, *set, element.clone()))
+                        .or_insert(0);
+                    *n += 1;
+                    if *n > 1 {
+                        return;
+                    }
+                } else {
+                    let key = (*family, *set, element.key.clone().into_boxed_slice());
+                    match self.holders.get(&key) {
+                        Some(other) if **other != **holder => {
+                            tracing::warn!(
+                                service = %holder, holder = %other, set = *set,
+                                "another service port already uses this address and port; ignored"
+                            );
+                            return;
+                        }
+                        _ => {
+                            self.holders.insert(key, holder.clone());
+                        }
+                    }
+                }
+                delta
+                    .elements_added
+                    .entry((*family, *set))
+                    .or_default()
+                    .push(element.clone());
+            }
+            Piece::Chain { family, chain } => {
+                let n = self
+                    .chains
+                    .entry((*family, chain.chain.name.clone()))
+                    .or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    delta.chains_added.push((*family, chain.clone()));
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: &mut Delta) {
+        match p {
+            Piece::Element {
+                family,
+                set,
+                element,
+            } => {
+                if !shared_set(set) {
+                    let key = (*family, *set, element.key.clone().into_boxed_slice());
+                    match self.holders.get(&key) {
+                        Some(h) if **h == **holder => {
+                            self.holders.remove(&key);
+                        }
+                        // Never ours (we lost the claim): nothing of ours is in the kernel.
+                        _ => return,
+                    }
+                }
+                if shared_set(set) {
+                    let key = (*family, *set, element.clone());
+                    match self.shared_elements.get_mut(&key) {
+                        Some(n) if *n > 1 => {
+                            *n -= 1;
+                            return;
+                        }
+                        _ => {
+                            self.shared_elements.remove(&key);
+                        }
+                    }
+                }
+                delta
+                    .elements_removed
+                    .entry((*family, *set))
+                    .or_default()
+                    .push(element.clone());
+            }
+            Piece::Chain { family, chain } => {
+                let key = (*family, chain.chain.name.clone());
+                match self.chains.get_mut(&key) {
+                    Some(n) if *n > 1 => *n -= 1,
+                    _ => {
+                        self.chains.remove(&key);
+                        delta.chains_unused.push(key);
+                    }
+                }
+            }
+        }
+    }
+}
