@@ -1,7 +1,9 @@
 //! The proxy loop: watch the source, keep the kernel in sync, retry failures, resync periodically.
 
+use crate::metrics;
 use crate::model::{Cidr, ClusterState, NamespacedName};
 use crate::nft::ir::{Family, TableState};
+use crate::nft::monitor::{self, Drift};
 use crate::nft::netlink::NftSocket;
 use crate::render::{self, names::TABLE, RenderConfig};
 use crate::source::{apply_event, ManifestSource};
@@ -9,6 +11,7 @@ use crate::sync::{delete_tables, SyncEngine, SyncError, SyncReport};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything the proxy loop needs to know.
@@ -66,6 +69,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let socket = NftSocket::open()
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
+    let monitor = start_monitor(&mut engine)?;
 
     let mut dirty = true;
     let mut last_sync: Option<Instant> = None;
@@ -89,6 +93,13 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             engine.force_full_sync();
             dirty = true;
         }
+        if monitor.drift.detected.swap(false, Ordering::SeqCst) {
+            // Someone changed our tables: read them back and repair now, bypassing the debounce.
+            engine.force_full_sync();
+            metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
+            dirty = true;
+            last_sync = None;
+        }
         let debounced = last_sync.is_none_or(|t| t.elapsed() >= opts.min_sync_period);
         let retry_due = retry_at.is_none_or(|t| Instant::now() >= t);
         if dirty && debounced && retry_due {
@@ -99,6 +110,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                     if report.full {
                         last_full = Instant::now();
                     }
+                    metrics::record_sync(report.full, report.elapsed);
+                    metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
                     tracing::info!(
                         full = report.full,
                         changes = report.changes,
@@ -115,6 +128,9 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                     backoff = Duration::from_secs(1);
                 }
                 Err(e) => {
+                    metrics::SYNC_FAILURES.fetch_add(1, Ordering::Relaxed);
+                    metrics::PENDING_CHANGES
+                        .store(changes.changed_services.len() as u64, Ordering::Relaxed);
                     tracing::error!(
                         retry_in_s = backoff.as_secs(),
                         "sync failed, the previous rules stay in place: {e}"
@@ -126,8 +142,38 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    monitor.stop.store(true, Ordering::SeqCst);
+    let _ = monitor.thread.join();
     tracing::info!("stopping; rules stay in place");
     Ok(())
+}
+
+struct Monitor {
+    drift: Arc<Drift>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// Watches nf_tables events on a thread of its own, in this thread's network namespace (a new thread
+/// inherits it).
+fn start_monitor(engine: &mut SyncEngine<NftSocket>) -> anyhow::Result<Monitor> {
+    let own_pid = engine.backend().socket().port_id()?;
+    let drift = Arc::new(Drift::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (d, st) = (drift.clone(), stop.clone());
+    let thread = std::thread::Builder::new()
+        .name("nft-monitor".into())
+        .spawn(move || {
+            if let Err(e) = monitor::watch(own_pid, TABLE, d.clone(), st) {
+                // Without events, drift is still repaired by the periodic full sync.
+                tracing::error!("nf_tables event monitor stopped: {e}");
+            }
+        })?;
+    Ok(Monitor {
+        drift,
+        stop,
+        thread,
+    })
 }
 
 /// One sync: full (every service rendered, the kernel read back and repaired) when the engine cannot trust

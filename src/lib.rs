@@ -1,7 +1,9 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
 pub mod agent;
 pub mod cli;
+pub mod conntrack;
 pub mod demo;
+pub mod metrics;
 pub mod model;
 pub mod netlink;
 pub mod netns;

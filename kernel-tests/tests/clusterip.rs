@@ -348,11 +348,7 @@ fn restart_adopts_the_table_and_cleanup_leaves_no_trace() {
     let sb = sandbox("nk-cln", 3);
     let m = Manifests::examples();
     // A table that is not ours must survive everything below.
-    let foreign = command_in(sb.node(), "nft")
-        .args(["add table ip someone-else"])
-        .status()
-        .unwrap();
-    assert!(foreign.success());
+    add_foreign_table(sb.node(), Family::Ip, "someone-else");
 
     let mut agent = Agent::start(sb.node(), &m.dir, &[]);
     wait_reachable(sb.client(), addr(ECHO_V4, 80));

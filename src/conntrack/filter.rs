@@ -158,9 +158,25 @@ impl StaleFilter {
         v
     }
 
+    /// Drops one delete-all target (a kernel-side filtered delete took care of it).
+    pub fn forget_delete_all(&mut self, ip: IpAddr, proto: Protocol, port: Option<u16>) {
+        match port {
+            None => {
+                self.ips.remove(&(ip, proto));
+            }
+            Some(port) => {
+                self.removed.remove(&Frontend { ip, port, proto });
+            }
+        }
+    }
+
     /// True if every target is a delete-all target (no per-entry judgement needed).
     pub fn only_delete_all(&self) -> bool {
-        self.node_ports.is_empty() && self.frontends.keys().all(|fe| self.ips.contains(&(fe.ip, fe.proto)))
+        self.node_ports.is_empty()
+            && self
+                .frontends
+                .keys()
+                .all(|fe| self.ips.contains(&(fe.ip, fe.proto)))
     }
 
     /// A copy without the delete-all targets (after a kernel-side filtered delete handled them).
@@ -311,7 +327,12 @@ mod tests {
         let mut f = StaleFilter::new();
         f.delete_all_to_ip(ip("10.96.0.10"), Protocol::Udp);
         f.frontend(fe("10.96.0.10:80", Protocol::Udp), []);
-        let tcp = entry(IPPROTO_TCP, "10.244.0.2:40000", "10.96.0.10:80", "10.244.9.9:8080");
+        let tcp = entry(
+            IPPROTO_TCP,
+            "10.244.0.2:40000",
+            "10.96.0.10:80",
+            "10.244.9.9:8080",
+        );
         assert_eq!(f.check(&tcp), None);
         // TCP targets are refused outright.
         let mut t = StaleFilter::new();
@@ -351,7 +372,12 @@ mod tests {
     fn removed_frontend_unless_someone_serves_it_now() {
         let mut f = StaleFilter::new();
         f.delete_all_to(fe("10.96.0.10:53", Protocol::Sctp));
-        let e = entry(IPPROTO_SCTP, "10.244.0.2:1", "10.96.0.10:53", "10.244.1.2:5353");
+        let e = entry(
+            IPPROTO_SCTP,
+            "10.244.0.2:1",
+            "10.96.0.10:53",
+            "10.244.1.2:5353",
+        );
         assert_eq!(f.check(&e), Some(Reason::RemovedFrontend));
         assert_eq!(
             f.delete_all_targets(),
@@ -375,15 +401,31 @@ mod tests {
         f.node_port(np, [sa("10.244.1.2:5353")]);
         // To any node address on the NodePort, reply from a non-serving source: stale.
         assert_eq!(
-            f.check(&udp("192.168.200.2:4000", "192.168.200.1:30053", "10.244.2.2:5353")),
+            f.check(&udp(
+                "192.168.200.2:4000",
+                "192.168.200.1:30053",
+                "10.244.2.2:5353"
+            )),
             Some(Reason::NodePortNotServing)
         );
         // Never DNATed (reply source is the node itself): stale.
-        assert!(f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "192.168.200.1:30053")));
+        assert!(f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "192.168.200.1:30053"
+        )));
         // Pointing at the serving endpoint: kept.
-        assert!(!f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "10.244.1.2:5353")));
+        assert!(!f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "10.244.1.2:5353"
+        )));
         // Another port, or TCP on the same port: not this NodePort.
-        assert!(!f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30054", "10.244.2.2:5353")));
+        assert!(!f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30054",
+            "10.244.2.2:5353"
+        )));
         assert!(!f.is_stale(&entry(
             IPPROTO_TCP,
             "192.168.200.2:4000",
@@ -391,7 +433,11 @@ mod tests {
             "10.244.2.2:8080"
         )));
         // IPv6 node addresses too.
-        assert!(f.is_stale(&udp("[fd00:200::2]:4000", "[fd00:200::1]:30053", "[fd00:244:0:2::2]:5353")));
+        assert!(f.is_stale(&udp(
+            "[fd00:200::2]:4000",
+            "[fd00:200::1]:30053",
+            "[fd00:244:0:2::2]:5353"
+        )));
         assert_eq!(
             f.dump_scopes().any_address,
             [Protocol::Udp].into_iter().collect()
@@ -400,8 +446,16 @@ mod tests {
 
         // Restricted to some node addresses (--nodeport-addresses): other destinations are not NodePort flows.
         f.node_port_addresses = vec![ip("192.168.200.1")];
-        assert!(f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "10.244.2.2:5353")));
-        assert!(!f.is_stale(&udp("10.244.0.2:4000", "203.0.113.7:30053", "203.0.113.7:30053")));
+        assert!(f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "10.244.2.2:5353"
+        )));
+        assert!(!f.is_stale(&udp(
+            "10.244.0.2:4000",
+            "203.0.113.7:30053",
+            "203.0.113.7:30053"
+        )));
         assert!(f.dump_scopes().any_address.is_empty());
         assert!(f
             .dump_scopes()

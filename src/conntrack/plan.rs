@@ -240,57 +240,99 @@ pub fn serving_endpoints(state: &ClusterState, spn: &ServicePortName) -> Vec<Soc
         .collect()
 }
 
-/// Updates `index` for the changed services and returns what to clean:
-/// - a deleted UDP ClusterIP that no UDP frontend uses any more: every UDP flow to it;
-/// - a frontend or NodePort that no service has any more: every flow to it;
-/// - every frontend (and NodePort) of a service port that went from no serving endpoint to some, that lost an
-///   endpoint, or that took over a removed frontend: flows whose reply source is not a serving endpoint.
+/// What a cleanup has to look at, before the current endpoints are looked up: names and addresses only, so
+/// targets kept for a retry are judged against the endpoints of the time they are retried.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Targets {
+    /// Deleted UDP ClusterIPs.
+    pub ips: BTreeSet<IpAddr>,
+    /// Frontends a service lost.
+    pub frontends: BTreeSet<Frontend>,
+    /// NodePorts a service lost.
+    pub node_ports: BTreeSet<NodePort>,
+    /// Service ports whose flows are judged by their serving endpoints.
+    pub judged: BTreeSet<ServicePortName>,
+}
+
+impl Targets {
+    pub fn is_empty(&self) -> bool {
+        self.ips.is_empty()
+            && self.frontends.is_empty()
+            && self.node_ports.is_empty()
+            && self.judged.is_empty()
+    }
+
+    pub fn merge(&mut self, other: Targets) {
+        self.ips.extend(other.ips);
+        self.frontends.extend(other.frontends);
+        self.node_ports.extend(other.node_ports);
+        self.judged.extend(other.judged);
+    }
+}
+
+/// Updates `index` for the changed services and returns what they ask to clean:
+/// - deleted UDP ClusterIPs (every UDP flow to them, unless a UDP frontend uses the address again);
+/// - frontends and NodePorts a service lost (every flow to them, unless another service has them now);
+/// - service ports that went from no serving endpoint to some, or lost an endpoint: flows to their frontends
+///   whose reply source is not a serving endpoint.
 ///
 /// Costs O(changed services), never O(cluster).
-pub fn build_filter(
+pub fn collect_targets(
     changes: &Changes,
     index: &mut FrontendIndex,
     state: &ClusterState,
     kinds: FrontendKinds,
-) -> StaleFilter {
-    let mut f = StaleFilter::new();
+) -> Targets {
+    let mut t = Targets::default();
     let mut services: BTreeSet<&NamespacedName> = changes.changed_services.iter().collect();
     services.extend(changes.newly_active_services.iter().map(|n| &n.service));
     services.extend(changes.stale_endpoints.iter().map(|(n, _)| &n.service));
-    let mut removed_fes = Vec::new();
-    let mut removed_nps = Vec::new();
     for key in services {
         let (fes, nps) = index.refresh(key, state, kinds);
-        removed_fes.extend(fes);
-        removed_nps.extend(nps);
+        t.frontends.extend(fes);
+        t.node_ports.extend(nps);
     }
+    t.ips
+        .extend(changes.deleted_udp_cluster_ips.iter().copied());
+    t.judged.extend(
+        changes
+            .newly_active_services
+            .iter()
+            .chain(changes.stale_endpoints.iter().map(|(n, _)| n))
+            .filter(|n| cleaned(n.protocol))
+            .cloned(),
+    );
+    t
+}
 
-    let mut judged: BTreeSet<ServicePortName> = changes.newly_active_services.clone();
-    judged.extend(changes.stale_endpoints.iter().map(|(n, _)| n.clone()));
-    for fe in removed_fes {
-        match index.owner(&fe) {
+/// Turns targets into a filter with the current owners and serving endpoints. O(targets).
+pub fn resolve(t: &Targets, index: &FrontendIndex, state: &ClusterState) -> StaleFilter {
+    let mut f = StaleFilter::new();
+    let mut judged: BTreeSet<&ServicePortName> = t.judged.iter().collect();
+    for fe in &t.frontends {
+        match index.owner(fe) {
             Some(owner) => {
-                judged.insert(owner.clone());
+                judged.insert(owner);
             }
-            None => f.delete_all_to(fe),
+            None => f.delete_all_to(*fe),
         }
     }
-    for np in removed_nps {
-        match index.node_port_owners.get(&np) {
+    for np in &t.node_ports {
+        match index.node_port_owners.get(np) {
             Some(owner) => {
-                judged.insert(owner.clone());
+                judged.insert(owner);
             }
-            None => f.node_port(np, []),
+            None => f.node_port(*np, []),
         }
     }
-    for ip in &changes.deleted_udp_cluster_ips {
+    for ip in &t.ips {
         if !index.ip_in_use(*ip, Protocol::Udp) {
             f.delete_all_to_ip(*ip, Protocol::Udp);
         }
     }
-    for spn in &judged {
+    for spn in judged {
         let Some(pf) = index.get(spn) else {
-            continue; // TCP, or gone (its frontends are handled above)
+            continue; // gone: its frontends are among the removed ones
         };
         let serving = serving_endpoints(state, spn);
         for fe in &pf.frontends {
@@ -301,6 +343,17 @@ pub fn build_filter(
         }
     }
     f
+}
+
+/// [`collect_targets`] then [`resolve`].
+pub fn build_filter(
+    changes: &Changes,
+    index: &mut FrontendIndex,
+    state: &ClusterState,
+    kinds: FrontendKinds,
+) -> StaleFilter {
+    let t = collect_targets(changes, index, state, kinds);
+    resolve(&t, index, state)
 }
 
 #[cfg(test)]
@@ -406,7 +459,12 @@ mod tests {
         }
         fn round(&mut self) -> StaleFilter {
             let ch = self.st.take_changes();
-            build_filter(&ch, &mut self.index, &self.st, FrontendKinds::CLUSTER_IP_ONLY)
+            build_filter(
+                &ch,
+                &mut self.index,
+                &self.st,
+                FrontendKinds::CLUSTER_IP_ONLY,
+            )
         }
     }
 
@@ -459,7 +517,10 @@ mod tests {
         assert!(f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.2.2:5353")));
         assert!(!f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.1.2:5353")));
         // No longer serving counts as removed.
-        w.st.apply_slice(slice("echo", &[("10.244.1.2", false), ("10.244.3.2", true)]));
+        w.st.apply_slice(slice(
+            "echo",
+            &[("10.244.1.2", false), ("10.244.3.2", true)],
+        ));
         let f = w.round();
         assert!(f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.1.2:5353")));
         assert!(!f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.3.2:5353")));
@@ -521,11 +582,17 @@ mod tests {
     #[test]
     fn frontend_taken_over_by_another_service_is_judged_by_its_endpoints() {
         let mut w = World::new();
-        w.st.apply_service(key("old"), vec![port("old", "udp", Protocol::Udp, 53, "10.96.0.10")]);
+        w.st.apply_service(
+            key("old"),
+            vec![port("old", "udp", Protocol::Udp, 53, "10.96.0.10")],
+        );
         w.st.apply_slice(slice("old", &[("10.244.1.2", true)]));
         w.round();
         w.st.delete_service(&key("old"));
-        w.st.apply_service(key("new"), vec![port("new", "udp", Protocol::Udp, 53, "10.96.0.10")]);
+        w.st.apply_service(
+            key("new"),
+            vec![port("new", "udp", Protocol::Udp, 53, "10.96.0.10")],
+        );
         w.st.apply_slice(slice("new", &[("10.244.2.2", true)]));
         let f = w.round();
         assert!(f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.1.2:5353")));
@@ -542,8 +609,11 @@ mod tests {
         // Round 1 fails: .2 removed.
         w.st.apply_slice(slice("echo", &[("10.244.1.2", true)]));
         pending.merge(&w.st.take_changes());
-        // Round 2 fails: a service deleted.
-        w.st.apply_service(key("x"), vec![port("x", "udp", Protocol::Udp, 53, "10.96.0.99")]);
+        // Round 2 fails too: a service without endpoints added.
+        w.st.apply_service(
+            key("x"),
+            vec![port("x", "udp", Protocol::Udp, 53, "10.96.0.99")],
+        );
         pending.merge(&w.st.take_changes());
         // Round 3 succeeds with nothing new of its own.
         pending.merge(&w.st.take_changes());
@@ -621,16 +691,36 @@ mod tests {
         });
         let ch = st.take_changes();
         let f = build_filter(&ch, &mut index, &st, FrontendKinds::ALL);
-        assert!(f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "192.168.200.1:30053")));
-        assert!(!f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "10.244.1.2:5353")));
-        assert!(f.is_stale(&udp("192.168.200.2:4000", "203.0.113.10:53", "203.0.113.10:53")));
+        assert!(f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "192.168.200.1:30053"
+        )));
+        assert!(!f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "10.244.1.2:5353"
+        )));
+        assert!(f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "203.0.113.10:53",
+            "203.0.113.10:53"
+        )));
         // The NodePort removed from the service: every flow to it goes.
         let mut no_np = sp.clone();
         no_np.node_port = None;
         st.apply_service(key("svc"), vec![no_np]);
         let ch = st.take_changes();
         let f = build_filter(&ch, &mut index, &st, FrontendKinds::ALL);
-        assert!(f.is_stale(&udp("192.168.200.2:4000", "192.168.200.1:30053", "10.244.1.2:5353")));
-        assert!(!f.is_stale(&udp("192.168.200.2:4000", "10.96.0.10:53", "10.244.1.2:5353")));
+        assert!(f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "192.168.200.1:30053",
+            "10.244.1.2:5353"
+        )));
+        assert!(!f.is_stale(&udp(
+            "192.168.200.2:4000",
+            "10.96.0.10:53",
+            "10.244.1.2:5353"
+        )));
     }
 }

@@ -3,9 +3,9 @@
 //! Opened in the calling thread's network namespace; conntrack tables are per namespace.
 
 use super::wire::{
-    decode_entry, delete_has_tuple, encode_delete, encode_dump, encode_filtered_delete,
-    encode_new, DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, AF_INET, AF_INET6,
-    IPPROTO_TCP, IPPROTO_UDP, NFNL_SUBSYS_CTNETLINK,
+    decode_entry, delete_has_tuple, encode_delete, encode_dump, encode_filtered_delete, encode_new,
+    DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP,
+    NFNL_SUBSYS_CTNETLINK,
 };
 use crate::netlink::{NetlinkError, NlSocket};
 use std::collections::HashMap;
@@ -48,15 +48,16 @@ impl CtSocket {
     ) -> Result<usize, NetlinkError> {
         let seq = self.sock.reserve_seq(1);
         let mut n = 0usize;
-        self.sock.dump_each(&encode_dump(filter, seq), |t, payload| {
-            if t >> 8 != NFNL_SUBSYS_CTNETLINK {
-                return;
-            }
-            if let Some(e) = decode_entry(payload) {
-                n += 1;
-                f(e);
-            }
-        })?;
+        self.sock
+            .dump_each(&encode_dump(filter, seq), |t, payload| {
+                if t >> 8 != NFNL_SUBSYS_CTNETLINK {
+                    return;
+                }
+                if let Some(e) = decode_entry(payload) {
+                    n += 1;
+                    f(e);
+                }
+            })?;
         Ok(n)
     }
 
@@ -162,7 +163,8 @@ impl CtSocket {
         if !delete_has_tuple(bytes) {
             // Unreachable through this module's encoders; refusing is the whole point of checking.
             return Err(NetlinkError::Protocol(
-                "refusing to send a conntrack DELETE without a tuple (it would flush the table)".into(),
+                "refusing to send a conntrack DELETE without a tuple (it would flush the table)"
+                    .into(),
             ));
         }
         match self.sock.transact(bytes, ack_seq) {
@@ -263,7 +265,9 @@ fn probe_family(
     let tcp_a = Tuple::new(client, 1000, a, 53, IPPROTO_TCP);
     let all = [udp_a, udp_a2, udp_b, tcp_a];
     let new: Vec<NewEntry> = all.iter().map(|t| NewEntry::plain(*t, 60)).collect();
-    let (created, errors) = s.create(&new).map_err(|e| format!("creating probe entries: {e}"))?;
+    let (created, errors) = s
+        .create(&new)
+        .map_err(|e| format!("creating probe entries: {e}"))?;
     if created != new.len() {
         return Err(format!("creating probe entries: {errors:?}"));
     }

@@ -187,7 +187,10 @@ fn put_tuple(m: &mut MsgBuilder, t: &Tuple) {
 
 /// Protocols whose tuples carry ports (the kernel's nf_ct_port_nlattr_to_tuple users).
 fn has_ports(proto: u8) -> bool {
-    matches!(proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | 33 /* DCCP */ | 136 /* UDPLITE */)
+    matches!(
+        proto,
+        IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | 33 /* DCCP */ | 136 /* UDPLITE */
+    )
 }
 
 /// What a dump asks the kernel to leave out. The l3 family (nfgenmsg) is honoured by every kernel; `proto`
@@ -233,18 +236,16 @@ impl DumpFilter {
 
 /// `IPCTNL_MSG_CT_GET` with NLM_F_DUMP: every entry of the filter's family, optionally filtered in the kernel.
 pub fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
-    let mut m = MsgBuilder::new(
-        msg_type(IPCTNL_MSG_CT_GET),
-        NLM_F_REQUEST | NLM_F_DUMP,
-        seq,
-    );
+    let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, seq);
     m.raw(&nfgenmsg(filter.family));
     if let Some(proto) = filter.proto {
         let mut flags = CTA_FILTER_F_PROTO_NUM;
         m.nested(CTA_TUPLE_ORIG, |m| {
             if let Some(dst) = &filter.dst {
                 flags |= CTA_FILTER_F_IP_DST;
-                m.nested(CTA_TUPLE_IP, |m| put_ip(m, CTA_IP_V4_DST, CTA_IP_V6_DST, dst));
+                m.nested(CTA_TUPLE_IP, |m| {
+                    put_ip(m, CTA_IP_V4_DST, CTA_IP_V6_DST, dst)
+                });
             }
             m.nested(CTA_TUPLE_PROTO, |m| {
                 m.attr_u8(CTA_PROTO_NUM, proto);

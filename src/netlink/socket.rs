@@ -84,6 +84,39 @@ impl NlSocket {
         first
     }
 
+    /// The port id the kernel assigned to this socket: events caused by our own requests carry it.
+    pub fn port_id(&mut self) -> io::Result<u32> {
+        let mut addr = netlink_sys::SocketAddr::new(0, 0);
+        self.sock.get_address(&mut addr)?;
+        Ok(addr.port_number())
+    }
+
+    /// Waits at most `timeout` for something to read (false: nothing came).
+    pub fn wait_readable(&self, timeout: std::time::Duration) -> io::Result<bool> {
+        let mut pfd = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let n = unsafe {
+            libc::poll(
+                &mut pfd,
+                1,
+                timeout.as_millis().min(i32::MAX as u128) as i32,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        Ok(n > 0)
+    }
+
     pub fn raw_fd(&self) -> i32 {
         self.sock.as_raw_fd()
     }

@@ -3,6 +3,7 @@ pub mod backend;
 pub mod build;
 pub mod fake;
 pub mod ir;
+pub mod monitor;
 pub mod netlink;
 pub mod text;
 pub mod tx;

@@ -1,0 +1,514 @@
+//! Sync benchmarks: nftkube against the anchors, every number measured in the same run, in fresh network
+//! namespaces (never the host's).
+//!
+//! For each N (ClusterIP services × 5 endpoints, the addresses of ../shared/anchors/gen_rulesets.py):
+//! - nftkube cold full sync (library: render + one netlink batch), and the same through the real binary
+//!   reading generated manifests (wall time to the first completed sync, and the agent's peak RSS);
+//! - a one-endpoint change (same count) and an endpoint-count change, as partial syncs: time and bytes;
+//! - `nft -f` of nftkube's own ruleset (`plan` output);
+//! - upstream kube-proxy's nftables mode: `nft -f` of its first full sync, then its partial sync;
+//! - upstream's iptables mode: `iptables-restore` (legacy and nft-backed) of its full and partial syncs.
+//!
+//! Run as root: `bash ci/bench [SIZES]` (e.g. `bash ci/bench 100,1000,10000`). Slow anchors (upstream nft at
+//! more than `NFTKUBE_BENCH_SLOW_MAX` services, default 10000) are skipped and marked as such.
+
+use nftkube::model::*;
+use nftkube::netns::{unique_name, NetNs};
+use nftkube::nft::netlink::NftSocket;
+use nftkube::render::{self, RenderConfig};
+use nftkube::sync::SyncEngine;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ENDPOINTS: usize = 5;
+
+fn main() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "benchmarks need root (network namespaces)"
+    );
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_else(|| "100,1000,10000".into())
+        .split(',')
+        .map(|s| s.parse().expect("sizes: comma-separated numbers"))
+        .collect();
+    let slow_max: usize = std::env::var("NFTKUBE_BENCH_SLOW_MAX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bin = root.join("target/release/nftkube");
+    assert!(
+        bin.exists(),
+        "build the release binary first: cargo build --release"
+    );
+
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut push = |name: &str, col: usize, v: String| {
+        if let Some(r) = rows.iter_mut().find(|r| r.0 == name) {
+            r.1[col] = v;
+        } else {
+            let mut cells = vec![String::from("-"); sizes.len()];
+            cells[col] = v;
+            rows.push((name.to_owned(), cells));
+        }
+    };
+
+    for (col, &n) in sizes.iter().enumerate() {
+        eprintln!("== N = {n}");
+        let work = std::env::temp_dir().join(unique_name("nftkube-bench"));
+        std::fs::create_dir_all(&work).unwrap();
+        let model = Model::generate(n);
+
+        let cold = nftkube_cold_and_changes(&model);
+        push("nftkube cold full sync (s)", col, secs(cold.full));
+        push("  of which netlink commit (s)", col, secs(cold.full_commit));
+        push(
+            "  transaction size (MB)",
+            col,
+            format!("{:.1}", cold.full_bytes as f64 / 1e6),
+        );
+        push("nftkube 1-endpoint change, median (ms)", col, ms(cold.swap));
+        push("  of which netlink commit (ms) ", col, ms(cold.swap_commit));
+        push(
+            "  netlink bytes sent (1-endpoint)",
+            col,
+            cold.swap_bytes.to_string(),
+        );
+        push(
+            "nftkube endpoint-count change, median (ms)",
+            col,
+            ms(cold.grow),
+        );
+        push(
+            "  netlink bytes sent (count change)",
+            col,
+            cold.grow_bytes.to_string(),
+        );
+
+        let (agent_wall, agent_rss) = agent_binary(&bin, &model, &work);
+        push(
+            "agent binary: manifests → first sync (s)",
+            col,
+            secs(agent_wall),
+        );
+        push(
+            "agent binary: peak RSS (MiB)",
+            col,
+            format!("{:.0}", agent_rss as f64 / 1024.0),
+        );
+
+        let plan = work.join("plan.nft");
+        std::fs::write(&plan, model.plan_text()).unwrap();
+        let t = timed_in_fresh_ns(&["nft", "-f", plan.to_str().unwrap()]);
+        push("nft -f of nftkube's plan (s)", col, secs(t));
+        push(
+            "  ratio: nft -f plan / nftkube cold",
+            col,
+            ratio(t, cold.full),
+        );
+
+        let anchors = work.join("anchors");
+        let status = Command::new("python3")
+            .arg(root.join("../shared/anchors/gen_rulesets.py"))
+            .args(["-n", &n.to_string(), "-e", &ENDPOINTS.to_string(), "-o"])
+            .arg(&anchors)
+            .status()
+            .expect("python3");
+        assert!(status.success(), "gen_rulesets.py failed");
+
+        if n <= slow_max {
+            let (full, inc) = upstream_nft(&anchors);
+            push("upstream nft mode: nft -f full sync (s)", col, secs(full));
+            push(
+                "  ratio: upstream nft full / nftkube cold",
+                col,
+                ratio(full, cold.full),
+            );
+            push("upstream nft mode: partial sync (ms)", col, ms(inc));
+            push(
+                "  ratio: upstream nft partial / nftkube 1-endpoint",
+                col,
+                ratio(inc, cold.swap),
+            );
+        } else {
+            push(
+                "upstream nft mode: nft -f full sync (s)",
+                col,
+                "skipped (slow)".into(),
+            );
+        }
+        for (label, restore) in [
+            ("legacy", "iptables-legacy-restore"),
+            ("nft", "iptables-nft-restore"),
+        ] {
+            match upstream_iptables(&anchors, restore) {
+                Some((full, partial)) => {
+                    push(
+                        &format!("upstream iptables-{label}: full restore (s)"),
+                        col,
+                        secs(full),
+                    );
+                    push(
+                        &format!("  ratio: iptables-{label} full / nftkube cold"),
+                        col,
+                        ratio(full, cold.full),
+                    );
+                    push(
+                        &format!("upstream iptables-{label}: partial restore (ms)"),
+                        col,
+                        ms(partial),
+                    );
+                }
+                None => push(
+                    &format!("upstream iptables-{label}: full restore (s)"),
+                    col,
+                    "not installed".into(),
+                ),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&work);
+    }
+
+    println!();
+    println!(
+        "| N (ClusterIP services × {ENDPOINTS} endpoints) | {} |",
+        sizes
+            .iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    println!("|---|{}", "---|".repeat(sizes.len()));
+    for (name, cells) in rows {
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3}", d.as_secs_f64())
+}
+fn ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1000.0)
+}
+fn ratio(anchor: Duration, ours: Duration) -> String {
+    format!(
+        "{:.1}×",
+        anchor.as_secs_f64() / ours.as_secs_f64().max(1e-9)
+    )
+}
+
+/// N services shaped like the anchors: service i at 10.96.0.0 + 1 + i:80/TCP, endpoint j of service i at
+/// 10.240.0.0 + 1 + 8i + j:8080.
+struct Model {
+    services: ServiceMap,
+    endpoints: EndpointsMap,
+    cfg: RenderConfig,
+}
+
+fn v4(base: [u8; 4], offset: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::from(base)) + offset))
+}
+
+fn service(i: usize) -> ServicePort {
+    ServicePort {
+        name: ServicePortName {
+            service: NamespacedName::new(format!("ns{}", i % 100), format!("svc{i}")),
+            port: "p80".into(),
+            protocol: Protocol::Tcp,
+        },
+        service_type: ServiceType::ClusterIP,
+        cluster_ips: vec![v4([10, 96, 0, 0], 1 + i as u32)],
+        port: 80,
+        protocol: Protocol::Tcp,
+        node_port: None,
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        external_traffic_policy: TrafficPolicy::Cluster,
+        internal_traffic_policy: TrafficPolicy::Cluster,
+        session_affinity_timeout: None,
+        health_check_node_port: None,
+    }
+}
+
+fn endpoint(ip: IpAddr) -> Endpoint {
+    Endpoint {
+        ip,
+        port: 8080,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: None,
+        zone: None,
+        zone_hints: vec![],
+        node_hints: vec![],
+    }
+}
+
+fn endpoints_of(i: usize, count: usize) -> Vec<Endpoint> {
+    (0..count)
+        .map(|j| endpoint(v4([10, 240, 0, 0], 1 + 8 * i as u32 + j as u32)))
+        .collect()
+}
+
+impl Model {
+    fn generate(n: usize) -> Model {
+        let mut services = ServiceMap::new();
+        let mut endpoints = EndpointsMap::new();
+        for i in 0..n {
+            let sp = service(i);
+            endpoints.insert(sp.name.clone(), endpoints_of(i, ENDPOINTS));
+            services.insert(sp.name.clone(), sp);
+        }
+        Model {
+            services,
+            endpoints,
+            cfg: RenderConfig {
+                cluster_cidrs: vec!["10.240.0.0/12".parse().unwrap()],
+                ..RenderConfig::default()
+            },
+        }
+    }
+
+    fn plan_text(&self) -> String {
+        render::render(&self.services, &self.endpoints, &self.cfg)
+            .iter()
+            .map(nftkube::nft::text::render_table)
+            .collect()
+    }
+
+    /// Services and EndpointSlices as Kubernetes YAML, for the agent binary.
+    fn write_manifests(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut svc = String::new();
+        let mut eps = String::new();
+        for (i, (spn, sp)) in self.services.iter().enumerate() {
+            let (ns, name) = (&spn.service.namespace, &spn.service.name);
+            svc.push_str(&format!(
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  clusterIP: {}\n  ports: [{{name: p80, port: 80, targetPort: 8080, protocol: TCP}}]\n",
+                sp.cluster_ips[0]
+            ));
+            let addrs: Vec<String> = self.endpoints[spn]
+                .iter()
+                .map(|e| {
+                    format!(
+                        "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n",
+                        e.ip
+                    )
+                })
+                .collect();
+            eps.push_str(&format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-{i}\n  namespace: {ns}\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv4\nports: [{{name: p80, port: 8080, protocol: TCP}}]\nendpoints:\n{}",
+                addrs.concat()
+            ));
+        }
+        std::fs::write(dir.join("services.yaml"), svc).unwrap();
+        std::fs::write(dir.join("endpointslices.yaml"), eps).unwrap();
+    }
+}
+
+struct Cold {
+    full: Duration,
+    full_commit: Duration,
+    full_bytes: usize,
+    swap: Duration,
+    swap_commit: Duration,
+    swap_bytes: usize,
+    grow: Duration,
+    grow_bytes: usize,
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The library path in a fresh namespace: a cold full sync, then partial syncs of the last service.
+fn nftkube_cold_and_changes(m: &Model) -> Cold {
+    let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+    let services = m.services.clone();
+    let mut endpoints = m.endpoints.clone();
+    let cfg = m.cfg.clone();
+    ns.run(move || {
+        let mut engine = SyncEngine::new(NftSocket::open().unwrap());
+        let start = Instant::now();
+        let pieces = render::all_pieces(&services, &endpoints, &cfg);
+        let r = engine.sync_full(render::skeleton(&cfg), pieces).unwrap();
+        let full = start.elapsed();
+        let last = services.keys().last().unwrap().clone();
+        let last_i = services.len() - 1;
+        let sync_last = |engine: &mut SyncEngine<NftSocket>, eps: &EndpointsMap| {
+            let start = Instant::now();
+            let pieces = render::service_pieces(&services[&last], eps.get(&last), &cfg);
+            let r = engine.sync_partial(vec![(last.clone(), pieces)]).unwrap();
+            (start.elapsed(), r)
+        };
+        // One endpoint replaced by another (same count), back and forth.
+        let (mut swaps, mut commits, mut bytes) = (Vec::new(), Vec::new(), 0);
+        for k in 0..21 {
+            let mut list = endpoints_of(last_i, ENDPOINTS);
+            if k % 2 == 0 {
+                list[0] = endpoint(v4([10, 250, 1, 0], 1 + k));
+            }
+            endpoints.insert(last.clone(), list);
+            let (t, r) = sync_last(&mut engine, &endpoints);
+            swaps.push(t);
+            commits.push(r.commit_time);
+            bytes = r.bytes;
+        }
+        // The endpoint count changes (5 → 6 → 5).
+        let mut grows = Vec::new();
+        let mut grow_bytes = 0;
+        for k in 0..11 {
+            let count = if k % 2 == 0 { ENDPOINTS + 1 } else { ENDPOINTS };
+            endpoints.insert(last.clone(), endpoints_of(last_i, count));
+            let (t, r) = sync_last(&mut engine, &endpoints);
+            grows.push(t);
+            grow_bytes = grow_bytes.max(r.bytes);
+        }
+        Cold {
+            full,
+            full_commit: r.commit_time,
+            full_bytes: r.bytes,
+            swap: median(swaps),
+            swap_commit: median(commits),
+            swap_bytes: bytes,
+            grow: median(grows),
+            grow_bytes,
+        }
+    })
+    .unwrap()
+}
+
+/// A command that runs inside `ns`.
+fn command_in(ns: &NetNs, argv: &[&str]) -> Command {
+    let file = std::fs::File::open(ns.path()).unwrap();
+    let mut cmd = Command::new(argv[0]);
+    cmd.args(&argv[1..]);
+    // SAFETY: runs in the forked child before exec; setns is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+fn run_timed(ns: &NetNs, argv: &[&str], stdin: Option<&Path>) -> Duration {
+    let mut cmd = command_in(ns, argv);
+    if let Some(p) = stdin {
+        cmd.stdin(std::fs::File::open(p).unwrap());
+    }
+    let start = Instant::now();
+    let out = cmd.output().unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+    let t = start.elapsed();
+    assert!(
+        out.status.success(),
+        "{argv:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    t
+}
+
+fn timed_in_fresh_ns(argv: &[&str]) -> Duration {
+    let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+    run_timed(&ns, argv, None)
+}
+
+/// Upstream's nftables mode: its first full sync, then its one-endpoint partial sync.
+fn upstream_nft(anchors: &Path) -> (Duration, Duration) {
+    let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+    let full = run_timed(
+        &ns,
+        &["nft", "-f", anchors.join("nft-full.nft").to_str().unwrap()],
+        None,
+    );
+    let inc = run_timed(
+        &ns,
+        &["nft", "-f", anchors.join("nft-inc.nft").to_str().unwrap()],
+        None,
+    );
+    (full, inc)
+}
+
+/// Upstream's iptables mode with the given restore binary: jumps, full restore, partial restore.
+fn upstream_iptables(anchors: &Path, restore: &str) -> Option<(Duration, Duration)> {
+    if Command::new("sh")
+        .args(["-c", &format!("command -v {restore}")])
+        .output()
+        .ok()?
+        .status
+        .success()
+    {
+        let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+        let flags = ["--noflush", "--counters"];
+        let mut argv = vec![restore];
+        argv.extend(flags);
+        run_timed(&ns, &argv, Some(&anchors.join("ipt-jumps.restore")));
+        let full = run_timed(&ns, &argv, Some(&anchors.join("ipt-full.restore")));
+        let partial = run_timed(&ns, &argv, Some(&anchors.join("ipt-partial-inc.restore")));
+        Some((full, partial))
+    } else {
+        None
+    }
+}
+
+/// The real binary on generated manifests in a fresh namespace: time to its first completed sync, and its
+/// peak RSS (VmHWM) at that point.
+fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64) {
+    let dir: PathBuf = work.join("manifests");
+    m.write_manifests(&dir);
+    let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+    let start = Instant::now();
+    let mut child = command_in(
+        &ns,
+        &[
+            bin.to_str().unwrap(),
+            "proxy",
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--cluster-cidr",
+            "10.240.0.0/12",
+        ],
+    )
+    .stderr(Stdio::piped())
+    .stdout(Stdio::null())
+    .spawn()
+    .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut wall = None;
+    for line in BufReader::new(stderr).lines() {
+        let line = line.unwrap();
+        if line.contains("sync complete") {
+            wall = Some(start.elapsed());
+            break;
+        }
+        assert!(!line.contains("ERROR"), "agent: {line}");
+    }
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let hwm: BTreeMap<&str, u64> = status
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            Some((k, v.trim().trim_end_matches(" kB").parse().ok()?))
+        })
+        .collect();
+    // SAFETY: kill on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    (wall.expect("agent never synced"), hwm["VmHWM"])
+}

@@ -1,0 +1,472 @@
+//! The cleanup the proxy loop runs after each successful commit.
+
+use super::filter::StaleFilter;
+use super::plan::{collect_targets, resolve, FrontendIndex, FrontendKinds, Pending, Targets};
+use super::socket::{probe, CtSocket, Features};
+use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
+use super::Metrics;
+use crate::model::{Changes, ClusterState, Protocol};
+use crate::netlink::NetlinkError;
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the cleaner works.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CleanerOptions {
+    /// Frontend kinds the rules program (only those are cleaned).
+    pub kinds: FrontendKinds,
+    /// Node addresses NodePorts are served on (empty: all).
+    pub node_port_addresses: Vec<IpAddr>,
+    /// Probe the kernel's ctnetlink filters (in a throwaway namespace) and use those that work. Off: dump per
+    /// address family only, which every kernel honours.
+    pub probe: bool,
+    /// Kernel-side dump filters (protocol, original destination) where the probe shows they work.
+    pub dump_filters: bool,
+    /// Kernel-side filtered deletes for "every flow to this address / frontend" targets where the probe
+    /// shows the kernel honours them (6.12+). Their deletions are not counted (the kernel does not say how
+    /// many it removed), which is why it is off by default.
+    pub filtered_delete: bool,
+    /// Per family and protocol, up to this many addresses are dumped one by one with an address filter;
+    /// beyond that, one dump of the protocol.
+    pub max_address_dumps: usize,
+}
+
+impl Default for CleanerOptions {
+    fn default() -> Self {
+        CleanerOptions {
+            kinds: FrontendKinds::CLUSTER_IP_ONLY,
+            node_port_addresses: Vec::new(),
+            probe: true,
+            dump_filters: true,
+            filtered_delete: false,
+            max_address_dumps: 8,
+        }
+    }
+}
+
+/// What one cleanup did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CleanupReport {
+    /// Dump requests sent.
+    pub dumps: usize,
+    /// Entries the dumps returned (after any kernel-side filter).
+    pub scanned: usize,
+    /// Entries found stale.
+    pub stale: usize,
+    pub deleted: usize,
+    /// Stale entries that were gone by the time of the delete.
+    pub gone: usize,
+    /// Deletes that failed otherwise.
+    pub errors: usize,
+    /// Kernel-side filtered deletes sent (their deletions are not counted in `deleted`).
+    pub filtered_deletes: usize,
+    pub elapsed: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CleanupError {
+    #[error("opening the ctnetlink socket: {0}")]
+    Open(std::io::Error),
+    #[error("conntrack {what}: {source}")]
+    Netlink {
+        what: &'static str,
+        source: NetlinkError,
+    },
+}
+
+/// Deletes stale UDP / SCTP conntrack entries after each commit (see [`super::filter`] for which).
+///
+/// ```ignore
+/// let mut ct = Cleaner::new();
+/// let changes = state.take_changes();
+/// match engine.sync(&desired) {
+///     Ok(_) => { ct.after_sync(&changes, &state); }
+///     Err(_) => ct.sync_failed(&changes), // kept for the next successful commit
+/// }
+/// ```
+pub struct Cleaner {
+    opts: CleanerOptions,
+    /// Changes of syncs that failed: the kernel still has the rules they were meant to replace.
+    pending: Pending,
+    /// Targets of a cleanup that failed, retried after the next commit.
+    retry: Targets,
+    index: FrontendIndex,
+    socket: Option<CtSocket>,
+    features: Option<Features>,
+    metrics: Arc<Metrics>,
+}
+
+impl Default for Cleaner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Cleaner {
+    pub fn new() -> Cleaner {
+        Cleaner::with_options(CleanerOptions::default())
+    }
+
+    pub fn with_options(opts: CleanerOptions) -> Cleaner {
+        Cleaner {
+            opts,
+            pending: Pending::new(),
+            retry: Targets::default(),
+            index: FrontendIndex::new(),
+            socket: None,
+            features: None,
+            metrics: Arc::new(Metrics::default()),
+        }
+    }
+
+    /// The counters (shared; an admin endpoint can hold on to them).
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The kernel features in use (probing on first call, if enabled).
+    pub fn features(&mut self) -> Features {
+        if let Some(f) = self.features {
+            return f;
+        }
+        let f = if self.opts.probe {
+            match probe() {
+                Ok(f) => {
+                    tracing::info!(
+                        dump_filter_v4 = f.dump_filter_v4,
+                        dump_filter_v6 = f.dump_filter_v6,
+                        filtered_delete_v4 = f.filtered_delete_v4,
+                        filtered_delete_v6 = f.filtered_delete_v6,
+                        "conntrack: kernel features probed"
+                    );
+                    f
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "conntrack: cannot probe kernel filters ({e}); dumping per address family"
+                    );
+                    Features::default()
+                }
+            }
+        } else {
+            Features::default()
+        };
+        self.features = Some(f);
+        f
+    }
+
+    /// Sets the features instead of probing (tests, and kernels known in advance).
+    pub fn set_features(&mut self, f: Features) {
+        self.features = Some(f);
+    }
+
+    /// A sync failed: its changes wait for the next successful one.
+    pub fn sync_failed(&mut self, changes: &Changes) {
+        self.pending.merge(changes);
+    }
+
+    /// A sync committed: clean what its changes (and those of failed syncs before it) made stale. Logs the
+    /// outcome; a failure keeps the targets for the cleanup after the next commit.
+    pub fn after_sync(&mut self, changes: &Changes, state: &ClusterState) -> Option<CleanupReport> {
+        self.pending.merge(changes);
+        let mut targets = Targets::default();
+        if !self.pending.is_empty() {
+            targets = collect_targets(
+                self.pending.changes(),
+                &mut self.index,
+                state,
+                self.opts.kinds,
+            );
+            self.pending.clear();
+        }
+        targets.merge(std::mem::take(&mut self.retry));
+        if targets.is_empty() {
+            return None;
+        }
+        let mut filter = resolve(&targets, &self.index, state);
+        filter.node_port_addresses = self.opts.node_port_addresses.clone();
+        match self.cleanup(&filter) {
+            Ok(r) => {
+                let level_info = r.deleted > 0 || r.errors > 0 || r.filtered_deletes > 0;
+                macro_rules! log {
+                    ($lvl:ident) => {
+                        tracing::$lvl!(
+                            dumps = r.dumps,
+                            scanned = r.scanned,
+                            stale = r.stale,
+                            deleted = r.deleted,
+                            gone = r.gone,
+                            errors = r.errors,
+                            filtered_deletes = r.filtered_deletes,
+                            elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
+                            "conntrack cleanup"
+                        )
+                    };
+                }
+                if level_info {
+                    log!(info);
+                } else {
+                    log!(debug);
+                }
+                Some(r)
+            }
+            Err(e) => {
+                tracing::error!("conntrack cleanup failed, retrying after the next sync: {e}");
+                self.retry = targets;
+                None
+            }
+        }
+    }
+
+    fn socket(&mut self) -> Result<&mut CtSocket, CleanupError> {
+        if self.socket.is_none() {
+            self.socket = Some(CtSocket::open().map_err(CleanupError::Open)?);
+        }
+        Ok(self.socket.as_mut().expect("just opened"))
+    }
+
+    /// Deletes the entries `filter` finds stale, in the calling thread's namespace (the socket is opened there
+    /// on first use). Records the metrics.
+    pub fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
+        let start = Instant::now();
+        let r = self.cleanup_inner(filter, start);
+        match &r {
+            Ok(report) => self.metrics.record(report),
+            Err(_) => {
+                self.metrics.record_failure(start.elapsed());
+                // Start over with a fresh socket next time (a dump may have been cut short).
+                self.socket = None;
+            }
+        }
+        r
+    }
+
+    fn cleanup_inner(
+        &mut self,
+        filter: &StaleFilter,
+        start: Instant,
+    ) -> Result<CleanupReport, CleanupError> {
+        let mut report = CleanupReport::default();
+        if filter.is_empty() {
+            report.elapsed = start.elapsed();
+            return Ok(report);
+        }
+        let probed = self.opts.dump_filters || self.opts.filtered_delete;
+        let mut features = if probed {
+            self.features()
+        } else {
+            Features::default()
+        };
+        let features_before = features;
+        let opts = self.opts.clone();
+        let sock = self.socket()?;
+
+        let mut rest = filter.clone();
+        if opts.filtered_delete {
+            for (ip, proto, port) in filter.delete_all_targets() {
+                if !features.filtered_delete(family_of(&ip)) {
+                    continue;
+                }
+                let df = match port {
+                    Some(p) => DeleteFilter::to_socket(ip, p, proto.number()),
+                    None => DeleteFilter::to_ip(ip, proto.number()),
+                };
+                match sock.filtered_delete(&df) {
+                    Ok(()) => {
+                        rest.forget_delete_all(ip, proto, port);
+                        report.filtered_deletes += 1;
+                    }
+                    // The kernel refused after all: the dump path handles this target.
+                    Err(e @ NetlinkError::Kernel { .. }) => {
+                        tracing::warn!("conntrack: filtered delete refused ({e}); dumping instead");
+                    }
+                    Err(e) => {
+                        return Err(CleanupError::Netlink {
+                            what: "filtered delete",
+                            source: e,
+                        })
+                    }
+                }
+            }
+        }
+
+        let dumps = plan_dumps(&rest, &features, &opts);
+        let mut seen = HashSet::new();
+        let mut stale: Vec<Entry> = Vec::new();
+        for d in dumps {
+            report.dumps += 1;
+            let mut collect = |e: Entry| {
+                report.scanned += 1;
+                if rest.is_stale(&e) && seen.insert((e.orig, e.zone)) {
+                    stale.push(e);
+                }
+            };
+            match sock.dump(&d, &mut collect) {
+                Ok(_) => {}
+                Err(e @ NetlinkError::Kernel { .. }) if d.proto.is_some() => {
+                    // A kernel that refuses the filter: fall back to the family dump for good.
+                    tracing::warn!("conntrack: filtered dump refused ({e}); dumping per family");
+                    if d.family == AF_INET {
+                        features.dump_filter_v4 = false;
+                    } else {
+                        features.dump_filter_v6 = false;
+                    }
+                    report.dumps += 1;
+                    sock.dump(&DumpFilter::family(d.family), &mut collect)
+                        .map_err(|source| CleanupError::Netlink {
+                            what: "dump",
+                            source,
+                        })?;
+                }
+                Err(source) => {
+                    return Err(CleanupError::Netlink {
+                        what: "dump",
+                        source,
+                    })
+                }
+            }
+        }
+        if probed && features != features_before {
+            self.features = Some(features);
+        }
+        report.stale = stale.len();
+        let sock = self.socket()?;
+        let outcome = sock
+            .delete(&stale)
+            .map_err(|source| CleanupError::Netlink {
+                what: "delete",
+                source,
+            })?;
+        report.deleted = outcome.deleted;
+        report.gone = outcome.gone;
+        report.errors = outcome.errors.len();
+        for (e, err) in outcome.errors.iter().take(5) {
+            tracing::warn!(entry = %e.orig, zone = e.zone.id(), "conntrack delete failed: {err}");
+        }
+        report.elapsed = start.elapsed();
+        Ok(report)
+    }
+}
+
+/// The dumps that see every entry `filter` may find stale, as narrow as the kernel allows: per address when
+/// there are few, per protocol otherwise, per family where the kernel's filters are not trusted.
+pub fn plan_dumps(
+    filter: &StaleFilter,
+    features: &Features,
+    opts: &CleanerOptions,
+) -> Vec<DumpFilter> {
+    let scopes = filter.dump_scopes();
+    let mut out = Vec::new();
+    for family in [AF_INET, AF_INET6] {
+        let mut by_proto: BTreeMap<Protocol, Vec<IpAddr>> = BTreeMap::new();
+        for (ip, p) in &scopes.addresses {
+            if family_of(ip) == family {
+                by_proto.entry(*p).or_default().push(*ip);
+            }
+        }
+        for p in &scopes.any_address {
+            by_proto.entry(*p).or_default();
+        }
+        if by_proto.is_empty() {
+            continue;
+        }
+        if !(opts.dump_filters && features.dump_filter(family)) {
+            out.push(DumpFilter::family(family));
+            continue;
+        }
+        for (p, ips) in by_proto {
+            if scopes.any_address.contains(&p) || ips.len() > opts.max_address_dumps {
+                out.push(DumpFilter::proto(family, p.number()));
+            } else {
+                out.extend(ips.into_iter().map(|ip| DumpFilter::dst(ip, p.number())));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::filter::Frontend;
+    use super::*;
+    use std::net::SocketAddr;
+
+    fn fe(s: &str) -> Frontend {
+        let a: SocketAddr = s.parse().unwrap();
+        Frontend {
+            ip: a.ip(),
+            port: a.port(),
+            proto: Protocol::Udp,
+        }
+    }
+
+    const ALL: Features = Features {
+        dump_filter_v4: true,
+        dump_filter_v6: true,
+        filtered_delete_v4: true,
+        filtered_delete_v6: true,
+    };
+
+    #[test]
+    fn dumps_per_address_then_per_protocol_then_per_family() {
+        let mut f = StaleFilter::new();
+        f.frontend(fe("10.96.0.10:53"), []);
+        f.frontend(fe("10.96.0.11:53"), []);
+        f.frontend(fe("[fd00:96::10]:53"), []);
+        let opts = CleanerOptions::default();
+        let d = plan_dumps(&f, &ALL, &opts);
+        assert_eq!(
+            d,
+            vec![
+                DumpFilter::dst("10.96.0.10".parse().unwrap(), 17),
+                DumpFilter::dst("10.96.0.11".parse().unwrap(), 17),
+                DumpFilter::dst("fd00:96::10".parse().unwrap(), 17),
+            ]
+        );
+        // Many addresses: one dump of the protocol.
+        let few = CleanerOptions {
+            max_address_dumps: 1,
+            ..CleanerOptions::default()
+        };
+        assert_eq!(
+            plan_dumps(&f, &ALL, &few),
+            vec![
+                DumpFilter::proto(AF_INET, 17),
+                DumpFilter::dst("fd00:96::10".parse().unwrap(), 17),
+            ]
+        );
+        // A family whose filters failed the probe: one unfiltered dump of that family.
+        let v4_only = Features {
+            dump_filter_v6: false,
+            ..ALL
+        };
+        assert_eq!(
+            plan_dumps(&f, &v4_only, &opts)[2],
+            DumpFilter::family(AF_INET6)
+        );
+        // Nothing probed: per family.
+        assert_eq!(
+            plan_dumps(&f, &Features::default(), &opts),
+            vec![DumpFilter::family(AF_INET), DumpFilter::family(AF_INET6)]
+        );
+        // NodePorts on any address: per protocol.
+        let mut np = StaleFilter::new();
+        np.node_port(
+            super::super::filter::NodePort {
+                port: 30053,
+                proto: Protocol::Udp,
+            },
+            [],
+        );
+        assert_eq!(
+            plan_dumps(&np, &ALL, &opts),
+            vec![
+                DumpFilter::proto(AF_INET, 17),
+                DumpFilter::proto(AF_INET6, 17)
+            ]
+        );
+        assert!(plan_dumps(&StaleFilter::new(), &ALL, &opts).is_empty());
+    }
+}
