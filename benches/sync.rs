@@ -78,6 +78,11 @@ fn main() {
             col,
             format!("{:.1}", cold.full_bytes as f64 / 1e6),
         );
+        push(
+            "  transactions / longest one (s)",
+            col,
+            format!("{} / {}", cold.full_transactions, secs(cold.full_longest)),
+        );
         push("nftkube 1-endpoint change, median (ms)", col, ms(cold.swap));
         push("  of which netlink commit (ms) ", col, ms(cold.swap_commit));
         push(
@@ -322,6 +327,8 @@ struct Cold {
     full: Duration,
     full_commit: Duration,
     full_bytes: usize,
+    full_transactions: usize,
+    full_longest: Duration,
     swap: Duration,
     swap_commit: Duration,
     swap_bytes: usize,
@@ -381,6 +388,8 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
             full,
             full_commit: r.commit_time,
             full_bytes: r.bytes,
+            full_transactions: r.transactions,
+            full_longest: r.longest_transaction,
             swap: median(swaps),
             swap_commit: median(commits),
             swap_bytes: bytes,

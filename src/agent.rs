@@ -70,6 +70,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
     let monitor = start_monitor(&mut engine)?;
+    let mut conntrack = crate::conntrack::Cleaner::new();
 
     let mut dirty = true;
     let mut last_sync: Option<Instant> = None;
@@ -107,6 +108,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             last_sync = Some(Instant::now());
             match sync_once(&mut engine, &state, &changes.changed_services, &opts.render) {
                 Ok(report) => {
+                    // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
+                    conntrack.after_sync(&changes, &state);
                     if report.full {
                         last_full = Instant::now();
                     }
@@ -128,6 +131,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                     backoff = Duration::from_secs(1);
                 }
                 Err(e) => {
+                    conntrack.sync_failed(&changes);
                     metrics::SYNC_FAILURES.fetch_add(1, Ordering::Relaxed);
                     metrics::PENDING_CHANGES
                         .store(changes.changed_services.len() as u64, Ordering::Relaxed);

@@ -222,3 +222,51 @@ fn engine_elements(engine: &mut SyncEngine<NftSocket>, set: &str) -> Vec<Element
         .unwrap();
     t.sets[set].elements.iter().cloned().collect()
 }
+
+/// A first sync big enough to be cut into several transactions still ends with exactly the desired tables,
+/// and services at the start, middle and end of it carry traffic.
+#[test]
+fn a_big_first_sync_is_committed_in_chunks_and_is_complete() {
+    let sb = sandbox("nk-big", 3);
+    let (mut services, mut endpoints, cfg) = model();
+    let template = services.values().next().unwrap().clone();
+    let real = endpoints.values().next().unwrap().clone();
+    services.clear();
+    endpoints.clear();
+    let n = 6000u32;
+    let mut probes = Vec::new();
+    for i in 0..n {
+        let mut sp = template.clone();
+        sp.name.service.name = format!("svc{i}");
+        let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i);
+        sp.cluster_ips = vec![ip.into()];
+        // Every service gets the three real backends, so any of them can be probed.
+        endpoints.insert(sp.name.clone(), real.clone());
+        if i == 0 || i == n / 2 || i == n - 1 {
+            probes.push(SocketAddr::new(ip.into(), 80));
+        }
+        services.insert(sp.name.clone(), sp);
+    }
+    let desired = render::render(&services, &endpoints, &cfg);
+    let (report, dumped) = sb
+        .node()
+        .run(move || {
+            let mut engine = SyncEngine::new(NftSocket::open().unwrap());
+            let r = engine
+                .sync_full(render::skeleton(&cfg), render::all_pieces(&services, &endpoints, &cfg))
+                .unwrap();
+            let t = engine.backend().dump_table(Family::Ip, "nftkube").unwrap().unwrap();
+            (r, t)
+        })
+        .unwrap();
+    eprintln!(
+        "{n} services: {} transactions, longest {:?}, total commit {:?}",
+        report.transactions, report.longest_transaction, report.commit_time
+    );
+    assert!(report.transactions > 1, "expected a chunked commit: {report:?}");
+    assert_eq!(dumped, desired[0], "the kernel must hold exactly the desired table");
+    for dst in probes {
+        let answers = tcp_requests(sb.client(), dst, 10, T);
+        assert!(answers.iter().all(|a| a.is_ok()), "{dst}: {answers:?}");
+    }
+}

@@ -41,7 +41,7 @@ impl Default for CleanerOptions {
             probe: true,
             dump_filters: true,
             filtered_delete: false,
-            max_address_dumps: 8,
+            max_address_dumps: 4,
         }
     }
 }
@@ -135,8 +135,10 @@ impl Cleaner {
             match probe() {
                 Ok(f) => {
                     tracing::info!(
-                        dump_filter_v4 = f.dump_filter_v4,
-                        dump_filter_v6 = f.dump_filter_v6,
+                        dump_proto_v4 = f.dump_proto_v4,
+                        dump_proto_v6 = f.dump_proto_v6,
+                        dump_addr_v4 = f.dump_addr_v4,
+                        dump_addr_v6 = f.dump_addr_v6,
                         filtered_delete_v4 = f.filtered_delete_v4,
                         filtered_delete_v6 = f.filtered_delete_v6,
                         "conntrack: kernel features probed"
@@ -309,9 +311,11 @@ impl Cleaner {
                     // A kernel that refuses the filter: fall back to the family dump for good.
                     tracing::warn!("conntrack: filtered dump refused ({e}); dumping per family");
                     if d.family == AF_INET {
-                        features.dump_filter_v4 = false;
+                        features.dump_proto_v4 = false;
+                        features.dump_addr_v4 = false;
                     } else {
-                        features.dump_filter_v6 = false;
+                        features.dump_proto_v6 = false;
+                        features.dump_addr_v6 = false;
                     }
                     report.dumps += 1;
                     sock.dump(&DumpFilter::family(d.family), &mut collect)
@@ -372,15 +376,18 @@ pub fn plan_dumps(
         if by_proto.is_empty() {
             continue;
         }
-        if !(opts.dump_filters && features.dump_filter(family)) {
+        if !(opts.dump_filters && features.dump_proto(family)) {
             out.push(DumpFilter::family(family));
             continue;
         }
         for (p, ips) in by_proto {
-            if scopes.any_address.contains(&p) || ips.len() > opts.max_address_dumps {
-                out.push(DumpFilter::proto(family, p.number()));
-            } else {
+            let per_address = features.dump_addr(family)
+                && !scopes.any_address.contains(&p)
+                && ips.len() <= opts.max_address_dumps;
+            if per_address {
                 out.extend(ips.into_iter().map(|ip| DumpFilter::dst(ip, p.number())));
+            } else {
+                out.push(DumpFilter::proto(family, p.number()));
             }
         }
     }
@@ -402,12 +409,7 @@ mod tests {
         }
     }
 
-    const ALL: Features = Features {
-        dump_filter_v4: true,
-        dump_filter_v6: true,
-        filtered_delete_v4: true,
-        filtered_delete_v6: true,
-    };
+    const ALL: Features = Features::ALL;
 
     #[test]
     fn dumps_per_address_then_per_protocol_then_per_family() {
@@ -437,13 +439,23 @@ mod tests {
                 DumpFilter::dst("fd00:96::10".parse().unwrap(), 17),
             ]
         );
-        // A family whose filters failed the probe: one unfiltered dump of that family.
-        let v4_only = Features {
-            dump_filter_v6: false,
+        // IPv6 address filters fail the probe (Linux 6.18): one dump of the protocol for IPv6.
+        let no_v6_addr = Features {
+            dump_addr_v6: false,
             ..ALL
         };
         assert_eq!(
-            plan_dumps(&f, &v4_only, &opts)[2],
+            plan_dumps(&f, &no_v6_addr, &opts)[2],
+            DumpFilter::proto(AF_INET6, 17)
+        );
+        // No filter works for a family: one unfiltered dump of that family.
+        let no_v6 = Features {
+            dump_addr_v6: false,
+            dump_proto_v6: false,
+            ..ALL
+        };
+        assert_eq!(
+            plan_dumps(&f, &no_v6, &opts)[2],
             DumpFilter::family(AF_INET6)
         );
         // Nothing probed: per family.

@@ -186,28 +186,45 @@ impl CtSocket {
 /// What the running kernel was seen to do with ctnetlink filters (per address family).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Features {
+    /// A dump with `CTA_FILTER` on the protocol returns exactly that protocol's entries (5.8+).
+    pub dump_proto_v4: bool,
+    pub dump_proto_v6: bool,
     /// A dump with `CTA_FILTER` on protocol and original destination returns exactly the matching entries.
-    pub dump_filter_v4: bool,
-    pub dump_filter_v6: bool,
-    /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+).
+    /// (IPv6 fails on Linux 6.18: the kernel's address comparison is inverted, it returns the others.)
+    pub dump_addr_v4: bool,
+    pub dump_addr_v6: bool,
+    /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+; IPv6 has
+    /// the same inverted comparison, so there it deletes the *other* flows).
     pub filtered_delete_v4: bool,
     pub filtered_delete_v6: bool,
 }
 
 impl Features {
-    pub fn dump_filter(&self, family: u8) -> bool {
+    /// Everything works (for tests of the planning logic).
+    pub const ALL: Features = Features {
+        dump_proto_v4: true,
+        dump_proto_v6: true,
+        dump_addr_v4: true,
+        dump_addr_v6: true,
+        filtered_delete_v4: true,
+        filtered_delete_v6: true,
+    };
+
+    fn pick(family: u8, v4: bool, v6: bool) -> bool {
         if family == AF_INET {
-            self.dump_filter_v4
+            v4
         } else {
-            self.dump_filter_v6
+            v6
         }
     }
+    pub fn dump_proto(&self, family: u8) -> bool {
+        Self::pick(family, self.dump_proto_v4, self.dump_proto_v6)
+    }
+    pub fn dump_addr(&self, family: u8) -> bool {
+        Self::pick(family, self.dump_addr_v4, self.dump_addr_v6)
+    }
     pub fn filtered_delete(&self, family: u8) -> bool {
-        if family == AF_INET {
-            self.filtered_delete_v4
-        } else {
-            self.filtered_delete_v6
-        }
+        Self::pick(family, self.filtered_delete_v4, self.filtered_delete_v6)
     }
 }
 
@@ -241,10 +258,12 @@ pub fn probe() -> Result<Features, String> {
                 "2001:db8::100".parse().unwrap(),
             )?;
             Ok(Features {
-                dump_filter_v4: v4.0,
-                filtered_delete_v4: v4.1,
-                dump_filter_v6: v6.0,
-                filtered_delete_v6: v6.1,
+                dump_proto_v4: v4.proto,
+                dump_addr_v4: v4.addr,
+                filtered_delete_v4: v4.delete,
+                dump_proto_v6: v6.proto,
+                dump_addr_v6: v6.addr,
+                filtered_delete_v6: v6.delete,
             })
         })
         .map_err(|e| format!("spawning the probe thread: {e}"))?
@@ -252,13 +271,19 @@ pub fn probe() -> Result<Features, String> {
         .unwrap_or_else(|_| Err("the probe thread panicked".into()))
 }
 
-/// (dump filter works, filtered delete works) for one family: `a` is the target, `b` another address.
+struct FamilyFeatures {
+    proto: bool,
+    addr: bool,
+    delete: bool,
+}
+
+/// What works for one family: `a` is the target address, `b` another one.
 fn probe_family(
     s: &mut CtSocket,
     a: IpAddr,
     b: IpAddr,
     client: IpAddr,
-) -> Result<(bool, bool), String> {
+) -> Result<FamilyFeatures, String> {
     let udp_a = Tuple::new(client, 1000, a, 53, IPPROTO_UDP);
     let udp_a2 = Tuple::new(client, 1001, a, 54, IPPROTO_UDP);
     let udp_b = Tuple::new(client, 1000, b, 53, IPPROTO_UDP);
@@ -282,11 +307,15 @@ fn probe_family(
         v.sort();
         v
     };
-    let dump_ok = match s.list(&DumpFilter::dst(a, IPPROTO_UDP)) {
+    let proto = match s.list(&DumpFilter::proto(family, IPPROTO_UDP)) {
+        Ok(v) => tuples(v) == expect(&[udp_a, udp_a2, udp_b]),
+        Err(_) => false,
+    };
+    let addr = match s.list(&DumpFilter::dst(a, IPPROTO_UDP)) {
         Ok(v) => tuples(v) == expect(&[udp_a, udp_a2]),
         Err(_) => false,
     };
-    let delete_ok = match s.filtered_delete(&DeleteFilter::to_socket(a, 53, IPPROTO_UDP)) {
+    let delete = match s.filtered_delete(&DeleteFilter::to_socket(a, 53, IPPROTO_UDP)) {
         Ok(()) => {
             let left = s
                 .list(&DumpFilter::family(family))
@@ -295,5 +324,9 @@ fn probe_family(
         }
         Err(_) => false,
     };
-    Ok((dump_ok, delete_ok))
+    Ok(FamilyFeatures {
+        proto,
+        addr,
+        delete,
+    })
 }

@@ -49,7 +49,7 @@ fn dnat_reply() -> Tuple {
 }
 
 /// `conntrack -D -p udp --orig-src 10.244.0.2 --orig-dst 10.96.0.10 --sport 40000 --dport 53`, narrowed to
-/// the one entry with id 0x01020304 (the tool has no id option: the id makes a delete miss an entry that
+/// the entry with id 0x01020304 (the tool has no id option; with it a delete misses most entries that
 /// replaced the dumped one under the same tuple).
 #[cfg(target_endian = "little")]
 #[test]

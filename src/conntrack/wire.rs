@@ -154,8 +154,9 @@ pub struct Entry {
     pub orig: Tuple,
     pub reply: Tuple,
     pub zone: ZoneScope,
-    /// The kernel's id of the entry (`CTA_ID`); a delete carrying it fails with ENOENT if the tuple now
-    /// belongs to a newer entry.
+    /// The kernel's id of the entry (`CTA_ID`): a hash of the entry's address and original tuple. A delete
+    /// carrying it fails with ENOENT if the tuple now belongs to a newer entry allocated elsewhere (one that
+    /// reuses the freed slot has the same id, so this narrows the race, it does not close it).
     pub id: Option<u32>,
     pub mark: u32,
     pub status: u32,
@@ -258,8 +259,9 @@ pub fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
     m.finish()
 }
 
-/// `IPCTNL_MSG_CT_DELETE` of exactly one entry: its original tuple, its zone, and its id (so an entry that
-/// replaced it under the same tuple after the dump is left alone). Asks for an ACK when `ack`.
+/// `IPCTNL_MSG_CT_DELETE` of exactly one entry: its original tuple, its zone, and its id (so that an entry
+/// that replaced it under the same tuple after the dump is usually left alone, see [`Entry::id`]). Asks for an
+/// ACK when `ack`.
 pub fn encode_delete(e: &Entry, seq: u32, ack: bool) -> Vec<u8> {
     let flags = NLM_F_REQUEST | if ack { NLM_F_ACK } else { 0 };
     let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_DELETE), flags, seq);

@@ -31,28 +31,41 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
             tx.push(fam, name, Op::AddSet(s.set.clone()));
         }
     }
-    for (n, c) in &new.chains {
-        if !old.chains.contains_key(n) {
-            tx.push(fam, name, Op::AddChain(c.chain.clone()));
-        }
+    // New chains complete with their rules before any element can send a packet into them.
+    let fresh: Vec<&ChainState> = new
+        .chains
+        .values()
+        .filter(|c| !old.chains.contains_key(&c.chain.name))
+        .collect();
+    for c in &fresh {
+        tx.push(fam, name, Op::AddChain(c.chain.clone()));
+    }
+    for c in &fresh {
+        add_rules(tx, fam, name, c);
     }
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
-    for (n, s) in &new.sets {
-        let Some(o) = old.sets.get(n) else { continue };
+    // Dispatch (verdict maps) is withdrawn first and published last, so that even when a big transaction is
+    // committed in chunks no packet reaches a service whose other elements are not all in place.
+    let mut order: Vec<&String> = new.sets.keys().collect();
+    order.sort_by_key(|n| (!new.sets[*n].set.is_verdict_map(), *n));
+    for n in &order {
+        let s = &new.sets[*n];
+        let Some(o) = old.sets.get(*n) else { continue };
         let gone: Vec<Element> = o.elements.difference(&s.elements).cloned().collect();
         if !gone.is_empty() {
             tx.push(
                 fam,
                 name,
                 Op::DeleteElements {
-                    set: n.clone(),
+                    set: (*n).clone(),
                     elements: gone,
                 },
             );
         }
     }
-    for (n, s) in &new.sets {
-        let added: Vec<Element> = match old.sets.get(n) {
+    for n in order.iter().rev() {
+        let s = &new.sets[*n];
+        let added: Vec<Element> = match old.sets.get(*n) {
             Some(o) => s.elements.difference(&o.elements).cloned().collect(),
             None => s.elements.iter().cloned().collect(),
         };
@@ -61,7 +74,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
                 fam,
                 name,
                 Op::AddElements {
-                    set: n.clone(),
+                    set: (*n).clone(),
                     elements: added,
                 },
             );
@@ -76,7 +89,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
                 }
                 add_rules(tx, fam, name, c);
             }
-            None => add_rules(tx, fam, name, c),
+            None => {} // added above
         }
     }
     // Stale chains: those still referenced by the old state wait for the next sync; the others are flushed
@@ -140,7 +153,13 @@ fn create_table(tx: &mut Transaction, t: &TableState) {
     for c in t.chains.values() {
         tx.push(fam, name, Op::AddChain(c.chain.clone()));
     }
-    for s in t.sets.values() {
+    for c in t.chains.values() {
+        add_rules(tx, fam, name, c);
+    }
+    // Dispatch elements last (see diff_table).
+    let mut sets: Vec<&SetState> = t.sets.values().collect();
+    sets.sort_by_key(|s| (s.set.is_verdict_map(), s.set.name.clone()));
+    for s in sets {
         if !s.elements.is_empty() {
             tx.push(
                 fam,
@@ -151,9 +170,6 @@ fn create_table(tx: &mut Transaction, t: &TableState) {
                 },
             );
         }
-    }
-    for c in t.chains.values() {
-        add_rules(tx, fam, name, c);
     }
 }
 

@@ -1,6 +1,7 @@
 //! The sync engine: remembers what it committed, commits differences in one atomic transaction, and re-reads
 //! the kernel when it cannot trust its memory (start, errors, periodic full syncs).
 
+use super::chunk::{self, MAX_ELEMENTS_PER_TRANSACTION};
 use super::diff::diff_table;
 use super::index::Index;
 use crate::model::{NamespacedName, ServicePortName};
@@ -33,8 +34,11 @@ pub struct SyncReport {
     pub changes: usize,
     /// Netlink bytes sent.
     pub bytes: usize,
-    /// Time spent inside the netlink commit (the kernel's share, plus the send and the acks).
+    /// Time spent inside the netlink commits (the kernel's share, plus the send and the acks).
     pub commit_time: Duration,
+    /// Transactions the sync was cut into, and the longest of them (the time the kernel's lock was held).
+    pub transactions: usize,
+    pub longest_transaction: Duration,
     pub elapsed: Duration,
 }
 
@@ -47,6 +51,9 @@ pub struct SyncEngine<B: Backend> {
     index: Option<Index>,
     /// Chains that no service needed after the last commit; deleted by the next one.
     unused_chains: BTreeSet<(Family, String)>,
+    /// Of the last sync: how many transactions, and the longest one.
+    transactions: usize,
+    longest_transaction: Duration,
 }
 
 impl<B: Backend> SyncEngine<B> {
@@ -55,6 +62,8 @@ impl<B: Backend> SyncEngine<B> {
             backend,
             index: None,
             unused_chains: BTreeSet::new(),
+            transactions: 0,
+            longest_transaction: Duration::ZERO,
         }
     }
 
@@ -111,6 +120,8 @@ impl<B: Backend> SyncEngine<B> {
             changes: tx.changes.len(),
             bytes,
             commit_time,
+            transactions: self.transactions,
+            longest_transaction: self.longest_transaction,
             elapsed: start.elapsed(),
         })
     }
@@ -196,26 +207,41 @@ impl<B: Backend> SyncEngine<B> {
             changes: tx.changes.len(),
             bytes,
             commit_time,
+            transactions: self.transactions,
+            longest_transaction: self.longest_transaction,
             elapsed: start.elapsed(),
         })
     }
 
+    /// Commits `tx`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent and
+    /// the total time spent committing; the longest single transaction is recorded for the report.
     fn commit(&mut self, tx: &Transaction) -> Result<(usize, Duration), SyncError> {
+        self.longest_transaction = Duration::ZERO;
+        self.transactions = 0;
         if tx.is_empty() {
             return Ok((0, Duration::ZERO));
         }
         for c in &tx.changes {
             tracing::trace!("{c}");
         }
-        let start = Instant::now();
-        match self.backend.commit(tx) {
-            Ok(bytes) => Ok((bytes, start.elapsed())),
-            Err(e) => {
-                // Nothing of the transaction was applied, but the index may already describe it.
-                self.index = None;
-                Err(e.into())
+        let (mut bytes, mut total) = (0, Duration::ZERO);
+        for part in chunk::split(tx.clone(), MAX_ELEMENTS_PER_TRANSACTION) {
+            let start = Instant::now();
+            match self.backend.commit(&part) {
+                Ok(b) => bytes += b,
+                Err(e) => {
+                    // Nothing of this transaction was applied (earlier chunks were, each consistent), and the
+                    // index may already describe it: start over from the kernel.
+                    self.index = None;
+                    return Err(e.into());
+                }
             }
+            let t = start.elapsed();
+            total += t;
+            self.transactions += 1;
+            self.longest_transaction = self.longest_transaction.max(t);
         }
+        Ok((bytes, total))
     }
 }
 
