@@ -55,6 +55,8 @@ fn main() {
 
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
     let mut push = |name: &str, col: usize, v: String| {
+        // Also as it comes, so a long run that is cut short still reports what it measured.
+        eprintln!("  N={} {name}: {v}", sizes[col]);
         if let Some(r) = rows.iter_mut().find(|r| r.0 == name) {
             r.1[col] = v;
         } else {
@@ -99,6 +101,13 @@ fn main() {
             "  netlink bytes sent (count change)",
             col,
             cold.grow_bytes.to_string(),
+        );
+
+        let lat = latency_to_last_service(n);
+        push(
+            "new-connection latency to the last service, median (µs)",
+            col,
+            format!("{:.0}", lat.as_secs_f64() * 1e6),
         );
 
         let (agent_wall, agent_rss) = agent_binary(&bin, &model, &work);
@@ -157,6 +166,15 @@ fn main() {
             ("legacy", "iptables-legacy-restore"),
             ("nft", "iptables-nft-restore"),
         ] {
+            // iptables-nft-restore is quadratic too (minutes at 10k): treat it as a slow anchor.
+            if label == "nft" && n > slow_max {
+                push(
+                    &format!("upstream iptables-{label}: full restore (s)"),
+                    col,
+                    "skipped (slow)".into(),
+                );
+                continue;
+            }
             match upstream_iptables(&anchors, restore) {
                 Some((full, partial)) => {
                     push(
@@ -520,4 +538,43 @@ fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64) {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
     (wall.expect("agent never synced"), hwm["VmHWM"])
+}
+
+/// Median time for a new TCP connection (connect, one answer, close) from a pod to the last of `n` services,
+/// whose one endpoint is a real backend in the sandbox; the other services point at addresses nobody has.
+fn latency_to_last_service(n: usize) -> Duration {
+    use nftkube::sandbox::{self, Sandbox};
+    let sb = Sandbox::build(&unique_name("nkbench-lat"), 1).unwrap();
+    sb.start_backends(8080, 5353).unwrap();
+    let mut m = Model::generate(n);
+    let last = m.services.keys().last().unwrap().clone();
+    let dst = std::net::SocketAddr::new(m.services[&last].cluster_ips[0], 80);
+    m.endpoints
+        .insert(last, vec![endpoint(sandbox::pod_ip_v4(1).into())]);
+    m.cfg.cluster_cidrs = vec![sandbox::CLUSTER_CIDR_V4.parse().unwrap()];
+    let (services, endpoints, cfg) = (m.services, m.endpoints, m.cfg);
+    sb.node()
+        .run(move || {
+            let mut engine = SyncEngine::new(NftSocket::open().unwrap());
+            engine
+                .sync_full(
+                    render::skeleton(&cfg),
+                    render::all_pieces(&services, &endpoints, &cfg),
+                )
+                .unwrap();
+        })
+        .unwrap();
+    sb.client()
+        .run(move || {
+            let mut times = Vec::new();
+            for i in 0..600 {
+                let start = Instant::now();
+                sandbox::tcp_request_here(dst, Duration::from_secs(2)).expect("latency probe");
+                if i >= 100 {
+                    times.push(start.elapsed());
+                }
+            }
+            median(times)
+        })
+        .unwrap()
 }

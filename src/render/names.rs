@@ -1,7 +1,5 @@
 //! Deterministic names for what we create in the kernel.
 
-use crate::model::ServicePortName;
-
 /// The table every nftkube object lives in (one per address family).
 pub const TABLE: &str = "nftkube";
 
@@ -33,51 +31,13 @@ pub fn lb_count(name: &str) -> Option<u32> {
     name.strip_prefix(LB_CHAIN_PREFIX)?.parse().ok()
 }
 
-/// `<hash>-<namespace>/<name>/<protocol>/<port>`: a readable identity for a service port, unique even when
-/// names are long (the hash covers the full identity). Used in comments and logs.
-pub fn service_id(spn: &ServicePortName) -> String {
-    let id = format!(
-        "{}/{}/{}/{}",
-        spn.service.namespace, spn.service.name, spn.protocol, spn.port
-    );
-    format!("{}-{id}", short_hash(&id))
-}
-
-/// 8 characters of base32 over FNV-1a 64: stable across versions and platforms.
-fn short_hash(s: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-    (0..8)
-        .map(|i| ALPHABET[((h >> (i * 5)) & 31) as usize] as char)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{NamespacedName, Protocol};
 
     #[test]
     fn lb_chain_names_round_trip() {
         assert_eq!(lb_count(&lb_chain(7)), Some(7));
         assert_eq!(lb_count("services"), None);
-    }
-
-    #[test]
-    fn service_ids_are_stable_and_distinct() {
-        let a = ServicePortName {
-            service: NamespacedName::new("demo", "echo"),
-            port: "tcp".into(),
-            protocol: Protocol::Tcp,
-        };
-        let mut b = a.clone();
-        b.protocol = Protocol::Udp;
-        assert_eq!(service_id(&a), service_id(&a.clone()));
-        assert_ne!(service_id(&a), service_id(&b));
-        assert!(service_id(&a).ends_with("-demo/echo/tcp/tcp"));
     }
 }
