@@ -253,9 +253,16 @@ fn a_big_first_sync_is_committed_in_chunks_and_is_complete() {
         .run(move || {
             let mut engine = SyncEngine::new(NftSocket::open().unwrap());
             let r = engine
-                .sync_full(render::skeleton(&cfg), render::all_pieces(&services, &endpoints, &cfg))
+                .sync_full(
+                    render::skeleton(&cfg),
+                    render::all_pieces(&services, &endpoints, &cfg),
+                )
                 .unwrap();
-            let t = engine.backend().dump_table(Family::Ip, "nftkube").unwrap().unwrap();
+            let t = engine
+                .backend()
+                .dump_table(Family::Ip, "nftkube")
+                .unwrap()
+                .unwrap();
             (r, t)
         })
         .unwrap();
@@ -263,8 +270,14 @@ fn a_big_first_sync_is_committed_in_chunks_and_is_complete() {
         "{n} services: {} transactions, longest {:?}, total commit {:?}",
         report.transactions, report.longest_transaction, report.commit_time
     );
-    assert!(report.transactions > 1, "expected a chunked commit: {report:?}");
-    assert_eq!(dumped, desired[0], "the kernel must hold exactly the desired table");
+    assert!(
+        report.transactions > 1,
+        "expected a chunked commit: {report:?}"
+    );
+    assert_eq!(
+        dumped, desired[0],
+        "the kernel must hold exactly the desired table"
+    );
     for dst in probes {
         let answers = tcp_requests(sb.client(), dst, 10, T);
         assert!(answers.iter().all(|a| a.is_ok()), "{dst}: {answers:?}");

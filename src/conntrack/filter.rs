@@ -179,22 +179,6 @@ impl StaleFilter {
                 .all(|fe| self.ips.contains(&(fe.ip, fe.proto)))
     }
 
-    /// A copy without the delete-all targets (after a kernel-side filtered delete handled them).
-    pub fn without_delete_all(&self) -> StaleFilter {
-        StaleFilter {
-            ips: HashSet::new(),
-            removed: HashSet::new(),
-            frontends: self
-                .frontends
-                .iter()
-                .filter(|(fe, _)| !self.ips.contains(&(fe.ip, fe.proto)))
-                .map(|(k, v)| (*k, v.clone()))
-                .collect(),
-            node_ports: self.node_ports.clone(),
-            node_port_addresses: self.node_port_addresses.clone(),
-        }
-    }
-
     /// Whether `e` is stale, and why. Only UDP and SCTP entries can be.
     pub fn check(&self, e: &Entry) -> Option<Reason> {
         let proto = proto_of(e.orig.proto)?;
@@ -483,19 +467,28 @@ mod tests {
     }
 
     #[test]
-    fn without_delete_all_keeps_judged_targets() {
+    fn forgetting_delete_all_targets_keeps_judged_ones() {
         let mut f = StaleFilter::new();
         f.delete_all_to_ip(ip("10.96.0.53"), Protocol::Udp);
         f.delete_all_to(fe("10.96.0.54:53", Protocol::Udp));
         f.frontend(fe("10.96.0.10:53", Protocol::Udp), [sa("10.244.1.2:5353")]);
-        assert_eq!(f.delete_all_targets().len(), 2);
+        assert_eq!(
+            f.delete_all_targets(),
+            vec![
+                (ip("10.96.0.53"), Protocol::Udp, None),
+                (ip("10.96.0.54"), Protocol::Udp, Some(53))
+            ]
+        );
         assert!(!f.only_delete_all());
-        let rest = f.without_delete_all();
-        assert!(!rest.is_stale(&udp("10.244.0.2:1", "10.96.0.53:53", "10.96.0.53:53")));
-        assert!(!rest.is_stale(&udp("10.244.0.2:1", "10.96.0.54:53", "10.96.0.54:53")));
-        assert!(rest.is_stale(&udp("10.244.0.2:1", "10.96.0.10:53", "10.96.0.10:53")));
         let scopes = f.dump_scopes();
         assert_eq!(scopes.addresses.len(), 3);
         assert!(scopes.any_address.is_empty());
+        f.forget_delete_all(ip("10.96.0.53"), Protocol::Udp, None);
+        f.forget_delete_all(ip("10.96.0.54"), Protocol::Udp, Some(53));
+        assert!(!f.is_stale(&udp("10.244.0.2:1", "10.96.0.53:53", "10.96.0.53:53")));
+        assert!(!f.is_stale(&udp("10.244.0.2:1", "10.96.0.54:53", "10.96.0.54:53")));
+        assert!(f.is_stale(&udp("10.244.0.2:1", "10.96.0.10:53", "10.96.0.10:53")));
+        assert!(f.delete_all_targets().is_empty());
+        assert_eq!(f.dump_scopes().addresses.len(), 1);
     }
 }

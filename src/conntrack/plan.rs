@@ -635,6 +635,62 @@ mod tests {
     }
 
     #[test]
+    fn targets_of_a_failed_cleanup_are_judged_by_the_endpoints_of_the_retry() {
+        let mut w = World::new();
+        w.st.apply_service(key("echo"), echo("10.96.0.10"));
+        w.st.apply_slice(slice("echo", &[("10.244.1.2", true), ("10.244.2.2", true)]));
+        w.round();
+        w.st.apply_slice(slice("echo", &[("10.244.1.2", true)]));
+        let ch = w.st.take_changes();
+        // The cleanup after this commit fails: its targets are kept.
+        let kept = collect_targets(&ch, &mut w.index, &w.st, FrontendKinds::CLUSTER_IP_ONLY);
+        assert_eq!(kept.judged.len(), 1);
+        // Before the retry an endpoint is added (and the next commit's own changes say nothing stale).
+        w.st.apply_slice(slice("echo", &[("10.244.1.2", true), ("10.244.3.2", true)]));
+        let mut t = collect_targets(
+            &w.st.take_changes(),
+            &mut w.index,
+            &w.st,
+            FrontendKinds::CLUSTER_IP_ONLY,
+        );
+        assert!(t.is_empty());
+        t.merge(kept);
+        let f = resolve(&t, &w.index, &w.st);
+        assert!(f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.2.2:5353")));
+        // The endpoint added since serves: its flows are not deleted by the retried targets.
+        assert!(!f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.3.2:5353")));
+        assert!(!f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.1.2:5353")));
+
+        // A deleted service's targets, retried after its address was taken by a new service: judged too.
+        w.st.delete_service(&key("echo"));
+        let kept = collect_targets(
+            &w.st.take_changes(),
+            &mut w.index,
+            &w.st,
+            FrontendKinds::CLUSTER_IP_ONLY,
+        );
+        assert!(resolve(&kept, &w.index, &w.st).only_delete_all());
+        w.st.apply_service(
+            key("new"),
+            vec![port("new", "udp", Protocol::Udp, 53, "10.96.0.10")],
+        );
+        w.st.apply_slice(SliceInfo {
+            name: "new-a".into(),
+            ..slice("new", &[("10.244.3.2", true)])
+        });
+        let mut t = collect_targets(
+            &w.st.take_changes(),
+            &mut w.index,
+            &w.st,
+            FrontendKinds::CLUSTER_IP_ONLY,
+        );
+        t.merge(kept);
+        let f = resolve(&t, &w.index, &w.st);
+        assert!(!f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.3.2:5353")));
+        assert!(f.is_stale(&udp(CLIENT, "10.96.0.10:53", "10.244.1.2:5353")));
+    }
+
+    #[test]
     fn endpoint_back_before_cleanup_is_kept() {
         let mut w = World::new();
         w.st.apply_service(key("echo"), echo("10.96.0.10"));

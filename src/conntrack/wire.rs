@@ -281,8 +281,9 @@ pub fn encode_delete(e: &Entry, seq: u32, ack: bool) -> Vec<u8> {
     m.finish()
 }
 
-/// A kernel-side filtered delete: every entry (zone 0) whose original tuple has this destination address,
-/// protocol and, optionally, destination port. Only for kernels a probe showed honour it (6.12+).
+/// A kernel-side filtered delete: every entry, in every zone (the kernel's filter does not look at zones),
+/// whose original tuple has this destination address, protocol and, optionally, destination port. Only for
+/// kernels a probe showed honour it (6.12+; IPv6 is broken on 6.18, see [`super::socket::Features`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DeleteFilter {
     dst: IpAddr,
@@ -312,7 +313,6 @@ impl DeleteFilter {
         e.orig.dst == self.dst
             && e.orig.proto == self.proto
             && self.dport.is_none_or(|p| e.orig.dport == p)
-            && e.zone.id() == 0
     }
 }
 
@@ -401,53 +401,79 @@ fn ip_of(a: &Attr<'_>) -> Option<IpAddr> {
     }
 }
 
-/// Decodes a `CTA_TUPLE_*` payload; also returns its `CTA_TUPLE_ZONE`, if any.
+/// Decodes a `CTA_TUPLE_*` payload; also returns its `CTA_TUPLE_ZONE`, if any. One pass over each level
+/// (a dump of a big table decodes every entry).
 fn decode_tuple(attrs: Attrs<'_>) -> Option<(Tuple, Option<u16>)> {
-    let ip = attrs.get(CTA_TUPLE_IP)?.nested();
-    let (src, dst) = match (ip.get(CTA_IP_V4_SRC), ip.get(CTA_IP_V4_DST)) {
-        (Some(s), Some(d)) => (ip_of(&s)?, ip_of(&d)?),
-        _ => (
-            ip_of(&ip.get(CTA_IP_V6_SRC)?)?,
-            ip_of(&ip.get(CTA_IP_V6_DST)?)?,
-        ),
-    };
-    let proto = attrs.get(CTA_TUPLE_PROTO)?.nested();
-    let t = Tuple {
-        src,
-        dst,
-        proto: proto.get(CTA_PROTO_NUM)?.u8()?,
-        sport: proto
-            .get(CTA_PROTO_SRC_PORT)
-            .and_then(|a| be16(&a))
-            .unwrap_or(0),
-        dport: proto
-            .get(CTA_PROTO_DST_PORT)
-            .and_then(|a| be16(&a))
-            .unwrap_or(0),
-    };
-    let zone = attrs.get(CTA_TUPLE_ZONE).and_then(|a| be16(&a));
-    Some((t, zone))
+    let (mut src, mut dst, mut proto) = (None, None, None);
+    let (mut sport, mut dport, mut zone) = (0, 0, None);
+    for a in attrs.iter() {
+        match a.kind {
+            CTA_TUPLE_IP => {
+                for ip in a.nested().iter() {
+                    match ip.kind {
+                        CTA_IP_V4_SRC | CTA_IP_V6_SRC => src = ip_of(&ip),
+                        CTA_IP_V4_DST | CTA_IP_V6_DST => dst = ip_of(&ip),
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for p in a.nested().iter() {
+                    match p.kind {
+                        CTA_PROTO_NUM => proto = p.u8(),
+                        CTA_PROTO_SRC_PORT => sport = be16(&p).unwrap_or(0),
+                        CTA_PROTO_DST_PORT => dport = be16(&p).unwrap_or(0),
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_ZONE => zone = be16(&a),
+            _ => {}
+        }
+    }
+    Some((
+        Tuple {
+            src: src?,
+            dst: dst?,
+            proto: proto?,
+            sport,
+            dport,
+        },
+        zone,
+    ))
 }
 
 /// Decodes the payload (nfgenmsg + attributes) of one dumped conntrack message. `None` if it lacks a tuple.
 pub fn decode_entry(payload: &[u8]) -> Option<Entry> {
-    let attrs = Attrs(payload.get(4..)?);
-    let (orig, orig_zone) = decode_tuple(attrs.get(CTA_TUPLE_ORIG)?.nested())?;
-    let (reply, _) = decode_tuple(attrs.get(CTA_TUPLE_REPLY)?.nested())?;
-    let zone = match (attrs.get(CTA_ZONE).and_then(|a| be16(&a)), orig_zone) {
+    let (mut orig, mut reply, mut zone_attr) = (None, None, None);
+    let (mut id, mut mark, mut status, mut timeout) = (None, 0, 0, 0);
+    for a in Attrs(payload.get(4..)?).iter() {
+        match a.kind {
+            CTA_TUPLE_ORIG => orig = decode_tuple(a.nested()),
+            CTA_TUPLE_REPLY => reply = decode_tuple(a.nested()),
+            CTA_ZONE => zone_attr = be16(&a),
+            CTA_ID => id = a.be32(),
+            CTA_MARK => mark = a.be32().unwrap_or(0),
+            CTA_STATUS => status = a.be32().unwrap_or(0),
+            CTA_TIMEOUT => timeout = a.be32().unwrap_or(0),
+            _ => {}
+        }
+    }
+    let (orig, orig_zone) = orig?;
+    let (reply, _) = reply?;
+    let zone = match (zone_attr, orig_zone) {
         (Some(z), _) if z != 0 => ZoneScope::Both(z),
         (_, Some(z)) if z != 0 => ZoneScope::Orig(z),
         _ => ZoneScope::None,
     };
-    let be32 = |k| attrs.get(k).and_then(|a| a.be32());
     Some(Entry {
         orig,
         reply,
         zone,
-        id: be32(CTA_ID),
-        mark: be32(CTA_MARK).unwrap_or(0),
-        status: be32(CTA_STATUS).unwrap_or(0),
-        timeout: be32(CTA_TIMEOUT).unwrap_or(0),
+        id,
+        mark,
+        status,
+        timeout,
     })
 }
 

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use super::types::*;
 
 /// One port of an EndpointSlice.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SlicePort {
     /// The port's name ("" if unnamed); matched against the service port's name.
     pub name: String,
@@ -22,7 +22,7 @@ pub struct SlicePort {
 
 /// One endpoint of an EndpointSlice, with its conditions already defaulted the way the API says
 /// (ready unknown → ready; serving unknown → ready; terminating unknown → false).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SliceEndpoint {
     /// All addresses; consumers use the first one (the API says they are fungible).
     pub addresses: Vec<IpAddr>,
@@ -36,7 +36,7 @@ pub struct SliceEndpoint {
 }
 
 /// An EndpointSlice, converted (see `source::convert::endpoint_slice`). No kube types.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SliceInfo {
     pub namespace: String,
     pub name: String,

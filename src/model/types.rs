@@ -108,14 +108,14 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ServiceType {
     ClusterIP,
     NodePort,
     LoadBalancer,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TrafficPolicy {
     #[default]
     Cluster,
@@ -198,7 +198,7 @@ impl fmt::Display for Cidr {
 }
 
 /// Everything kube-proxy knows about one port of one service.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ServicePort {
     pub name: ServicePortName,
     pub service_type: ServiceType,

@@ -58,7 +58,7 @@ enum ObjectKey {
     Slice(NamespacedName),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Object {
     Service(Vec<ServicePort>),
     Slice(SliceInfo),
@@ -100,8 +100,10 @@ struct Snapshot {
 pub struct ManifestSource {
     path: PathBuf,
     fingerprint: Option<Fingerprint>,
-    /// What we last emitted, and where it came from.
-    emitted: BTreeMap<ObjectKey, (Object, Origin)>,
+    /// A fingerprint of what we last emitted for each object, and where it came from. Only a hash: the
+    /// consumer holds the objects, and keeping a second copy of a 10k-service cluster here would double the
+    /// agent's memory.
+    emitted: BTreeMap<ObjectKey, (u64, Origin)>,
 }
 
 impl ManifestSource {
@@ -126,8 +128,9 @@ impl ManifestSource {
         let snap = self.read();
         let mut events = Vec::with_capacity(snap.objects.len() + 1);
         for (key, (object, origin)) in snap.objects {
-            events.push(applied(&key, &object));
-            self.emitted.insert(key, (object, origin));
+            self.emitted
+                .insert(key.clone(), (fingerprint_of(&object), origin));
+            events.push(applied(key, object));
         }
         events.push(Event::Synced);
         (events, snap.errors)
@@ -168,10 +171,12 @@ impl ManifestSource {
         }
         // Applied: new or different.
         for (key, (object, origin)) in snap.objects {
-            if self.emitted.get(&key).map(|(o, _)| o) != Some(&object) {
-                events.insert(key.clone(), applied(&key, &object));
+            let print = fingerprint_of(&object);
+            let changed = self.emitted.get(&key).map(|(h, _)| *h) != Some(print);
+            self.emitted.insert(key.clone(), (print, origin));
+            if changed {
+                events.insert(key.clone(), applied(key, object));
             }
-            self.emitted.insert(key, (object, origin));
         }
         (events.into_values().collect(), snap.errors)
     }
@@ -254,13 +259,18 @@ impl ManifestSource {
     }
 }
 
-fn applied(key: &ObjectKey, object: &Object) -> Event {
+/// A 64-bit hash of an object: enough to tell whether a re-read changed it.
+fn fingerprint_of(object: &Object) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    object.hash(&mut h);
+    h.finish()
+}
+
+fn applied(key: ObjectKey, object: Object) -> Event {
     match (key, object) {
-        (ObjectKey::Service(n), Object::Service(ports)) => Event::ServiceApplied {
-            key: n.clone(),
-            ports: ports.clone(),
-        },
-        (_, Object::Slice(s)) => Event::SliceApplied(s.clone()),
+        (ObjectKey::Service(n), Object::Service(ports)) => Event::ServiceApplied { key: n, ports },
+        (_, Object::Slice(s)) => Event::SliceApplied(s),
         (ObjectKey::Slice(_), Object::Service(_)) => {
             unreachable!("slice key with a service object")
         }

@@ -112,12 +112,13 @@ impl<B: Backend> SyncEngine<B> {
             }
         }
         drop(desired);
-        let (bytes, commit_time) = self.commit(&tx)?;
+        let changes = tx.changes.len();
+        let (bytes, commit_time) = self.commit(tx)?;
         self.index = Some(Index::build(pieces));
         self.unused_chains = deferred;
         Ok(SyncReport {
             full: true,
-            changes: tx.changes.len(),
+            changes,
             bytes,
             commit_time,
             transactions: self.transactions,
@@ -197,14 +198,15 @@ impl<B: Backend> SyncEngine<B> {
             tx.push(*family, table, Op::FlushChain(chain.clone()));
             tx.push(*family, table, Op::DeleteChain(chain.clone()));
         }
-        let (bytes, commit_time) = self.commit(&tx)?;
+        let changes = tx.changes.len();
+        let (bytes, commit_time) = self.commit(tx)?;
         for c in ready {
             self.unused_chains.remove(&c);
         }
         self.unused_chains.extend(delta.chains_unused);
         Ok(SyncReport {
             full: false,
-            changes: tx.changes.len(),
+            changes,
             bytes,
             commit_time,
             transactions: self.transactions,
@@ -215,7 +217,7 @@ impl<B: Backend> SyncEngine<B> {
 
     /// Commits `tx`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent and
     /// the total time spent committing; the longest single transaction is recorded for the report.
-    fn commit(&mut self, tx: &Transaction) -> Result<(usize, Duration), SyncError> {
+    fn commit(&mut self, tx: Transaction) -> Result<(usize, Duration), SyncError> {
         self.longest_transaction = Duration::ZERO;
         self.transactions = 0;
         if tx.is_empty() {
@@ -225,7 +227,7 @@ impl<B: Backend> SyncEngine<B> {
             tracing::trace!("{c}");
         }
         let (mut bytes, mut total) = (0, Duration::ZERO);
-        for part in chunk::split(tx.clone(), MAX_ELEMENTS_PER_TRANSACTION) {
+        for part in chunk::split(tx, MAX_ELEMENTS_PER_TRANSACTION) {
             let start = Instant::now();
             match self.backend.commit(&part) {
                 Ok(b) => bytes += b,

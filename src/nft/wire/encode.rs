@@ -84,11 +84,12 @@ pub fn seq_count(tx: &Transaction) -> u32 {
         .sum::<u32>()
 }
 
-type Body = Box<dyn Fn(&mut MsgBuilder)>;
+/// Writes the attributes of one message; borrows the change, so nothing is copied while encoding.
+type Body<'a> = Box<dyn Fn(&mut MsgBuilder) + 'a>;
 
 /// Message type, high flag byte (CREATE/APPEND >> 8) and attribute writer for each message of a change.
-fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
-    let table = c.table.clone();
+fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
+    let table = c.table.as_str();
     let create = (NLM_F_CREATE >> 8) as u8;
     let append = (NLM_F_APPEND >> 8) as u8;
     match &c.op {
@@ -96,7 +97,7 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
             NFT_MSG_NEWTABLE,
             create,
             Box::new(move |m: &mut MsgBuilder| {
-                m.attr_str(NFTA_TABLE_NAME, &table);
+                m.attr_str(NFTA_TABLE_NAME, table);
                 m.attr_be32(NFTA_TABLE_FLAGS, 0);
             }),
         )],
@@ -104,74 +105,55 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
             NFT_MSG_DELTABLE,
             0,
             Box::new(move |m: &mut MsgBuilder| {
-                m.attr_str(NFTA_TABLE_NAME, &table);
+                m.attr_str(NFTA_TABLE_NAME, table);
             }),
         )],
-        Op::AddChain(chain) => {
-            let chain = chain.clone();
-            vec![(
-                NFT_MSG_NEWCHAIN,
-                create,
-                Box::new(move |m: &mut MsgBuilder| encode_chain(m, &table, &chain)),
-            )]
-        }
-        Op::FlushChain(name) => {
-            let name = name.clone();
-            vec![(
-                NFT_MSG_DELRULE,
-                0,
-                Box::new(move |m: &mut MsgBuilder| {
-                    m.attr_str(NFTA_RULE_TABLE, &table);
-                    m.attr_str(NFTA_RULE_CHAIN, &name);
-                }),
-            )]
-        }
-        Op::DeleteChain(name) => {
-            let name = name.clone();
-            vec![(
-                NFT_MSG_DELCHAIN,
-                0,
-                Box::new(move |m: &mut MsgBuilder| {
-                    m.attr_str(NFTA_CHAIN_TABLE, &table);
-                    m.attr_str(NFTA_CHAIN_NAME, &name);
-                }),
-            )]
-        }
-        Op::AddRule { chain, rule } => {
-            let (chain, rule) = (chain.clone(), rule.clone());
-            vec![(
-                NFT_MSG_NEWRULE,
-                create | append,
-                Box::new(move |m: &mut MsgBuilder| encode_rule(m, &table, &chain, &rule)),
-            )]
-        }
-        Op::AddSet(set) => {
-            let set = set.clone();
-            vec![(
-                NFT_MSG_NEWSET,
-                create,
-                Box::new(move |m: &mut MsgBuilder| encode_set(m, &table, &set)),
-            )]
-        }
-        Op::DeleteSet(name) => {
-            let name = name.clone();
-            vec![(
-                NFT_MSG_DELSET,
-                0,
-                Box::new(move |m: &mut MsgBuilder| {
-                    m.attr_str(NFTA_SET_TABLE, &table);
-                    m.attr_str(NFTA_SET_NAME, &name);
-                }),
-            )]
-        }
+        Op::AddChain(chain) => vec![(
+            NFT_MSG_NEWCHAIN,
+            create,
+            Box::new(move |m: &mut MsgBuilder| encode_chain(m, table, chain)),
+        )],
+        Op::FlushChain(name) => vec![(
+            NFT_MSG_DELRULE,
+            0,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_RULE_TABLE, table);
+                m.attr_str(NFTA_RULE_CHAIN, name);
+            }),
+        )],
+        Op::DeleteChain(name) => vec![(
+            NFT_MSG_DELCHAIN,
+            0,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_CHAIN_TABLE, table);
+                m.attr_str(NFTA_CHAIN_NAME, name);
+            }),
+        )],
+        Op::AddRule { chain, rule } => vec![(
+            NFT_MSG_NEWRULE,
+            create | append,
+            Box::new(move |m: &mut MsgBuilder| encode_rule(m, table, chain, rule)),
+        )],
+        Op::AddSet(set) => vec![(
+            NFT_MSG_NEWSET,
+            create,
+            Box::new(move |m: &mut MsgBuilder| encode_set(m, table, set)),
+        )],
+        Op::DeleteSet(name) => vec![(
+            NFT_MSG_DELSET,
+            0,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_SET_TABLE, table);
+                m.attr_str(NFTA_SET_NAME, name);
+            }),
+        )],
         Op::AddElements { set, elements } => element_chunks(elements)
             .into_iter()
             .map(|chunk| {
-                let (table, set) = (table.clone(), set.clone());
                 (
                     NFT_MSG_NEWSETELEM,
                     create,
-                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, &table, &set, &chunk))
+                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, table, set, chunk))
                         as Body,
                 )
             })
@@ -179,11 +161,10 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
         Op::DeleteElements { set, elements } => element_chunks(elements)
             .into_iter()
             .map(|chunk| {
-                let (table, set) = (table.clone(), set.clone());
                 (
                     NFT_MSG_DELSETELEM,
                     0,
-                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, &table, &set, &chunk))
+                    Box::new(move |m: &mut MsgBuilder| encode_elements(m, table, set, chunk))
                         as Body,
                 )
             })
@@ -191,21 +172,21 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body)> {
     }
 }
 
-fn element_chunks(elements: &[Element]) -> Vec<Vec<Element>> {
+/// Consecutive runs of elements that each fit one message.
+fn element_chunks(elements: &[Element]) -> Vec<&[Element]> {
     let mut chunks = Vec::new();
-    let mut cur = Vec::new();
-    let mut size = 0;
-    for e in elements {
+    let (mut start, mut size) = (0, 0);
+    for (i, e) in elements.iter().enumerate() {
         let s = element_size(e);
-        if size + s > MAX_ELEMENT_BYTES && !cur.is_empty() {
-            chunks.push(std::mem::take(&mut cur));
+        if size + s > MAX_ELEMENT_BYTES && i > start {
+            chunks.push(&elements[start..i]);
+            start = i;
             size = 0;
         }
         size += s;
-        cur.push(e.clone());
     }
-    if !cur.is_empty() {
-        chunks.push(cur);
+    if start < elements.len() {
+        chunks.push(&elements[start..]);
     }
     chunks
 }
