@@ -187,6 +187,11 @@ impl Agent {
         }
     }
 
+    /// The agent's process id while it has not been stopped (for /proc/PID/... checks).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Whether the agent process is still running (not exited, not killed).
     pub fn running(&mut self) -> bool {
         match self.child.as_mut() {

@@ -81,12 +81,13 @@ pub enum CleanupError {
 
 /// Deletes stale UDP / SCTP conntrack entries after each commit (see [`super::filter`] for which).
 ///
-/// ```ignore
-/// let mut ct = Cleaner::new();
+/// How the agent uses it (src/agent.rs):
+///
+/// ```text
 /// let changes = state.take_changes();
-/// match engine.sync(&desired) {
-///     Ok(_) => { ct.after_sync(&changes, &state); }
-///     Err(_) => ct.sync_failed(&changes), // kept for the next successful commit
+/// match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
+///     Ok(_) => conntrack.after_sync(&changes, &state),
+///     Err(_) => conntrack.sync_failed(&changes), // kept for the next successful commit
 /// }
 /// ```
 pub struct Cleaner {
