@@ -189,9 +189,20 @@ pub fn sync_once<B: crate::nft::Backend>(
     cfg: &RenderConfig,
 ) -> Result<SyncReport, SyncError> {
     if engine.needs_full_sync() {
-        let endpoints = state.endpoints_map();
-        let pieces = render::all_pieces(state.service_map(), &endpoints, cfg);
-        return engine.sync_full(render::skeleton(cfg), pieces);
+        // Service by service, so the endpoints of the whole cluster are never materialised at once.
+        let mut pieces = std::collections::BTreeMap::new();
+        for name in state.service_names() {
+            let endpoints = state.service_endpoints(&name);
+            for sp in state.service_ports(&name) {
+                pieces.insert(
+                    sp.name.clone(),
+                    render::service_pieces(sp, endpoints.get(&sp.name), cfg),
+                );
+            }
+        }
+        let report = engine.sync_full(render::skeleton(cfg), pieces);
+        release_free_memory();
+        return report;
     }
     let mut updates = Vec::new();
     for name in changed {
@@ -210,6 +221,15 @@ pub fn sync_once<B: crate::nft::Backend>(
         }
     }
     engine.sync_partial(updates)
+}
+
+/// A full sync builds and drops large transient structures; hand the freed pages back to the system so the
+/// agent's resident size reflects what it keeps, not its peak.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks glibc's own heap structures; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.

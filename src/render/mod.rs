@@ -7,7 +7,26 @@ pub use services::lb_chain_state;
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
+/// services would otherwise hold 10k copies of a handful of chains).
+pub fn lb_chain(family: Family, n: u32, cfg: &RenderConfig) -> Arc<ChainState> {
+    type Cache = Mutex<HashMap<(Family, u32, RenderConfig), Arc<ChainState>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if cache.len() > 4096 {
+        cache.clear(); // configs do not change at run time; this only bounds tests that vary them
+    }
+    cache
+        .entry((family, n, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, n, cfg)))
+        .clone()
+}
 
 /// Something one service port needs in the kernel. Pieces of different services may coincide (two services
 /// with the same endpoint count share `lb-<n>`; two ports of one ClusterIP share its `cluster-ips` element):
@@ -21,7 +40,8 @@ pub enum Piece {
     },
     Chain {
         family: Family,
-        chain: ChainState,
+        /// Shared: every service with n endpoints points at the same `lb-<n>` (see `lb_chain`).
+        chain: Arc<ChainState>,
     },
 }
 
@@ -87,7 +107,7 @@ pub fn assemble<'a>(
             Piece::Chain { chain, .. } => {
                 t.chains
                     .entry(chain.chain.name.clone())
-                    .or_insert_with(|| chain.clone());
+                    .or_insert_with(|| ChainState::clone(chain));
             }
         }
     }
@@ -105,7 +125,7 @@ pub fn render(
 }
 
 /// What shapes the rules besides the services themselves (kube-proxy's flags).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RenderConfig {
     /// This node's name (`--hostname-override`).
     pub node_name: String,

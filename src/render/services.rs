@@ -269,7 +269,7 @@ pub(super) fn service_pieces(
         let n = eps.len() as u32;
         pieces.push(Piece::Chain {
             family,
-            chain: lb_chain_state(family, n, cfg),
+            chain: super::lb_chain(family, n, cfg),
         });
         for ip in &ips {
             let frontend = [

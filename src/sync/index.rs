@@ -20,7 +20,7 @@ fn shared_set(set: &str) -> bool {
 /// The kernel-level effect of replacing some services' pieces.
 #[derive(Debug, Default)]
 pub struct Delta {
-    pub chains_added: Vec<(Family, ChainState)>,
+    pub chains_added: Vec<(Family, Arc<ChainState>)>,
     /// Chains no service needs any more (deleted in a later transaction, see KERNEL-NOTES on EBUSY).
     pub chains_unused: Vec<(Family, String)>,
     pub elements_removed: BTreeMap<(Family, &'static str), Vec<Element>>,
