@@ -70,7 +70,15 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
     let monitor = start_monitor(&mut engine)?;
-    let mut conntrack = crate::conntrack::Cleaner::new();
+    // Clean what the renderer programs: ClusterIPs, external IPs and LoadBalancer IPs (NodePorts not yet).
+    let mut conntrack = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
+        kinds: crate::conntrack::FrontendKinds {
+            external_ips: true,
+            load_balancer_ips: true,
+            node_ports: false,
+        },
+        ..Default::default()
+    });
 
     let mut dirty = true;
     let mut last_sync: Option<Instant> = None;

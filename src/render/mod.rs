@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
 /// services would otherwise hold 10k copies of a handful of chains).
-pub fn lb_chain(family: Family, n: u32, cfg: &RenderConfig) -> Arc<ChainState> {
-    type Cache = Mutex<HashMap<(Family, u32, RenderConfig), Arc<ChainState>>>;
+pub fn lb_chain(family: Family, n: u32, external: bool, cfg: &RenderConfig) -> Arc<ChainState> {
+    type Cache = Mutex<HashMap<(Family, u32, bool, RenderConfig), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -23,8 +23,8 @@ pub fn lb_chain(family: Family, n: u32, cfg: &RenderConfig) -> Arc<ChainState> {
         cache.clear(); // configs do not change at run time; this only bounds tests that vary them
     }
     cache
-        .entry((family, n, cfg.clone()))
-        .or_insert_with(|| Arc::new(lb_chain_state(family, n, cfg)))
+        .entry((family, n, external, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, n, external, cfg)))
         .clone()
 }
 

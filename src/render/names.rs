@@ -17,13 +17,20 @@ pub const SET_CLUSTER_IPS: &str = "cluster-ips";
 pub const MAP_SERVICE_IPS: &str = "service-ips";
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
+/// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
+pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 
 /// Prefix of the load-balancing chains, one per endpoint count in use.
 pub const LB_CHAIN_PREFIX: &str = "lb-";
 
-/// `lb-<n>`: picks one of n endpoints with `numgen random mod n`.
+/// `lb-<n>`: picks one of n endpoints with `numgen random mod n`, for ClusterIP frontends.
 pub fn lb_chain(n: u32) -> String {
     format!("{LB_CHAIN_PREFIX}{n}")
+}
+
+/// `lb-ext-<n>`: the same for external IP and LoadBalancer frontends, which masquerade differently.
+pub fn lb_external_chain(n: u32) -> String {
+    format!("{LB_CHAIN_PREFIX}ext-{n}")
 }
 
 /// The endpoint count an `lb-<n>` chain serves, if `name` is one.

@@ -22,6 +22,7 @@ use super::{Piece, RenderConfig};
 use crate::model::{Endpoint, IpFamily, ServicePort};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
+use std::net::IpAddr;
 
 pub(super) fn nft_family(f: IpFamily) -> Family {
     match f {
@@ -108,6 +109,11 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![a, DataType::InetService],
     ));
     t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
+    t.add_set(plain_set(
+        MAP_NO_ENDPOINT_SERVICES,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
 
     let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
     t.add_chain(base(
@@ -168,11 +174,19 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .build(),
     ];
 
-    t.add_chain(regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![RuleBuilder::new()
-        .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
-        .verdict(Verdict::Goto(CHAIN_REJECT.into()))
-        .comment("no endpoints, or not a service port")
-        .build()];
+    t.add_chain(regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
+        RuleBuilder::new()
+            .vmap(
+                &[daddr(f), Field::L4Proto, Field::ThDport],
+                MAP_NO_ENDPOINT_SERVICES,
+            )
+            .build(),
+        RuleBuilder::new()
+            .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+            .comment("no endpoints, or not a service port")
+            .build(),
+    ];
 
     let unreach = match f {
         IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
@@ -188,14 +202,22 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
     t
 }
 
-/// `lb-<n>`: masquerade marking, then the uniform choice among n endpoint slots.
-pub fn lb_chain_state(family: Family, n: u32, cfg: &RenderConfig) -> ChainState {
+/// `lb-<n>` (ClusterIP frontends) or `lb-ext-<n>` (external IP and LoadBalancer frontends): masquerade
+/// marking, then the uniform choice among n endpoint slots. ClusterIP traffic is masqueraded when it comes
+/// from outside the cluster CIDR (never, without one: kube-proxy's behaviour); external traffic likewise, and
+/// always when no cluster CIDR tells pods apart (the reply must come back through this node).
+pub fn lb_chain_state(family: Family, n: u32, external: bool, cfg: &RenderConfig) -> ChainState {
     let f = ip_family(family);
     let mut rules = Vec::new();
-    if cfg.masquerade_all {
+    let cidrs: Vec<_> = cfg
+        .cluster_cidrs
+        .iter()
+        .filter(|c| c.family() == f)
+        .collect();
+    if cfg.masquerade_all || (external && cidrs.is_empty()) {
         rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
     } else {
-        for cidr in cfg.cluster_cidrs.iter().filter(|c| c.family() == f) {
+        for cidr in cidrs {
             rules.push(
                 RuleBuilder::new()
                     .prefix(saddr(f), &cidr.addr, cidr.prefix, true)
@@ -215,8 +237,13 @@ pub fn lb_chain_state(family: Family, n: u32, cfg: &RenderConfig) -> ChainState 
             )
             .build(),
     );
+    let name = if external {
+        lb_external_chain(n)
+    } else {
+        lb_chain(n)
+    };
     ChainState {
-        chain: regular(&lb_chain(n)),
+        chain: regular(&name),
         rules,
     }
 }
@@ -235,7 +262,8 @@ pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
         .collect()
 }
 
-/// Everything one service port adds to the tables, for every family it has a cluster IP in.
+/// Everything one service port adds to the tables, in every family it has a frontend in: its ClusterIPs,
+/// external IPs and LoadBalancer ingress IPs.
 pub(super) fn service_pieces(
     svc: &ServicePort,
     endpoints: &[Endpoint],
@@ -244,12 +272,19 @@ pub(super) fn service_pieces(
     let mut pieces = Vec::new();
     for f in [IpFamily::V4, IpFamily::V6] {
         let family = nft_family(f);
-        let ips: Vec<_> = svc
-            .cluster_ips
-            .iter()
-            .filter(|ip| IpFamily::of(ip) == f)
-            .collect();
-        if ips.is_empty() {
+        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+            ips.iter()
+                .copied()
+                .filter(|ip| IpFamily::of(ip) == f)
+                .collect()
+        };
+        let cluster = of_family(&svc.cluster_ips);
+        let mut external = of_family(&svc.external_ips);
+        external.extend(of_family(&svc.load_balancer_ips));
+        external.sort();
+        external.dedup();
+        external.retain(|ip| !cluster.contains(ip));
+        if cluster.is_empty() && external.is_empty() {
             continue;
         }
         let element =
@@ -258,27 +293,34 @@ pub(super) fn service_pieces(
                 set,
                 element: Element { key, value },
             };
-        for ip in &ips {
+        let frontend = |ip: &IpAddr| {
+            [
+                ip_bytes(ip),
+                vec![svc.protocol.number()],
+                svc.port.to_be_bytes().to_vec(),
+            ]
+        };
+        for ip in &cluster {
             pieces.push(element(SET_CLUSTER_IPS, ip_bytes(ip), None));
         }
         let eps = usable_endpoints(endpoints, f);
         if eps.is_empty() {
-            // No dispatch element: the packet leaves NAT untouched and is rejected in filter.
+            // ClusterIPs: no dispatch element, the packet leaves NAT untouched and is rejected in filter
+            // (every port of a ClusterIP is ours). External addresses may serve other things on other ports,
+            // so they are rejected per port.
+            for ip in &external {
+                pieces.push(element(
+                    MAP_NO_ENDPOINT_SERVICES,
+                    concat_key(&frontend(ip)),
+                    Some(ElementValue::Verdict(Verdict::Goto(CHAIN_REJECT.into()))),
+                ));
+            }
             continue;
         }
         let n = eps.len() as u32;
-        pieces.push(Piece::Chain {
-            family,
-            chain: super::lb_chain(family, n, cfg),
-        });
-        for ip in &ips {
-            let frontend = [
-                ip_bytes(ip),
-                vec![svc.protocol.number()],
-                svc.port.to_be_bytes().to_vec(),
-            ];
+        let slots = |ip: &IpAddr, pieces: &mut Vec<Piece>| {
             for (slot, ep) in eps.iter().enumerate() {
-                let mut key = frontend.to_vec();
+                let mut key = frontend(ip).to_vec();
                 key.push((slot as u32).to_ne_bytes().to_vec());
                 pieces.push(element(
                     MAP_SERVICE_ENDPOINTS,
@@ -289,11 +331,22 @@ pub(super) fn service_pieces(
                     ]))),
                 ));
             }
-            pieces.push(element(
-                MAP_SERVICE_IPS,
-                concat_key(&frontend),
-                Some(ElementValue::Verdict(Verdict::Goto(lb_chain(n)))),
-            ));
+        };
+        for (ips, is_external) in [(&cluster, false), (&external, true)] {
+            if ips.is_empty() {
+                continue;
+            }
+            let chain = super::lb_chain(family, n, is_external, cfg);
+            let target = chain.chain.name.clone();
+            pieces.push(Piece::Chain { family, chain });
+            for ip in ips {
+                slots(ip, &mut pieces);
+                pieces.push(element(
+                    MAP_SERVICE_IPS,
+                    concat_key(&frontend(ip)),
+                    Some(ElementValue::Verdict(Verdict::Goto(target.clone()))),
+                ));
+            }
         }
         for ep in &eps {
             pieces.push(element(
@@ -414,7 +467,7 @@ mod tests {
     #[test]
     fn masquerade_rule_follows_config() {
         let mut cfg = RenderConfig::default();
-        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, cfg);
+        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, false, cfg);
         assert_eq!(lb(&cfg).rules.len(), 1);
         cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
         let t = TableState::new(Family::Ip, TABLE);
@@ -429,6 +482,52 @@ mod tests {
             crate::nft::text::render_rule(&lb(&cfg).rules[0], &t),
             "meta mark set meta mark | 0x00004000"
         );
+    }
+
+    #[test]
+    fn external_and_load_balancer_ips_dispatch_like_cluster_ips_and_reject_per_port_without_endpoints(
+    ) {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        sp.external_ips = vec!["192.168.250.10".parse().unwrap()];
+        sp.load_balancer_ips = vec![
+            "192.168.250.20".parse().unwrap(),
+            "10.96.0.1".parse().unwrap(),
+        ];
+        let services: ServiceMap = [(spn.clone(), sp)].into();
+        let eps: EndpointsMap = [(
+            spn.clone(),
+            vec![ep("10.0.0.1", 8080, true), ep("10.0.0.2", 8080, true)],
+        )]
+        .into();
+        let t = &render(&services, &eps, &RenderConfig::default())[0];
+        let text = crate::nft::text::render_table(t);
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-2"), "{text}");
+        assert!(
+            text.contains("192.168.250.10 . tcp . 80 : goto lb-ext-2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("192.168.250.20 . tcp . 80 . 1 : 10.0.0.2 . 8080"),
+            "{text}"
+        );
+        // External addresses are not ClusterIPs: never rejected wholesale.
+        assert_eq!(t.sets[SET_CLUSTER_IPS].elements.len(), 1);
+        // Without a cluster CIDR, external traffic is always masqueraded; ClusterIP traffic never.
+        assert_eq!(t.chains["lb-ext-2"].rules.len(), 2);
+        assert_eq!(t.chains["lb-2"].rules.len(), 1);
+
+        let none: EndpointsMap = EndpointsMap::new();
+        let t = &render(&services, &none, &RenderConfig::default())[0];
+        let text = crate::nft::text::render_table(t);
+        assert!(
+            text.contains("192.168.250.10 . tcp . 80 : goto reject-chain"),
+            "{text}"
+        );
+        assert!(
+            text.contains("192.168.250.20 . tcp . 80 : goto reject-chain"),
+            "{text}"
+        );
+        assert!(t.sets[MAP_SERVICE_IPS].elements.is_empty());
     }
 
     #[test]
