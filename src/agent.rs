@@ -25,6 +25,8 @@ pub struct ProxyOptions {
     pub min_sync_period: Duration,
     /// How often the manifest directory is checked for changes.
     pub poll_interval: Duration,
+    /// `--nodeport-addresses`, re-resolved against the node's addresses at every full sync.
+    pub nodeport_cidrs: Vec<Cidr>,
 }
 
 impl ProxyOptions {
@@ -35,6 +37,7 @@ impl ProxyOptions {
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
             poll_interval: Duration::from_millis(500),
+            nodeport_cidrs: Vec::new(),
         }
     }
 }
@@ -70,16 +73,18 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
     let monitor = start_monitor(&mut engine)?;
-    // Clean what the renderer programs: ClusterIPs, external IPs and LoadBalancer IPs (NodePorts not yet).
+    // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
+    // address: a stale entry to a NodePort is stale whichever address it came in on).
     let mut conntrack = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
         kinds: crate::conntrack::FrontendKinds {
             external_ips: true,
             load_balancer_ips: true,
-            node_ports: false,
+            node_ports: true,
         },
         ..Default::default()
     });
 
+    let mut cfg = opts.render.clone();
     let mut dirty = true;
     let mut last_sync: Option<Instant> = None;
     let mut last_full = Instant::now();
@@ -114,7 +119,11 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         if dirty && debounced && retry_due {
             let changes = state.take_changes();
             last_sync = Some(Instant::now());
-            match sync_once(&mut engine, &state, &changes.changed_services, &opts.render) {
+            if engine.needs_full_sync() {
+                // Node addresses can change; full syncs pick that up for NodePorts.
+                cfg.nodeport_addresses = nodeport_addresses(&opts.nodeport_cidrs);
+            }
+            match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
                 Ok(report) => {
                     // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
                     conntrack.after_sync(&changes, &state);
@@ -247,6 +256,21 @@ pub fn cleanup() -> anyhow::Result<usize> {
         &mut socket,
         &[(Family::Ip, TABLE), (Family::Ip6, TABLE)],
     )?)
+}
+
+/// Where NodePorts are served, from `--nodeport-addresses` and the addresses of the calling thread's
+/// namespace. If the addresses cannot be read, NodePorts are not served (and that is logged).
+pub fn nodeport_addresses(cidrs: &[Cidr]) -> crate::node::NodePortAddresses {
+    let read = crate::node::addresses().and_then(|a| Ok((a, crate::node::default_route_links()?)));
+    match read {
+        Ok((addresses, primary)) => {
+            crate::node::resolve_nodeport_addresses(cidrs, &addresses, &primary)
+        }
+        Err(e) => {
+            tracing::error!("reading the node's addresses: {e}; NodePorts are not served");
+            crate::node::NodePortAddresses::None
+        }
+    }
 }
 
 /// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).

@@ -45,6 +45,10 @@ pub struct RenderArgs {
     /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
     #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
     pub cluster_cidr: std::vec::Vec<crate::model::Cidr>,
+    /// CIDRs of the node addresses that serve NodePorts, comma-separated; a zero CIDR (0.0.0.0/0, ::/0) means
+    /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
+    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    pub nodeport_addresses: std::vec::Vec<crate::model::Cidr>,
     /// Masquerade all traffic sent to service IPs.
     #[arg(long)]
     pub masquerade_all: bool,
@@ -64,6 +68,7 @@ impl RenderArgs {
             masquerade_all: self.masquerade_all,
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
+            nodeport_addresses: agent::nodeport_addresses(&self.nodeport_addresses),
         }
     }
 }
@@ -83,6 +88,7 @@ pub struct ProxyArgs {
 impl ProxyArgs {
     pub fn options(&self) -> ProxyOptions {
         let mut o = ProxyOptions::new(self.render.manifests.clone(), self.render.render_config());
+        o.nodeport_cidrs = self.render.nodeport_addresses.clone();
         o.sync_period = Duration::from_secs_f64(self.sync_period.max(0.1));
         o.min_sync_period = Duration::from_secs_f64(self.min_sync_period.max(0.0));
         o

@@ -8,6 +8,7 @@ pub mod model;
 pub mod netlink;
 pub mod netns;
 pub mod nft;
+pub mod node;
 pub mod render;
 pub mod sandbox;
 pub mod source;

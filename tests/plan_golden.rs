@@ -11,6 +11,10 @@ fn plan_of_examples_matches_golden() {
     let cfg = RenderConfig {
         node_name: "node-1".into(),
         cluster_cidrs: parse_cidrs("10.244.0.0/16,fd00:244::/48").unwrap(),
+        nodeport_addresses: nftkube::node::NodePortAddresses::Only(vec![
+            "192.168.200.1".parse().unwrap(),
+            "fd00:200::1".parse().unwrap(),
+        ]),
         ..RenderConfig::default()
     };
     let mut errors = Vec::new();

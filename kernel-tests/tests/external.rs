@@ -78,7 +78,8 @@ fn tally(answers: &[io::Result<String>]) -> (BTreeSet<usize>, BTreeSet<IpAddr>) 
 }
 
 #[test]
-fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_rejected_without_endpoints() {
+fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_rejected_without_endpoints(
+) {
     let sb = sandbox("nk-ext", 3);
     // The outside client routes the external range to the node.
     sb.ext()
@@ -95,15 +96,22 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
     let m = Manifests::examples();
     m.write("web.yaml", MANIFEST);
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    wait_until(SYNC, || tcp_request(sb.ext(), addr(EXTERNAL_IP, 80), Duration::from_millis(300)).is_ok())
-        .unwrap_or_else(|_| panic!("external IP never reachable; log:\n{}", agent.log()));
+    wait_until(SYNC, || {
+        tcp_request(sb.ext(), addr(EXTERNAL_IP, 80), Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("external IP never reachable; log:\n{}", agent.log()));
 
-    let node_side: BTreeSet<IpAddr> = (1..=2).map(|i| IpAddr::from(sandbox::pod_gateway_v4(i))).collect();
+    let node_side: BTreeSet<IpAddr> = (1..=2)
+        .map(|i| IpAddr::from(sandbox::pod_gateway_v4(i)))
+        .collect();
     for ip in [EXTERNAL_IP, LB_IP] {
         // From outside: both endpoints answer, and they see the node (the reply must come back through it).
         let (pods, peers) = tally(&tcp_requests(sb.ext(), addr(ip, 80), 40, T));
         assert_eq!(pods, [1, 2].into(), "{ip} from outside");
-        assert!(peers.is_subset(&node_side), "{ip} from outside not masqueraded: {peers:?}");
+        assert!(
+            peers.is_subset(&node_side),
+            "{ip} from outside not masqueraded: {peers:?}"
+        );
         let (pods, peers) = tally(&udp_requests(sb.ext(), addr(ip, 53), 40, T));
         assert_eq!(pods, [1, 2].into(), "{ip} UDP from outside");
         assert!(peers.is_subset(&node_side), "{peers:?}");
@@ -116,15 +124,153 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
     // A service without endpoints: its external IP's port is rejected at once...
     for client in [sb.ext(), sb.client()] {
         let e = tcp_request(client, addr(EMPTY_EXTERNAL_IP, 80), T).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "from {}", client.name());
+        assert_eq!(
+            e.kind(),
+            io::ErrorKind::ConnectionRefused,
+            "from {}",
+            client.name()
+        );
     }
     // ...but only that port: other ports of the address are not ours to answer (no reject; the node forwards
     // the packet towards ext, which drops it, so the client times out).
-    let e = tcp_request(sb.client(), addr(EMPTY_EXTERNAL_IP, 81), Duration::from_millis(500)).unwrap_err();
+    let e = tcp_request(
+        sb.client(),
+        addr(EMPTY_EXTERNAL_IP, 81),
+        Duration::from_millis(500),
+    )
+    .unwrap_err();
     assert_ne!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
 
     // An ingress in ipMode Proxy is the load balancer's: no rule for it.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
     let text = nftkube::nft::text::render_table(&t);
-    assert!(text.contains(LB_IP) && !text.contains(LB_PROXY_IP), "{text}");
+    assert!(
+        text.contains(LB_IP) && !text.contains(LB_PROXY_IP),
+        "{text}"
+    );
+}
+
+/// An IPv6 NodePort service backed by pods 1 and 2.
+const MANIFEST_V6: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: fd00:96::30
+  ipFamilies: [IPv6]
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30090}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-1
+  namespace: demo
+  labels: {kubernetes.io/service-name: web6}
+addressType: IPv6
+ports:
+- {name: tcp, port: 8080, protocol: TCP}
+endpoints:
+- addresses: ["fd00:244:0:1::2"]
+- addresses: ["fd00:244:0:2::2"]
+"#;
+
+fn node_port(ip: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+#[test]
+fn node_ports_are_served_on_the_chosen_node_addresses_only() {
+    let sb = sandbox("nk-np", 3);
+    let m = Manifests::examples();
+    m.write("web.yaml", MANIFEST);
+    m.write("web6.yaml", MANIFEST_V6);
+    let node_v4: IpAddr = sandbox::node_ip_v4().into();
+    let node_v6: IpAddr = sandbox::node_ip_v6().into();
+    // The node's address on the client pod's link: not a primary address (no default route there).
+    let pod_link: IpAddr = sandbox::pod_gateway_v4(0).into();
+
+    // Default --nodeport-addresses: the primary addresses (the uplink with the default route).
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    wait_until(SYNC, || {
+        tcp_request(
+            sb.ext(),
+            node_port(node_v4, 30080),
+            Duration::from_millis(300),
+        )
+        .is_ok()
+    })
+    .unwrap_or_else(|_| panic!("NodePort never reachable; log:\n{}", agent.log()));
+    let node_side: BTreeSet<IpAddr> = (1..=2)
+        .map(|i| IpAddr::from(sandbox::pod_gateway_v4(i)))
+        .collect();
+    let (pods, peers) = tally(&tcp_requests(sb.ext(), node_port(node_v4, 30080), 40, T));
+    assert_eq!(pods, [1, 2].into());
+    assert!(
+        peers.is_subset(&node_side),
+        "NodePort traffic is masqueraded: {peers:?}"
+    );
+    let (pods, _) = tally(&udp_requests(sb.ext(), node_port(node_v4, 30053), 40, T));
+    assert_eq!(pods, [1, 2].into());
+    // From a pod through the primary address too.
+    let (pods, _) = tally(&tcp_requests(sb.client(), node_port(node_v4, 30080), 20, T));
+    assert_eq!(pods, [1, 2].into());
+    // IPv6.
+    let (pods, peers) = tally(&tcp_requests(sb.ext(), node_port(node_v6, 30090), 40, T));
+    assert_eq!(pods, [1, 2].into());
+    let node_side6: BTreeSet<IpAddr> = (1..=2)
+        .map(|i| IpAddr::from(sandbox::pod_gateway_v6(i)))
+        .collect();
+    assert!(peers.is_subset(&node_side6), "{peers:?}");
+    // Not through an address outside --nodeport-addresses: no backend answers there.
+    let r = tcp_request(
+        sb.client(),
+        node_port(pod_link, 30080),
+        Duration::from_millis(500),
+    );
+    assert!(
+        r.as_ref().map_or(true, |a| parse_answer(a).is_none()),
+        "{r:?}"
+    );
+    // Never on loopback.
+    let r = tcp_request(
+        sb.node(),
+        node_port("127.0.0.1".parse().unwrap(), 30080),
+        Duration::from_millis(500),
+    );
+    assert!(r.is_err(), "{r:?}");
+    drop(agent);
+
+    // A zero CIDR: every local address (still not loopback).
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &["--nodeport-addresses", "0.0.0.0/0,::/0"],
+    );
+    wait_until(SYNC, || {
+        tcp_request(
+            sb.client(),
+            node_port(pod_link, 30080),
+            Duration::from_millis(300),
+        )
+        .is_ok_and(|a| parse_answer(&a).is_some())
+    })
+    .unwrap_or_else(|_| {
+        panic!(
+            "NodePort on every address never served; log:\n{}",
+            agent.log()
+        )
+    });
+    let (pods, _) = tally(&tcp_requests(sb.ext(), node_port(node_v4, 30080), 20, T));
+    assert_eq!(pods, [1, 2].into());
+    let r = tcp_request(
+        sb.node(),
+        node_port("127.0.0.1".parse().unwrap(), 30080),
+        Duration::from_millis(500),
+    );
+    assert!(r.is_err(), "{r:?}");
+    let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
+    let text = nftkube::nft::text::render_table(&t);
+    assert!(text.contains("fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports"), "{text}");
 }

@@ -265,6 +265,21 @@ impl RuleBuilder {
         self
     }
 
+    /// `fib daddr type local`: the destination is one of this host's addresses.
+    pub fn daddr_is_local(mut self) -> Self {
+        self.exprs.push(Expr::Fib {
+            flags: FIB_F_DADDR,
+            result: FIB_RESULT_ADDRTYPE,
+            dreg: REG_1,
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: CmpOp::Eq,
+            data: RTN_LOCAL.to_ne_bytes().to_vec(),
+        });
+        self
+    }
+
     /// `numgen random mod modulus == value`.
     pub fn numgen_eq(mut self, modulus: u32, value: u32) -> Self {
         self.exprs.push(Expr::Numgen {

@@ -3,7 +3,7 @@
 pub mod names;
 mod services;
 
-pub use services::lb_chain_state;
+pub use services::{lb_chain_state, LbKind};
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
 /// services would otherwise hold 10k copies of a handful of chains).
-pub fn lb_chain(family: Family, n: u32, external: bool, cfg: &RenderConfig) -> Arc<ChainState> {
-    type Cache = Mutex<HashMap<(Family, u32, bool, RenderConfig), Arc<ChainState>>>;
+pub fn lb_chain(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> Arc<ChainState> {
+    type Cache = Mutex<HashMap<(Family, u32, LbKind, RenderConfig), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -23,8 +23,8 @@ pub fn lb_chain(family: Family, n: u32, external: bool, cfg: &RenderConfig) -> A
         cache.clear(); // configs do not change at run time; this only bounds tests that vary them
     }
     cache
-        .entry((family, n, external, cfg.clone()))
-        .or_insert_with(|| Arc::new(lb_chain_state(family, n, external, cfg)))
+        .entry((family, n, kind, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, n, kind, cfg)))
         .clone()
 }
 
@@ -137,6 +137,8 @@ pub struct RenderConfig {
     pub masquerade_bit: u32,
     /// `masquerade fully-random` (kube-proxy's `--iptables-masquerade-fully-random`... mapped to nft).
     pub masquerade_fully_random: bool,
+    /// Where NodePorts are served (resolved from `--nodeport-addresses` and the node's addresses).
+    pub nodeport_addresses: crate::node::NodePortAddresses,
 }
 
 impl Default for RenderConfig {
@@ -147,6 +149,7 @@ impl Default for RenderConfig {
             masquerade_all: false,
             masquerade_bit: 0x4000,
             masquerade_fully_random: false,
+            nodeport_addresses: crate::node::NodePortAddresses::None,
         }
     }
 }

@@ -17,6 +17,13 @@ pub const SET_CLUSTER_IPS: &str = "cluster-ips";
 pub const MAP_SERVICE_IPS: &str = "service-ips";
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
+pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
+pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
+pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
+pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+pub const CHAIN_FILTER_INPUT: &str = "filter-input";
+pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
+
 /// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
 pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 
@@ -31,6 +38,11 @@ pub fn lb_chain(n: u32) -> String {
 /// `lb-ext-<n>`: the same for external IP and LoadBalancer frontends, which masquerade differently.
 pub fn lb_external_chain(n: u32) -> String {
     format!("{LB_CHAIN_PREFIX}ext-{n}")
+}
+
+/// `lb-np-<n>`: the same for NodePorts, keyed by protocol and port alone (any node address).
+pub fn lb_nodeport_chain(n: u32) -> String {
+    format!("{LB_CHAIN_PREFIX}np-{n}")
 }
 
 /// The endpoint count an `lb-<n>` chain serves, if `name` is one.

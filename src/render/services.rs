@@ -22,7 +22,8 @@ use super::{Piece, RenderConfig};
 use crate::model::{Endpoint, IpFamily, ServicePort};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
-use std::net::IpAddr;
+use crate::node::NodePortAddresses;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub(super) fn nft_family(f: IpFamily) -> Family {
     match f {
@@ -114,6 +115,48 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![a, DataType::InetProto, DataType::InetService],
         vec![DataType::Verdict],
     ));
+    let port_key = vec![DataType::InetProto, DataType::InetService];
+    t.add_set(plain_set(
+        MAP_SERVICE_NODEPORTS,
+        port_key.clone(),
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_NO_ENDPOINT_NODEPORTS,
+        port_key,
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_NODEPORT_ENDPOINTS,
+        vec![DataType::InetProto, DataType::InetService, SLOT],
+        vec![a, DataType::InetService],
+    ));
+    // NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses).
+    let nodeport_match: Option<RuleBuilder> = match &cfg.nodeport_addresses {
+        NodePortAddresses::None => None,
+        NodePortAddresses::AllLocal => {
+            let loopback: IpAddr = match f {
+                IpFamily::V4 => Ipv4Addr::new(127, 0, 0, 0).into(),
+                IpFamily::V6 => Ipv6Addr::LOCALHOST.into(),
+            };
+            let prefix = if f == IpFamily::V4 { 8 } else { 128 };
+            Some(
+                RuleBuilder::new()
+                    .daddr_is_local()
+                    .prefix(daddr(f), &loopback, prefix, true),
+            )
+        }
+        NodePortAddresses::Only(ips) => {
+            let set = t.add_set(plain_set(SET_NODEPORT_IPS, vec![a], vec![]));
+            for ip in ips.iter().filter(|ip| IpFamily::of(ip) == f) {
+                set.elements.insert(Element {
+                    key: ip_bytes(ip),
+                    value: None,
+                });
+            }
+            Some(RuleBuilder::new().in_set(&[daddr(f)], SET_NODEPORT_IPS, false))
+        }
+    };
 
     let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
     t.add_chain(base(
@@ -152,9 +195,30 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
     ))
     .rules = vec![jump(CHAIN_CLUSTER_IPS_CHECK)];
 
-    t.add_chain(regular(CHAIN_SERVICES)).rules = vec![RuleBuilder::new()
+    let mut services = vec![RuleBuilder::new()
         .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
         .build()];
+    if let Some(m) = &nodeport_match {
+        services.push(
+            m.clone()
+                .vmap(&[Field::L4Proto, Field::ThDport], MAP_SERVICE_NODEPORTS)
+                .build(),
+        );
+        // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
+        // rejected on input.
+        t.add_chain(base(
+            CHAIN_FILTER_INPUT,
+            ChainType::Filter,
+            Hook::Input,
+            PRIO_FILTER_EARLY,
+        ))
+        .rules = vec![jump(CHAIN_NODEPORTS_CHECK)];
+        t.add_chain(regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
+            .clone()
+            .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
+            .build()];
+    }
+    t.add_chain(regular(CHAIN_SERVICES)).rules = services;
 
     let bit = cfg.masquerade_bit;
     t.add_chain(regular(CHAIN_MASQUERADING)).rules = vec![
@@ -202,11 +266,21 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
     t
 }
 
-/// `lb-<n>` (ClusterIP frontends) or `lb-ext-<n>` (external IP and LoadBalancer frontends): masquerade
-/// marking, then the uniform choice among n endpoint slots. ClusterIP traffic is masqueraded when it comes
-/// from outside the cluster CIDR (never, without one: kube-proxy's behaviour); external traffic likewise, and
-/// always when no cluster CIDR tells pods apart (the reply must come back through this node).
-pub fn lb_chain_state(family: Family, n: u32, external: bool, cfg: &RenderConfig) -> ChainState {
+/// Which frontends an `lb-*` chain serves: they differ in masquerading and in the key of their endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LbKind {
+    /// `lb-<n>`: ClusterIPs. Masqueraded when from outside the cluster CIDR (never without one, as kube-proxy).
+    Cluster,
+    /// `lb-ext-<n>`: external and LoadBalancer IPs. Masqueraded unless from the cluster CIDR (always without
+    /// one: the reply must come back through this node).
+    External,
+    /// `lb-np-<n>`: NodePorts, keyed by protocol and port alone. Always masqueraded (externalTrafficPolicy
+    /// Cluster).
+    NodePort,
+}
+
+/// An `lb-*` chain: masquerade marking, then the uniform choice among n endpoint slots.
+pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> ChainState {
     let f = ip_family(family);
     let mut rules = Vec::new();
     let cidrs: Vec<_> = cfg
@@ -214,7 +288,10 @@ pub fn lb_chain_state(family: Family, n: u32, external: bool, cfg: &RenderConfig
         .iter()
         .filter(|c| c.family() == f)
         .collect();
-    if cfg.masquerade_all || (external && cidrs.is_empty()) {
+    let always = cfg.masquerade_all
+        || kind == LbKind::NodePort
+        || (kind == LbKind::External && cidrs.is_empty());
+    if always {
         rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
     } else {
         for cidr in cidrs {
@@ -227,21 +304,24 @@ pub fn lb_chain_state(family: Family, n: u32, external: bool, cfg: &RenderConfig
             );
         }
     }
-    rules.push(
-        RuleBuilder::new()
-            .dnat_map(
-                &[daddr(f), Field::L4Proto, Field::ThDport],
-                n,
-                MAP_SERVICE_ENDPOINTS,
-                family,
-            )
-            .build(),
-    );
-    let name = if external {
-        lb_external_chain(n)
-    } else {
-        lb_chain(n)
+    let (name, key, map) = match kind {
+        LbKind::Cluster => (
+            lb_chain(n),
+            vec![daddr(f), Field::L4Proto, Field::ThDport],
+            MAP_SERVICE_ENDPOINTS,
+        ),
+        LbKind::External => (
+            lb_external_chain(n),
+            vec![daddr(f), Field::L4Proto, Field::ThDport],
+            MAP_SERVICE_ENDPOINTS,
+        ),
+        LbKind::NodePort => (
+            lb_nodeport_chain(n),
+            vec![Field::L4Proto, Field::ThDport],
+            MAP_NODEPORT_ENDPOINTS,
+        ),
     };
+    rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build());
     ChainState {
         chain: regular(&name),
         rules,
@@ -315,6 +395,16 @@ pub(super) fn service_pieces(
                     Some(ElementValue::Verdict(Verdict::Goto(CHAIN_REJECT.into()))),
                 ));
             }
+            if let Some(np) = svc
+                .node_port
+                .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None)
+            {
+                pieces.push(element(
+                    MAP_NO_ENDPOINT_NODEPORTS,
+                    concat_key(&[vec![svc.protocol.number()], np.to_be_bytes().to_vec()]),
+                    Some(ElementValue::Verdict(Verdict::Goto(CHAIN_REJECT.into()))),
+                ));
+            }
             continue;
         }
         let n = eps.len() as u32;
@@ -336,7 +426,12 @@ pub(super) fn service_pieces(
             if ips.is_empty() {
                 continue;
             }
-            let chain = super::lb_chain(family, n, is_external, cfg);
+            let kind = if is_external {
+                LbKind::External
+            } else {
+                LbKind::Cluster
+            };
+            let chain = super::lb_chain(family, n, kind, cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
             for ip in ips {
@@ -347,6 +442,32 @@ pub(super) fn service_pieces(
                     Some(ElementValue::Verdict(Verdict::Goto(target.clone()))),
                 ));
             }
+        }
+        if let Some(np) = svc
+            .node_port
+            .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None)
+        {
+            let chain = super::lb_chain(family, n, LbKind::NodePort, cfg);
+            let target = chain.chain.name.clone();
+            pieces.push(Piece::Chain { family, chain });
+            let port = [vec![svc.protocol.number()], np.to_be_bytes().to_vec()];
+            for (slot, ep) in eps.iter().enumerate() {
+                let mut key = port.to_vec();
+                key.push((slot as u32).to_ne_bytes().to_vec());
+                pieces.push(element(
+                    MAP_NODEPORT_ENDPOINTS,
+                    concat_key(&key),
+                    Some(ElementValue::Data(concat_key(&[
+                        ip_bytes(&ep.ip),
+                        ep.port.to_be_bytes().to_vec(),
+                    ]))),
+                ));
+            }
+            pieces.push(element(
+                MAP_SERVICE_NODEPORTS,
+                concat_key(&port),
+                Some(ElementValue::Verdict(Verdict::Goto(target))),
+            ));
         }
         for ep in &eps {
             pieces.push(element(
@@ -467,7 +588,7 @@ mod tests {
     #[test]
     fn masquerade_rule_follows_config() {
         let mut cfg = RenderConfig::default();
-        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, false, cfg);
+        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, LbKind::Cluster, cfg);
         assert_eq!(lb(&cfg).rules.len(), 1);
         cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
         let t = TableState::new(Family::Ip, TABLE);
