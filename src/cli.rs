@@ -58,6 +58,12 @@ pub struct RenderArgs {
     /// Masquerade with fully random source ports.
     #[arg(long)]
     pub masquerade_fully_random: bool,
+    /// The fwmark bit (0-31) whose packets are dropped (kubelet's --iptables-drop-bit).
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]
+    pub drop_bit: u32,
+    /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
+    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    pub service_cidr: std::vec::Vec<crate::model::Cidr>,
 }
 
 impl RenderArgs {
@@ -69,6 +75,8 @@ impl RenderArgs {
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
             nodeport_addresses: agent::nodeport_addresses(&self.nodeport_addresses),
+            drop_bit: 1 << self.drop_bit,
+            service_cidrs: self.service_cidr.clone(),
         }
     }
 }

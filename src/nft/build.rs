@@ -280,6 +280,24 @@ impl RuleBuilder {
         self
     }
 
+    /// `ct state|status & bits == 0`: none of the bits set.
+    pub fn ct_lacks(mut self, key: CtKey, bits: u32) -> Self {
+        self.exprs.push(Expr::Ct { key, dreg: REG_1 });
+        self.exprs.push(Expr::Bitwise {
+            sreg: REG_1,
+            dreg: REG_1,
+            len: 4,
+            mask: bits.to_ne_bytes().to_vec(),
+            xor: vec![0; 4],
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: CmpOp::Eq,
+            data: vec![0; 4],
+        });
+        self
+    }
+
     /// `numgen random mod modulus == value`.
     pub fn numgen_eq(mut self, modulus: u32, value: u32) -> Self {
         self.exprs.push(Expr::Numgen {

@@ -576,6 +576,10 @@ fn cmp_text(v: &RegValue, op: CmpOp, data: &[u8]) -> String {
             };
             return match op {
                 CmpOp::Neq => format!("{} {names}", v.text),
+                // nft's own spelling: `ct status & dnat == 0`, `ct state & (established | related) == 0`.
+                _ if names.contains(',') => {
+                    format!("{} & ({}) == 0", v.text, names.replace(',', " | "))
+                }
                 _ => format!("{} & {names} == 0", v.text),
             };
         }

@@ -139,6 +139,10 @@ pub struct RenderConfig {
     pub masquerade_fully_random: bool,
     /// Where NodePorts are served (resolved from `--nodeport-addresses` and the node's addresses).
     pub nodeport_addresses: crate::node::NodePortAddresses,
+    /// The mark bit whose packets are dropped (kubelet's KUBE-MARK-DROP, 0x8000).
+    pub drop_bit: u32,
+    /// Service ranges (`--service-cidr`): addresses in them that no Service has are dropped.
+    pub service_cidrs: Vec<Cidr>,
 }
 
 impl Default for RenderConfig {
@@ -150,6 +154,8 @@ impl Default for RenderConfig {
             masquerade_bit: 0x4000,
             masquerade_fully_random: false,
             nodeport_addresses: crate::node::NodePortAddresses::None,
+            drop_bit: 0x8000,
+            service_cidrs: Vec::new(),
         }
     }
 }

@@ -12,6 +12,7 @@ pub const CHAIN_SERVICES: &str = "services";
 pub const CHAIN_MASQUERADING: &str = "masquerading";
 pub const CHAIN_CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
 pub const CHAIN_REJECT: &str = "reject-chain";
+pub const CHAIN_FIREWALL: &str = "firewall";
 
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
 pub const MAP_SERVICE_IPS: &str = "service-ips";

@@ -186,14 +186,43 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
         Hook::Forward,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_CLUSTER_IPS_CHECK)];
+    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
     t.add_chain(base(
         CHAIN_FILTER_OUTPUT,
         ChainType::Filter,
         Hook::Output,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_CLUSTER_IPS_CHECK)];
+    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
+    t.add_chain(base(
+        CHAIN_FILTER_INPUT,
+        ChainType::Filter,
+        Hook::Input,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![jump(CHAIN_FIREWALL)];
+    // kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
+    // 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
+    // it could otherwise reach services bound to loopback).
+    let mut firewall = vec![RuleBuilder::new()
+        .mark_has(cfg.drop_bit, true)
+        .verdict(Verdict::Drop)
+        .comment("drop mark")
+        .build()];
+    if f == IpFamily::V4 {
+        let localnet: IpAddr = Ipv4Addr::new(127, 0, 0, 0).into();
+        firewall.push(
+            RuleBuilder::new()
+                .prefix(Field::IpDaddr, &localnet, 8, false)
+                .prefix(Field::IpSaddr, &localnet, 8, true)
+                .ct_lacks(CtKey::State, CT_STATE_ESTABLISHED | CT_STATE_RELATED)
+                .ct_lacks(CtKey::Status, CT_STATUS_DNAT)
+                .verdict(Verdict::Drop)
+                .comment("martian localnet")
+                .build(),
+        );
+    }
+    t.add_chain(regular(CHAIN_FIREWALL)).rules = firewall;
 
     let mut services = vec![RuleBuilder::new()
         .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
@@ -206,13 +235,9 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
         );
         // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
         // rejected on input.
-        t.add_chain(base(
-            CHAIN_FILTER_INPUT,
-            ChainType::Filter,
-            Hook::Input,
-            PRIO_FILTER_EARLY,
-        ))
-        .rules = vec![jump(CHAIN_NODEPORTS_CHECK)];
+        t.chain_mut(CHAIN_FILTER_INPUT)
+            .rules
+            .push(jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
             .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
@@ -251,6 +276,17 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .comment("no endpoints, or not a service port")
             .build(),
     ];
+    // --service-cidr: an address in the service range that no Service has is dropped here rather than sent
+    // on towards the default route.
+    for cidr in cfg.service_cidrs.iter().filter(|c| c.family() == f) {
+        t.chain_mut(CHAIN_CLUSTER_IPS_CHECK).rules.push(
+            RuleBuilder::new()
+                .prefix(daddr(f), &cidr.addr, cidr.prefix, false)
+                .verdict(Verdict::Drop)
+                .comment("unallocated service address")
+                .build(),
+        );
+    }
 
     let unreach = match f {
         IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
