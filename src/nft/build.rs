@@ -265,6 +265,21 @@ impl RuleBuilder {
         self
     }
 
+    /// `fib saddr type local`: the packet comes from this host itself.
+    pub fn saddr_is_local(mut self) -> Self {
+        self.exprs.push(Expr::Fib {
+            flags: FIB_F_SADDR,
+            result: FIB_RESULT_ADDRTYPE,
+            dreg: REG_1,
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: CmpOp::Eq,
+            data: RTN_LOCAL.to_ne_bytes().to_vec(),
+        });
+        self
+    }
+
     /// `fib daddr type local`: the destination is one of this host's addresses.
     pub fn daddr_is_local(mut self) -> Self {
         self.exprs.push(Expr::Fib {
@@ -336,7 +351,19 @@ impl RuleBuilder {
 
     /// `dnat <family> addr . port to <fields> . numgen random mod n map @map`: the numgen value is appended
     /// to the key in the next free register, and the map's `addr . port` value feeds the nat expression.
-    pub fn dnat_map(mut self, fields: &[Field], n: u32, map: &str, family: Family) -> Self {
+    pub fn dnat_map(self, fields: &[Field], n: u32, map: &str, family: Family) -> Self {
+        self.dnat_map_offset(fields, n, 0, map, family)
+    }
+
+    /// `dnat_map` with `numgen random mod n offset o`: picks among slots o..o+n.
+    pub fn dnat_map_offset(
+        mut self,
+        fields: &[Field],
+        n: u32,
+        offset: u32,
+        map: &str,
+        family: Family,
+    ) -> Self {
         self.exprs.extend(load_concat(fields));
         let slot: u32 = fields
             .iter()
@@ -346,7 +373,7 @@ impl RuleBuilder {
             dreg: reg_at_slot(slot),
             modulus: n,
             random: true,
-            offset: 0,
+            offset,
         });
         self.exprs.push(Expr::Lookup {
             set: map.to_owned(),

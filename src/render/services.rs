@@ -19,7 +19,7 @@
 
 use super::names::*;
 use super::{Piece, RenderConfig};
-use crate::model::{Endpoint, IpFamily, ServicePort};
+use crate::model::{Endpoint, IpFamily, ServicePort, TrafficPolicy};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
 use crate::node::NodePortAddresses;
@@ -313,17 +313,78 @@ pub enum LbKind {
     /// `lb-np-<n>`: NodePorts, keyed by protocol and port alone. Always masqueraded (externalTrafficPolicy
     /// Cluster).
     NodePort,
+    /// `lb-etp-<local>-<n>`: external and LoadBalancer IPs of an externalTrafficPolicy Local service: traffic
+    /// from pods and from the node itself goes to all n endpoints (short-circuit), outside traffic only to
+    /// the `local` endpoints on this node, keeping its source address; none → dropped.
+    LocalExternal(u32),
+    /// `lb-np-etp-<local>-<n>`: the same for the NodePort of such a service.
+    LocalNodePort(u32),
 }
+
+/// Slots of a service's node-local endpoints start here (the first ones hold all its endpoints).
+pub const LOCAL_SLOTS: u32 = 1 << 16;
 
 /// An `lb-*` chain: masquerade marking, then the uniform choice among n endpoint slots.
 pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> ChainState {
     let f = ip_family(family);
-    let mut rules = Vec::new();
+    let frontend_key = vec![daddr(f), Field::L4Proto, Field::ThDport];
+    let port_key = vec![Field::L4Proto, Field::ThDport];
+    let (name, key, map) = match kind {
+        LbKind::Cluster => (lb_chain(n), frontend_key, MAP_SERVICE_ENDPOINTS),
+        LbKind::External => (lb_external_chain(n), frontend_key, MAP_SERVICE_ENDPOINTS),
+        LbKind::NodePort => (lb_nodeport_chain(n), port_key, MAP_NODEPORT_ENDPOINTS),
+        LbKind::LocalExternal(l) => (
+            format!("{LB_CHAIN_PREFIX}etp-{l}-{n}"),
+            frontend_key,
+            MAP_SERVICE_ENDPOINTS,
+        ),
+        LbKind::LocalNodePort(l) => (
+            format!("{LB_CHAIN_PREFIX}np-etp-{l}-{n}"),
+            port_key,
+            MAP_NODEPORT_ENDPOINTS,
+        ),
+    };
     let cidrs: Vec<_> = cfg
         .cluster_cidrs
         .iter()
         .filter(|c| c.family() == f)
         .collect();
+    let mut rules = Vec::new();
+    if let LbKind::LocalExternal(local) | LbKind::LocalNodePort(local) = kind {
+        // Pods keep their address and reach every endpoint; so does the node itself, masqueraded.
+        for cidr in &cidrs {
+            rules.push(
+                RuleBuilder::new()
+                    .prefix(saddr(f), &cidr.addr, cidr.prefix, false)
+                    .dnat_map(&key, n, map, family)
+                    .comment("from a pod: every endpoint")
+                    .build(),
+            );
+        }
+        rules.push(
+            RuleBuilder::new()
+                .saddr_is_local()
+                .mark_or(cfg.masquerade_bit)
+                .dnat_map(&key, n, map, family)
+                .comment("from the node: every endpoint")
+                .build(),
+        );
+        rules.push(if local > 0 {
+            RuleBuilder::new()
+                .dnat_map_offset(&key, local, LOCAL_SLOTS, map, family)
+                .comment("from outside: local endpoints, source kept")
+                .build()
+        } else {
+            RuleBuilder::new()
+                .verdict(Verdict::Drop)
+                .comment("from outside: no local endpoint")
+                .build()
+        });
+        return ChainState {
+            chain: regular(&name),
+            rules,
+        };
+    }
     let always = cfg.masquerade_all
         || kind == LbKind::NodePort
         || (kind == LbKind::External && cidrs.is_empty());
@@ -340,23 +401,6 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
             );
         }
     }
-    let (name, key, map) = match kind {
-        LbKind::Cluster => (
-            lb_chain(n),
-            vec![daddr(f), Field::L4Proto, Field::ThDport],
-            MAP_SERVICE_ENDPOINTS,
-        ),
-        LbKind::External => (
-            lb_external_chain(n),
-            vec![daddr(f), Field::L4Proto, Field::ThDport],
-            MAP_SERVICE_ENDPOINTS,
-        ),
-        LbKind::NodePort => (
-            lb_nodeport_chain(n),
-            vec![Field::L4Proto, Field::ThDport],
-            MAP_NODEPORT_ENDPOINTS,
-        ),
-    };
     rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build());
     ChainState {
         chain: regular(&name),
@@ -379,13 +423,23 @@ pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
 }
 
 /// Everything one service port adds to the tables, in every family it has a frontend in: its ClusterIPs,
-/// external IPs and LoadBalancer ingress IPs.
+/// external IPs, LoadBalancer ingress IPs and NodePort.
 pub(super) fn service_pieces(
     svc: &ServicePort,
     endpoints: &[Endpoint],
     cfg: &RenderConfig,
 ) -> Vec<Piece> {
     let mut pieces = Vec::new();
+    let local_endpoints: Vec<Endpoint> = endpoints
+        .iter()
+        .filter(|e| {
+            !cfg.node_name.is_empty() && e.node_name.as_deref() == Some(cfg.node_name.as_str())
+        })
+        .cloned()
+        .collect();
+    let node_port = svc
+        .node_port
+        .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None);
     for f in [IpFamily::V4, IpFamily::V6] {
         let family = nft_family(f);
         let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
@@ -409,103 +463,153 @@ pub(super) fn service_pieces(
                 set,
                 element: Element { key, value },
             };
-        let frontend = |ip: &IpAddr| {
-            [
-                ip_bytes(ip),
-                vec![svc.protocol.number()],
-                svc.port.to_be_bytes().to_vec(),
-            ]
+        let proto = vec![svc.protocol.number()];
+        let frontend =
+            |ip: &IpAddr| vec![ip_bytes(ip), proto.clone(), svc.port.to_be_bytes().to_vec()];
+        let node_port_key = |np: u16| vec![proto.clone(), np.to_be_bytes().to_vec()];
+        let goto = |chain: &str| Some(ElementValue::Verdict(Verdict::Goto(chain.into())));
+        // Slot elements: endpoint k of `eps` at slot `offset + k` of the frontend (or port) `key`.
+        let slots = |set: &'static str,
+                     key: &[Vec<u8>],
+                     eps: &[Endpoint],
+                     offset: u32,
+                     out: &mut Vec<Piece>| {
+            for (k, ep) in eps.iter().enumerate() {
+                let mut full = key.to_vec();
+                full.push((offset + k as u32).to_ne_bytes().to_vec());
+                out.push(element(
+                    set,
+                    concat_key(&full),
+                    Some(ElementValue::Data(concat_key(&[
+                        ip_bytes(&ep.ip),
+                        ep.port.to_be_bytes().to_vec(),
+                    ]))),
+                ));
+            }
         };
+        let all = usable_endpoints(endpoints, f);
+        let local = usable_endpoints(&local_endpoints, f);
+
+        // ClusterIPs (internalTrafficPolicy).
         for ip in &cluster {
             pieces.push(element(SET_CLUSTER_IPS, ip_bytes(ip), None));
         }
-        let eps = usable_endpoints(endpoints, f);
-        if eps.is_empty() {
-            // ClusterIPs: no dispatch element, the packet leaves NAT untouched and is rejected in filter
-            // (every port of a ClusterIP is ours). External addresses may serve other things on other ports,
-            // so they are rejected per port.
+        let internal = if svc.internal_traffic_policy == TrafficPolicy::Local {
+            &local
+        } else {
+            &all
+        };
+        if !internal.is_empty() {
+            let n = internal.len() as u32;
+            let chain = super::lb_chain(family, n, LbKind::Cluster, cfg);
+            let target = chain.chain.name.clone();
+            pieces.push(Piece::Chain { family, chain });
+            for ip in &cluster {
+                slots(
+                    MAP_SERVICE_ENDPOINTS,
+                    &frontend(ip),
+                    internal,
+                    0,
+                    &mut pieces,
+                );
+                pieces.push(element(
+                    MAP_SERVICE_IPS,
+                    concat_key(&frontend(ip)),
+                    goto(&target),
+                ));
+            }
+        } else if !all.is_empty() {
+            // internalTrafficPolicy Local without a local endpoint: dropped (endpoints exist elsewhere).
+            for ip in &cluster {
+                pieces.push(element(
+                    MAP_SERVICE_IPS,
+                    concat_key(&frontend(ip)),
+                    Some(ElementValue::Verdict(Verdict::Drop)),
+                ));
+            }
+        }
+        // Otherwise no dispatch element: the packet leaves NAT untouched and is rejected in filter (every
+        // port of a ClusterIP is ours).
+
+        // External IPs, LoadBalancer IPs and the NodePort (externalTrafficPolicy).
+        if all.is_empty() {
+            // External addresses may serve other things on other ports: rejected per port.
             for ip in &external {
                 pieces.push(element(
                     MAP_NO_ENDPOINT_SERVICES,
                     concat_key(&frontend(ip)),
-                    Some(ElementValue::Verdict(Verdict::Goto(CHAIN_REJECT.into()))),
+                    goto(CHAIN_REJECT),
                 ));
             }
-            if let Some(np) = svc
-                .node_port
-                .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None)
-            {
+            if let Some(np) = node_port {
                 pieces.push(element(
                     MAP_NO_ENDPOINT_NODEPORTS,
-                    concat_key(&[vec![svc.protocol.number()], np.to_be_bytes().to_vec()]),
-                    Some(ElementValue::Verdict(Verdict::Goto(CHAIN_REJECT.into()))),
+                    concat_key(&node_port_key(np)),
+                    goto(CHAIN_REJECT),
                 ));
             }
             continue;
         }
-        let n = eps.len() as u32;
-        let slots = |ip: &IpAddr, pieces: &mut Vec<Piece>| {
-            for (slot, ep) in eps.iter().enumerate() {
-                let mut key = frontend(ip).to_vec();
-                key.push((slot as u32).to_ne_bytes().to_vec());
-                pieces.push(element(
-                    MAP_SERVICE_ENDPOINTS,
-                    concat_key(&key),
-                    Some(ElementValue::Data(concat_key(&[
-                        ip_bytes(&ep.ip),
-                        ep.port.to_be_bytes().to_vec(),
-                    ]))),
-                ));
-            }
+        let n = all.len() as u32;
+        let etp_local = svc.external_traffic_policy == TrafficPolicy::Local;
+        let (ext_kind, np_kind) = if etp_local {
+            let l = local.len() as u32;
+            (LbKind::LocalExternal(l), LbKind::LocalNodePort(l))
+        } else {
+            (LbKind::External, LbKind::NodePort)
         };
-        for (ips, is_external) in [(&cluster, false), (&external, true)] {
-            if ips.is_empty() {
-                continue;
-            }
-            let kind = if is_external {
-                LbKind::External
-            } else {
-                LbKind::Cluster
-            };
-            let chain = super::lb_chain(family, n, kind, cfg);
+        if !external.is_empty() {
+            let chain = super::lb_chain(family, n, ext_kind, cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
-            for ip in ips {
-                slots(ip, &mut pieces);
+            for ip in &external {
+                slots(MAP_SERVICE_ENDPOINTS, &frontend(ip), &all, 0, &mut pieces);
+                if etp_local {
+                    slots(
+                        MAP_SERVICE_ENDPOINTS,
+                        &frontend(ip),
+                        &local,
+                        LOCAL_SLOTS,
+                        &mut pieces,
+                    );
+                }
                 pieces.push(element(
                     MAP_SERVICE_IPS,
                     concat_key(&frontend(ip)),
-                    Some(ElementValue::Verdict(Verdict::Goto(target.clone()))),
+                    goto(&target),
                 ));
             }
         }
-        if let Some(np) = svc
-            .node_port
-            .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None)
-        {
-            let chain = super::lb_chain(family, n, LbKind::NodePort, cfg);
+        if let Some(np) = node_port {
+            let chain = super::lb_chain(family, n, np_kind, cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
-            let port = [vec![svc.protocol.number()], np.to_be_bytes().to_vec()];
-            for (slot, ep) in eps.iter().enumerate() {
-                let mut key = port.to_vec();
-                key.push((slot as u32).to_ne_bytes().to_vec());
-                pieces.push(element(
+            slots(
+                MAP_NODEPORT_ENDPOINTS,
+                &node_port_key(np),
+                &all,
+                0,
+                &mut pieces,
+            );
+            if etp_local {
+                slots(
                     MAP_NODEPORT_ENDPOINTS,
-                    concat_key(&key),
-                    Some(ElementValue::Data(concat_key(&[
-                        ip_bytes(&ep.ip),
-                        ep.port.to_be_bytes().to_vec(),
-                    ]))),
-                ));
+                    &node_port_key(np),
+                    &local,
+                    LOCAL_SLOTS,
+                    &mut pieces,
+                );
             }
             pieces.push(element(
                 MAP_SERVICE_NODEPORTS,
-                concat_key(&port),
-                Some(ElementValue::Verdict(Verdict::Goto(target))),
+                concat_key(&node_port_key(np)),
+                goto(&target),
             ));
         }
-        for ep in &eps {
+        let mut hairpin: Vec<&Endpoint> = all.iter().chain(local.iter()).collect();
+        hairpin.sort();
+        hairpin.dedup();
+        for ep in hairpin {
             pieces.push(element(
                 SET_HAIRPIN,
                 concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]),
@@ -685,6 +789,48 @@ mod tests {
             "{text}"
         );
         assert!(t.sets[MAP_SERVICE_IPS].elements.is_empty());
+    }
+
+    #[test]
+    fn local_policies_use_local_slots_and_drop_without_local_endpoints() {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        sp.external_ips = vec!["192.168.250.10".parse().unwrap()];
+        sp.external_traffic_policy = TrafficPolicy::Local;
+        sp.internal_traffic_policy = TrafficPolicy::Local;
+        let mut local = ep("10.0.0.1", 8080, true);
+        local.node_name = Some("n1".into());
+        let mut remote = ep("10.0.0.2", 8080, true);
+        remote.node_name = Some("n2".into());
+        let services: ServiceMap = [(spn.clone(), sp)].into();
+        let cfg = RenderConfig {
+            node_name: "n1".into(),
+            ..RenderConfig::default()
+        };
+        let eps: EndpointsMap = [(spn.clone(), vec![local.clone(), remote.clone()])].into();
+        let text = crate::nft::text::render_table(&render(&services, &eps, &cfg)[0]);
+        // ClusterIP: only the local endpoint (internalTrafficPolicy Local).
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-1"), "{text}");
+        // External: both endpoints for the short-circuit, the local one in the local slots.
+        assert!(
+            text.contains("192.168.250.10 . tcp . 80 : goto lb-etp-1-2"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "192.168.250.10 . tcp . 80 . {LOCAL_SLOTS} : 10.0.0.1 . 8080"
+            )),
+            "{text}"
+        );
+        assert!(text.contains("numgen random mod 1 offset 65536"), "{text}");
+        // No local endpoint: ClusterIP traffic dropped, outside traffic dropped in lb-etp-0-1.
+        let eps: EndpointsMap = [(spn.clone(), vec![remote])].into();
+        let text = crate::nft::text::render_table(&render(&services, &eps, &cfg)[0]);
+        assert!(text.contains("10.96.0.1 . tcp . 80 : drop"), "{text}");
+        assert!(text.contains("goto lb-etp-0-1"), "{text}");
+        assert!(
+            text.contains("drop comment \"from outside: no local endpoint\""),
+            "{text}"
+        );
     }
 
     #[test]

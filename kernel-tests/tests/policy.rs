@@ -1,0 +1,180 @@
+//! Traffic policies: externalTrafficPolicy Local (outside traffic only to this node's endpoints, client address
+//! kept; pods and the node short-circuited to every endpoint; no local endpoint → dropped) and
+//! internalTrafficPolicy Local (ClusterIP traffic only to this node's endpoints; none → dropped).
+//! The agent runs as node-1; pod 1 is on node-1, pods 2 and 3 are said to be on node-2.
+
+use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests};
+use kernel_tests::*;
+use std::collections::BTreeSet;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(2);
+const SYNC: Duration = Duration::from_secs(15);
+
+const MANIFEST: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: etp, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.40
+  externalIPs: ["192.168.250.50"]
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30100}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: etp-1, namespace: demo, labels: {kubernetes.io/service-name: etp}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], nodeName: node-1}
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: etp-remote, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.41
+  externalIPs: ["192.168.250.51"]
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30101}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: etp-remote-1, namespace: demo, labels: {kubernetes.io/service-name: etp-remote}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+- {addresses: ["10.244.3.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: itp, namespace: demo}
+spec:
+  clusterIP: 10.96.0.42
+  internalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: itp-1, namespace: demo, labels: {kubernetes.io/service-name: itp}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], nodeName: node-1}
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: itp-remote, namespace: demo}
+spec:
+  clusterIP: 10.96.0.43
+  internalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: itp-remote-1, namespace: demo, labels: {kubernetes.io/service-name: itp-remote}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+"#;
+
+fn addr(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// (backends that answered, client addresses they saw); panics on any failure.
+fn tally(answers: &[io::Result<String>]) -> (BTreeSet<usize>, BTreeSet<IpAddr>) {
+    let mut pods = BTreeSet::new();
+    let mut peers = BTreeSet::new();
+    for a in answers {
+        let (pod, peer) = parse_answer(a.as_ref().expect("request failed")).expect("answer");
+        pods.insert(pod);
+        peers.insert(peer);
+    }
+    (pods, peers)
+}
+
+#[test]
+fn local_traffic_policies_choose_endpoints_and_keep_sources_as_kube_proxy_does() {
+    let sb = sandbox("nk-pol", 3);
+    sb.ext()
+        .run(|| {
+            nftkube::netns::add_route(
+                Ipv4Addr::new(192, 168, 250, 0).into(),
+                24,
+                Some(sandbox::node_ip_v4().into()),
+                Some("eth0"),
+            )
+        })
+        .unwrap()
+        .unwrap();
+    let m = Manifests::examples();
+    m.write("policy.yaml", MANIFEST);
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    let node_port = SocketAddr::new(sandbox::node_ip_v4().into(), 30100);
+    wait_until(SYNC, || {
+        tcp_request(sb.ext(), node_port, Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    let client: IpAddr = sandbox::ext_ip_v4().into();
+    let pod0: IpAddr = sandbox::pod_ip_v4(0).into();
+
+    // externalTrafficPolicy Local, from outside: only the local endpoint, and it sees the real client.
+    for dst in [node_port, addr("192.168.250.50", 80)] {
+        let (pods, peers) = tally(&tcp_requests(sb.ext(), dst, 30, T));
+        assert_eq!(pods, [1].into(), "{dst} from outside");
+        assert_eq!(peers, [client].into(), "{dst}: client address not kept");
+    }
+    // From a pod to the external IP: short-circuited to every endpoint, pod address kept.
+    let (pods, peers) = tally(&tcp_requests(
+        sb.client(),
+        addr("192.168.250.50", 80),
+        40,
+        T,
+    ));
+    assert_eq!(pods, [1, 2].into());
+    assert_eq!(peers, [pod0].into());
+    // From the node itself to its NodePort: every endpoint too (masqueraded, as kube-proxy does).
+    let (pods, _) = tally(&tcp_requests(sb.node(), node_port, 40, T));
+    assert_eq!(pods, [1, 2].into());
+    // The ClusterIP of the same service is not affected by the external policy.
+    let (pods, _) = tally(&tcp_requests(sb.client(), addr("10.96.0.40", 80), 40, T));
+    assert_eq!(pods, [1, 2].into());
+
+    // externalTrafficPolicy Local with no endpoint on this node: outside traffic is dropped (not rejected:
+    // another node may serve it), pods still reach the remote endpoints.
+    for dst in [
+        SocketAddr::new(sandbox::node_ip_v4().into(), 30101),
+        addr("192.168.250.51", 80),
+    ] {
+        let e = tcp_request(sb.ext(), dst, Duration::from_millis(700)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{dst}: {e}");
+    }
+    let (pods, _) = tally(&tcp_requests(
+        sb.client(),
+        addr("192.168.250.51", 80),
+        30,
+        T,
+    ));
+    assert_eq!(pods, [2, 3].into());
+
+    // internalTrafficPolicy Local: only the local endpoint; none → dropped.
+    let (pods, peers) = tally(&tcp_requests(sb.client(), addr("10.96.0.42", 80), 30, T));
+    assert_eq!(pods, [1].into());
+    assert_eq!(peers, [pod0].into());
+    let e = tcp_request(
+        sb.client(),
+        addr("10.96.0.43", 80),
+        Duration::from_millis(700),
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+}
