@@ -74,8 +74,14 @@ fn change_syncs(agent: &Agent) -> usize {
         .count()
 }
 
-/// Waits for the next sync that applies a change (after `before` of them).
+/// Waits for the next sync that applies a change (after `before` of them). `before` must be counted after
+/// [`wait_programmed`]: until the initial sync's line is out, a count taken now would be 0 and that line would
+/// pass for the change.
 fn wait_change_sync(agent: &Agent, before: usize) {
+    assert!(
+        before >= 1,
+        "test bug: change syncs counted before the initial sync completed (call wait_programmed first)"
+    );
     wait_until(SYNC, || change_syncs(agent) > before)
         .unwrap_or_else(|_| panic!("no sync applied the change; log:\n{}", agent.log()));
 }
@@ -90,8 +96,16 @@ fn cleanup_lines(agent: &Agent) -> Vec<String> {
         .collect()
 }
 
-/// Waits until TCP to echo answers (the ruleset is in).
-fn wait_programmed(sb: &Sandbox) {
+/// Waits until the agent's initial sync is complete and TCP to echo answers.
+///
+/// The rules answer traffic as soon as the initial sync commits, but its "sync complete" line comes only after
+/// its conntrack cleanup, which may take seconds: the first cleanup probes the kernel in a scratch namespace
+/// (namespace creation waits behind the teardown of other namespaces), and every dump walks the kernel's
+/// conntrack hash table, which is shared by all namespaces (another test's 100k entries included). A test
+/// that counted change syncs before that line would take the initial sync for its change and look at the
+/// table before the change's cleanup ran.
+fn wait_programmed(sb: &Sandbox, agent: &Agent) {
+    agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {
         tcp_request(sb.client(), addr(ECHO_V4, 80), Duration::from_millis(300)).is_ok()
     })
@@ -157,7 +171,7 @@ fn endpoint_appearing_clears_black_holes_within_one_sync() {
     let sb = sandbox("ct-bh", 3);
     let m = Manifests::examples();
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    wait_programmed(&sb);
+    wait_programmed(&sb, &agent);
 
     // (a) Rejected while there is no endpoint.
     let sport_a = 41000;
@@ -236,7 +250,7 @@ fn removed_endpoint_moves_the_flow_to_a_survivor_within_one_sync() {
     let sb = sandbox("ct-rm", 3);
     let m = Manifests::examples();
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    wait_programmed(&sb);
+    wait_programmed(&sb, &agent);
 
     let (sport, victim) = flow_to(&sb, 42000..42010, |_| true);
     let (other_port, survivor) = flow_to(&sb, 42010..42100, |p| p != victim);
@@ -320,7 +334,7 @@ fn deleted_service_takes_its_udp_entries_with_it() {
     let sb = sandbox("ct-del", 3);
     let m = Manifests::examples();
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    wait_programmed(&sb);
+    wait_programmed(&sb, &agent);
 
     let ports = [43000, 43001, 43002];
     for p in ports {
@@ -390,7 +404,7 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     let sb = sandbox("ct-rst", 3);
     let m = Manifests::examples();
     let mut agent = Agent::start(sb.node(), &m.dir, &[]);
-    wait_programmed(&sb);
+    wait_programmed(&sb, &agent);
 
     // Unrelated entries: 1000 injected ones, and a real UDP flow that is no service flow (client → ext).
     let injected: Vec<NewEntry> = (0..1000u32)

@@ -12,6 +12,9 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Stale entries logged one by one (debug level) per cleanup.
+const LOGGED_ENTRIES: usize = 16;
+
 /// How the cleaner works.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CleanerOptions {
@@ -136,9 +139,11 @@ impl Cleaner {
             return f;
         }
         let f = if self.opts.probe {
+            let start = Instant::now();
             match probe() {
                 Ok(f) => {
                     tracing::info!(
+                        elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
                         dump_proto_v4 = f.dump_proto_v4,
                         dump_proto_v6 = f.dump_proto_v6,
                         dump_addr_v4 = f.dump_addr_v4,
@@ -344,6 +349,23 @@ impl Cleaner {
             self.features = Some(features);
         }
         report.stale = stale.len();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for e in stale.iter().take(LOGGED_ENTRIES) {
+                tracing::debug!(
+                    orig = %e.orig,
+                    reply = %e.reply,
+                    id = ?e.id,
+                    zone = e.zone.id(),
+                    "conntrack: deleting stale entry"
+                );
+            }
+            if stale.len() > LOGGED_ENTRIES {
+                tracing::debug!(
+                    more = stale.len() - LOGGED_ENTRIES,
+                    "conntrack: deleting more stale entries"
+                );
+            }
+        }
         let sock = self.socket()?;
         let outcome = sock
             .delete(&stale)

@@ -83,6 +83,20 @@ pub fn load_concat(fields: &[Field]) -> Vec<Expr> {
         .collect()
 }
 
+/// Loads the fields as one concatenated key starting at 4-byte register slot `slot`; returns the expressions
+/// and the first slot after the key.
+pub fn load_concat_at(fields: &[Field], mut slot: u32) -> (Vec<Expr>, u32) {
+    let exprs = fields
+        .iter()
+        .map(|f| {
+            let reg = reg_at_slot(slot);
+            slot += crate::netlink::align4(f.data_type().len()) as u32 / 4;
+            f.load(reg)
+        })
+        .collect();
+    (exprs, slot)
+}
+
 /// The bytes of an address as the kernel sees it in a packet.
 pub fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
     match ip {
@@ -109,6 +123,26 @@ fn family_of(ip: &IpAddr) -> Family {
         Family::Ip
     } else {
         Family::Ip6
+    }
+}
+
+fn addr_fields(family: Family) -> (Field, Field) {
+    if family == Family::Ip6 {
+        (Field::Ip6Saddr, Field::Ip6Daddr)
+    } else {
+        (Field::IpSaddr, Field::IpDaddr)
+    }
+}
+
+/// `dnat` to the `addr . port` held in registers from 4-byte slot `slot`.
+fn nat_from(family: Family, slot: u32) -> Expr {
+    let addr_slots = if family == Family::Ip6 { 4 } else { 1 };
+    Expr::Nat {
+        kind: NatKind::Dnat,
+        family,
+        reg_addr: Some(reg_at_slot(slot)),
+        reg_proto: Some(reg_at_slot(slot + addr_slots)),
+        flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
     }
 }
 
@@ -389,6 +423,72 @@ impl RuleBuilder {
             reg_proto: Some(reg_at_slot(addr_slots)),
             flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
         });
+        self
+    }
+
+    /// ClientIP affinity, the hit: if `saddr . daddr . l4proto . dport` is in the dynamic map `affinity`, refresh
+    /// its timeout and dnat to the endpoint it remembers. A miss ends the rule (the lookup fails).
+    pub fn affinity_hit(mut self, family: Family, affinity: &str, timeout_ms: u64) -> Self {
+        let (saddr, daddr) = addr_fields(family);
+        let key = [saddr, daddr, Field::L4Proto, Field::ThDport];
+        let (loads, data_slot) = load_concat_at(&key, 0);
+        self.exprs.extend(loads);
+        let data = reg_at_slot(data_slot);
+        self.exprs.push(Expr::Lookup {
+            set: affinity.to_owned(),
+            sreg: REG_1,
+            dreg: Some(data),
+            invert: false,
+        });
+        self.exprs.push(Expr::Dynset {
+            set: affinity.to_owned(),
+            op: DynsetOp::Update,
+            sreg_key: REG_1,
+            sreg_data: Some(data),
+            timeout_ms: Some(timeout_ms),
+        });
+        self.exprs.push(nat_from(family, data_slot));
+        self
+    }
+
+    /// ClientIP affinity, the miss: pick an endpoint as `dnat_map` does, remember it in `affinity` for
+    /// `timeout_ms`, and dnat to it. The choice costs one lookup whatever the number of endpoints.
+    pub fn affinity_pick(
+        mut self,
+        family: Family,
+        n: u32,
+        endpoints: &str,
+        affinity: &str,
+        timeout_ms: u64,
+    ) -> Self {
+        let (saddr, daddr) = addr_fields(family);
+        // Registers: the endpoint's key, replaced by the chosen addr . port; then the affinity key after it.
+        let (loads, slot) = load_concat_at(&[daddr, Field::L4Proto, Field::ThDport], 0);
+        self.exprs.extend(loads);
+        self.exprs.push(Expr::Numgen {
+            dreg: reg_at_slot(slot),
+            modulus: n,
+            random: true,
+            offset: 0,
+        });
+        self.exprs.push(Expr::Lookup {
+            set: endpoints.to_owned(),
+            sreg: REG_1,
+            dreg: Some(REG_1),
+            invert: false,
+        });
+        let addr_slots = if family == Family::Ip6 { 4 } else { 1 };
+        let key_slot = addr_slots + 1;
+        let (loads, _) = load_concat_at(&[saddr, daddr, Field::L4Proto, Field::ThDport], key_slot);
+        self.exprs.extend(loads);
+        self.exprs.push(Expr::Dynset {
+            set: affinity.to_owned(),
+            op: DynsetOp::Add,
+            sreg_key: reg_at_slot(key_slot),
+            sreg_data: Some(REG_1),
+            timeout_ms: Some(timeout_ms),
+        });
+        self.exprs.push(nat_from(family, 0));
         self
     }
 

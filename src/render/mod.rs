@@ -124,6 +124,9 @@ pub fn render(
     assemble(skeleton(cfg), pieces.values().flatten())
 }
 
+/// The longest ClientIP affinity timeout the API allows (one day).
+pub const MAX_AFFINITY_SECONDS: u32 = 86_400;
+
 /// What shapes the rules besides the services themselves (kube-proxy's flags).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RenderConfig {

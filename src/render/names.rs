@@ -19,6 +19,8 @@ pub const MAP_SERVICE_IPS: &str = "service-ips";
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
 pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
+/// ClientIP affinity: `saddr . daddr . proto . port : endpoint addr . port`, filled by the packet path.
+pub const MAP_AFFINITY: &str = "affinity";
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";

@@ -115,6 +115,14 @@ pub(super) fn skeleton(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![a, DataType::InetProto, DataType::InetService],
         vec![DataType::Verdict],
     ));
+    t.add_set(Set {
+        name: MAP_AFFINITY.into(),
+        key: vec![a, a, DataType::InetProto, DataType::InetService],
+        data: vec![a, DataType::InetService],
+        // Each element carries its service's own timeout (set by the rule); this is only the default.
+        timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
+        dynamic: true,
+    });
     let port_key = vec![DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
         MAP_SERVICE_NODEPORTS,
@@ -319,6 +327,10 @@ pub enum LbKind {
     LocalExternal(u32),
     /// `lb-np-etp-<local>-<n>`: the same for the NodePort of such a service.
     LocalNodePort(u32),
+    /// `lb-aff-<seconds>-<n>`: ClusterIPs of a service with ClientIP affinity of that timeout.
+    ClusterAffinity(u32),
+    /// `lb-ext-aff-<seconds>-<n>`: external and LoadBalancer IPs of such a service.
+    ExternalAffinity(u32),
 }
 
 /// Slots of a service's node-local endpoints start here (the first ones hold all its endpoints).
@@ -342,6 +354,16 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
             format!("{LB_CHAIN_PREFIX}np-etp-{l}-{n}"),
             port_key,
             MAP_NODEPORT_ENDPOINTS,
+        ),
+        LbKind::ClusterAffinity(t) => (
+            format!("{LB_CHAIN_PREFIX}aff-{t}-{n}"),
+            frontend_key,
+            MAP_SERVICE_ENDPOINTS,
+        ),
+        LbKind::ExternalAffinity(t) => (
+            format!("{LB_CHAIN_PREFIX}ext-aff-{t}-{n}"),
+            frontend_key,
+            MAP_SERVICE_ENDPOINTS,
         ),
     };
     let cidrs: Vec<_> = cfg
@@ -385,9 +407,8 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
             rules,
         };
     }
-    let always = cfg.masquerade_all
-        || kind == LbKind::NodePort
-        || (kind == LbKind::External && cidrs.is_empty());
+    let external = matches!(kind, LbKind::External | LbKind::ExternalAffinity(_));
+    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && cidrs.is_empty());
     if always {
         rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
     } else {
@@ -401,7 +422,24 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
             );
         }
     }
-    rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build());
+    match kind {
+        LbKind::ClusterAffinity(t) | LbKind::ExternalAffinity(t) => {
+            let ms = t as u64 * 1000;
+            rules.push(
+                RuleBuilder::new()
+                    .affinity_hit(family, MAP_AFFINITY, ms)
+                    .comment("ClientIP affinity: the endpoint this client had")
+                    .build(),
+            );
+            rules.push(
+                RuleBuilder::new()
+                    .affinity_pick(family, n, map, MAP_AFFINITY, ms)
+                    .comment("ClientIP affinity: choose and remember")
+                    .build(),
+            );
+        }
+        _ => rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build()),
+    }
     ChainState {
         chain: regular(&name),
         rules,
@@ -501,7 +539,11 @@ pub(super) fn service_pieces(
         };
         if !internal.is_empty() {
             let n = internal.len() as u32;
-            let chain = super::lb_chain(family, n, LbKind::Cluster, cfg);
+            let kind = match svc.session_affinity_timeout {
+                Some(t) => LbKind::ClusterAffinity(t),
+                None => LbKind::Cluster,
+            };
+            let chain = super::lb_chain(family, n, kind, cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
             for ip in &cluster {
@@ -556,7 +598,11 @@ pub(super) fn service_pieces(
             let l = local.len() as u32;
             (LbKind::LocalExternal(l), LbKind::LocalNodePort(l))
         } else {
-            (LbKind::External, LbKind::NodePort)
+            let ext = match svc.session_affinity_timeout {
+                Some(t) => LbKind::ExternalAffinity(t),
+                None => LbKind::External,
+            };
+            (ext, LbKind::NodePort)
         };
         if !external.is_empty() {
             let chain = super::lb_chain(family, n, ext_kind, cfg);

@@ -48,6 +48,8 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
     // committed in chunks no packet reaches a service whose other elements are not all in place.
     let mut order: Vec<&String> = new.sets.keys().collect();
     order.sort_by_key(|n| (!new.sets[*n].set.is_verdict_map(), *n));
+    // Dynamic sets (affinity) are filled by the packet path: their elements are the kernel's, never diffed.
+    order.retain(|n| !new.sets[*n].set.dynamic);
     for n in &order {
         let s = &new.sets[*n];
         let Some(o) = old.sets.get(*n) else { continue };
