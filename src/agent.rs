@@ -122,6 +122,9 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             if engine.needs_full_sync() {
                 // Node addresses can change; full syncs pick that up for NodePorts.
                 cfg.nodeport_addresses = nodeport_addresses(&opts.nodeport_cidrs);
+                cfg.node_ips = crate::node::addresses()
+                    .map(|a| a.into_iter().map(|a| a.ip).collect())
+                    .unwrap_or_default();
             }
             match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
                 Ok(report) => {

@@ -77,6 +77,9 @@ impl RenderArgs {
             nodeport_addresses: agent::nodeport_addresses(&self.nodeport_addresses),
             drop_bit: 1 << self.drop_bit,
             service_cidrs: self.service_cidr.clone(),
+            node_ips: crate::node::addresses()
+                .map(|a| a.into_iter().map(|a| a.ip).collect())
+                .unwrap_or_default(),
         }
     }
 }

@@ -146,6 +146,8 @@ pub struct RenderConfig {
     pub drop_bit: u32,
     /// Service ranges (`--service-cidr`): addresses in them that no Service has are dropped.
     pub service_cidrs: Vec<Cidr>,
+    /// The node's own addresses (for loadBalancerSourceRanges that include the node).
+    pub node_ips: Vec<std::net::IpAddr>,
 }
 
 impl Default for RenderConfig {
@@ -159,6 +161,7 @@ impl Default for RenderConfig {
             nodeport_addresses: crate::node::NodePortAddresses::None,
             drop_bit: 0x8000,
             service_cidrs: Vec::new(),
+            node_ips: Vec::new(),
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Deterministic names for what we create in the kernel.
 
+use crate::model::ServicePortName;
+
 /// The table every nftkube object lives in (one per address family).
 pub const TABLE: &str = "nftkube";
 
@@ -46,6 +48,33 @@ pub fn lb_external_chain(n: u32) -> String {
 /// `lb-np-<n>`: the same for NodePorts, keyed by protocol and port alone (any node address).
 pub fn lb_nodeport_chain(n: u32) -> String {
     format!("{LB_CHAIN_PREFIX}np-{n}")
+}
+
+/// `fw-<hash>-<namespace>/<name>/<protocol>/<port>-<family>`: the loadBalancerSourceRanges check of one
+/// service port. The hash covers the identity and the chain's `content`, so a changed rule set is a new
+/// chain (swapped in by the dispatch element, the old one deleted later) rather than an edit in place.
+pub fn firewall_chain(spn: &ServicePortName, family: &str, content: &str) -> String {
+    let id = format!(
+        "{}/{}/{}/{}",
+        spn.service.namespace, spn.service.name, spn.protocol, spn.port
+    );
+    format!(
+        "fw-{}-{id}-{family}",
+        short_hash(&format!("{id}\n{content}"))
+    )
+}
+
+/// 8 characters of base32 over FNV-1a 64: stable across versions and platforms.
+fn short_hash(s: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    (0..8)
+        .map(|i| ALPHABET[((h >> (i * 5)) & 31) as usize] as char)
+        .collect()
 }
 
 /// The endpoint count an `lb-<n>` chain serves, if `name` is one.

@@ -19,7 +19,7 @@
 
 use super::names::*;
 use super::{Piece, RenderConfig};
-use crate::model::{Endpoint, IpFamily, ServicePort, TrafficPolicy};
+use crate::model::{Cidr, Endpoint, IpFamily, ServicePort, TrafficPolicy};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
 use crate::node::NodePortAddresses;
@@ -446,6 +446,60 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
     }
 }
 
+/// `fw-<id>`: sources in the service's loadBalancerSourceRanges go on to its endpoints, others are dropped.
+/// When a range contains one of the node's addresses, the LoadBalancer IPs themselves are allowed as sources
+/// too (kube-proxy's rule for load balancers that hairpin through the node).
+fn firewall_chain_state(
+    svc: &ServicePort,
+    f: IpFamily,
+    ranges: &[&Cidr],
+    target: &str,
+    cfg: &RenderConfig,
+) -> ChainState {
+    let family_name = if f == IpFamily::V4 { "ip" } else { "ip6" };
+    let mut rules: Vec<Rule> = ranges
+        .iter()
+        .map(|c| {
+            RuleBuilder::new()
+                .prefix(saddr(f), &c.addr, c.prefix, false)
+                .verdict(Verdict::Goto(target.into()))
+                .build()
+        })
+        .collect();
+    let node_in_range = cfg
+        .node_ips
+        .iter()
+        .any(|ip| ranges.iter().any(|c| c.contains(ip)));
+    if node_in_range {
+        for ip in svc
+            .load_balancer_ips
+            .iter()
+            .filter(|ip| IpFamily::of(ip) == f)
+        {
+            rules.push(
+                RuleBuilder::new()
+                    .cmp(saddr(f), CmpOp::Eq, ip_bytes(ip))
+                    .verdict(Verdict::Goto(target.into()))
+                    .build(),
+            );
+        }
+    }
+    rules.push(
+        RuleBuilder::new()
+            .verdict(Verdict::Drop)
+            .comment("not in loadBalancerSourceRanges")
+            .build(),
+    );
+    ChainState {
+        chain: regular(&firewall_chain(
+            &svc.name,
+            family_name,
+            &format!("{rules:?}"),
+        )),
+        rules,
+    }
+}
+
 /// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
 /// fallback so that a rolling update does not black-hole a service).
 pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
@@ -608,6 +662,22 @@ pub(super) fn service_pieces(
             let chain = super::lb_chain(family, n, ext_kind, cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
+            // loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort)
+            // before DNAT, in a chain of this service's own.
+            let ranges: Vec<&Cidr> = svc
+                .load_balancer_source_ranges
+                .iter()
+                .filter(|c| c.family() == f)
+                .collect();
+            let firewall = (!ranges.is_empty()).then(|| {
+                let chain = firewall_chain_state(svc, f, &ranges, &target, cfg);
+                let name = chain.chain.name.clone();
+                pieces.push(Piece::Chain {
+                    family,
+                    chain: std::sync::Arc::new(chain),
+                });
+                name
+            });
             for ip in &external {
                 slots(MAP_SERVICE_ENDPOINTS, &frontend(ip), &all, 0, &mut pieces);
                 if etp_local {
@@ -619,10 +689,14 @@ pub(super) fn service_pieces(
                         &mut pieces,
                     );
                 }
+                let to = match &firewall {
+                    Some(fw) if svc.load_balancer_ips.contains(ip) => fw,
+                    _ => &target,
+                };
                 pieces.push(element(
                     MAP_SERVICE_IPS,
                     concat_key(&frontend(ip)),
-                    goto(&target),
+                    goto(to),
                 ));
             }
         }

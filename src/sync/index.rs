@@ -102,7 +102,10 @@ impl Index {
                 self.pieces.insert(spn, new);
             }
         }
-        // A chain released and needed again within this delta stays as it is in the kernel.
+        // A chain released and needed again within this delta stays as it is in the kernel. This relies on a
+        // chain's content being a function of its name while the index lives: `lb-*` names encode everything
+        // that shapes them (the config only changes with a full sync, which rebuilds the index), and
+        // firewall chains carry a hash of their rules in their name.
         let unused: BTreeSet<(Family, String)> = delta.chains_unused.iter().cloned().collect();
         let added: BTreeSet<(Family, String)> = delta
             .chains_added
