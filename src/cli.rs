@@ -64,11 +64,40 @@ pub struct RenderArgs {
     /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
     #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
     pub service_cidr: std::vec::Vec<crate::model::Cidr>,
+    /// How pod traffic is recognised: ClusterCIDR, InterfaceNamePrefix or BridgeInterface.
+    #[arg(long, default_value = "ClusterCIDR")]
+    pub detect_local_mode: String,
+    /// With --detect-local-mode=InterfaceNamePrefix: the prefix of the pods' interfaces on the node.
+    #[arg(long, default_value = "")]
+    pub pod_interface_name_prefix: String,
+    /// With --detect-local-mode=BridgeInterface: the bridge the pods hang off.
+    #[arg(long, default_value = "")]
+    pub pod_bridge_interface: String,
 }
 
 impl RenderArgs {
-    pub fn render_config(&self) -> RenderConfig {
-        RenderConfig {
+    /// The render configuration, or what is wrong with the flags.
+    pub fn render_config(&self) -> Result<RenderConfig, String> {
+        use crate::render::LocalDetector;
+        let local_detector = match self.detect_local_mode.as_str() {
+            "ClusterCIDR" | "" => LocalDetector::ClusterCidr,
+            "InterfaceNamePrefix" if !self.pod_interface_name_prefix.is_empty() => {
+                LocalDetector::InterfaceNamePrefix(self.pod_interface_name_prefix.clone())
+            }
+            "BridgeInterface" if !self.pod_bridge_interface.is_empty() => {
+                LocalDetector::BridgeInterface(self.pod_bridge_interface.clone())
+            }
+            "InterfaceNamePrefix" => return Err("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix".into()),
+            "BridgeInterface" => return Err("--detect-local-mode=BridgeInterface needs --pod-bridge-interface".into()),
+            other => return Err(format!("--detect-local-mode={other:?} is not supported (ClusterCIDR, InterfaceNamePrefix, BridgeInterface; NodeCIDR needs the Node object)")),
+        };
+        if self.masquerade_bit == self.drop_bit {
+            return Err(format!(
+                "--masquerade-bit and --drop-bit are both {}",
+                self.drop_bit
+            ));
+        }
+        Ok(RenderConfig {
             node_name: self.hostname_override.clone(),
             cluster_cidrs: self.cluster_cidr.clone(),
             masquerade_all: self.masquerade_all,
@@ -80,7 +109,8 @@ impl RenderArgs {
             node_ips: crate::node::addresses()
                 .map(|a| a.into_iter().map(|a| a.ip).collect())
                 .unwrap_or_default(),
-        }
+            local_detector,
+        })
     }
 }
 
@@ -97,12 +127,12 @@ pub struct ProxyArgs {
 }
 
 impl ProxyArgs {
-    pub fn options(&self) -> ProxyOptions {
-        let mut o = ProxyOptions::new(self.render.manifests.clone(), self.render.render_config());
+    pub fn options(&self) -> Result<ProxyOptions, String> {
+        let mut o = ProxyOptions::new(self.render.manifests.clone(), self.render.render_config()?);
         o.nodeport_cidrs = self.render.nodeport_addresses.clone();
         o.sync_period = Duration::from_secs_f64(self.sync_period.max(0.1));
         o.min_sync_period = Duration::from_secs_f64(self.min_sync_period.max(0.0));
-        o
+        Ok(o)
     }
 }
 

@@ -23,6 +23,12 @@ fn install_signal_handlers() {
     }
 }
 
+/// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
+fn usage_error(e: &str) -> ExitCode {
+    eprintln!("nftkube: {e}");
+    ExitCode::from(64)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = cli.log_level.parse().unwrap_or(tracing::Level::INFO);
@@ -34,14 +40,19 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Proxy(args) => {
             install_signal_handlers();
-            nftkube::agent::run_proxy(&args.options(), &STOP)
+            match args.options() {
+                Ok(opts) => nftkube::agent::run_proxy(&opts, &STOP),
+                Err(e) => return usage_error(&e),
+            }
         }
         Command::Plan(args) => {
-            let tables = nftkube::agent::plan(
-                args.render.manifests.clone(),
-                &args.render.render_config(),
-                |e| eprintln!("error: {e}"),
-            );
+            let cfg = match args.render.render_config() {
+                Ok(cfg) => cfg,
+                Err(e) => return usage_error(&e),
+            };
+            let tables = nftkube::agent::plan(args.render.manifests.clone(), &cfg, |e| {
+                eprintln!("error: {e}")
+            });
             for t in tables {
                 print!("{}", nftkube::nft::text::render_table(&t));
             }

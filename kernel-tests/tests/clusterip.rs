@@ -388,3 +388,57 @@ fn restart_adopts_the_table_and_cleanup_leaves_no_trace() {
     // Cleanup twice is fine.
     assert!(nftkube_in(sb.node(), &["cleanup"]).status.success());
 }
+
+#[test]
+fn interface_name_prefix_tells_pods_apart() {
+    let sb = sandbox("nk-ifp", 3);
+    let m = Manifests::examples();
+    // The node's links to pods are named pod0, pod1, ...; its uplink is eth0.
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &[
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "pod",
+        ],
+    );
+    wait_reachable(sb.client(), addr(ECHO_V4, 80));
+    let (_, peers, failures) = tally(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
+    assert_eq!(failures, 0);
+    assert_eq!(
+        peers,
+        BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
+        "pod traffic masqueraded"
+    );
+    let (_, peers, failures) = tally(&tcp_requests(sb.ext(), addr(ECHO_V4, 80), 20, T), 3);
+    assert_eq!(failures, 0);
+    let node_side: BTreeSet<IpAddr> = (1..=3)
+        .map(|i| IpAddr::from(sandbox::pod_gateway_v4(i)))
+        .collect();
+    assert!(
+        peers.is_subset(&node_side),
+        "outside traffic not masqueraded: {peers:?}"
+    );
+    let text = nftkube::nft::text::render_table(&dump_table(sb.node(), Family::Ip).unwrap());
+    assert!(text.contains("iifname != \"pod*\" meta mark set"), "{text}");
+    drop(agent);
+    // An invalid detector setting is refused at startup with exit code 64.
+    let out = nftkube_in(
+        sb.node(),
+        &[
+            "plan",
+            "--manifests",
+            m.dir.to_str().unwrap(),
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(64),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

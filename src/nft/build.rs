@@ -347,6 +347,24 @@ impl RuleBuilder {
         self
     }
 
+    /// `iifname [!=] "name"` (exact, `prefix == false`) or `iifname [!=] "name*"` (a prefix).
+    pub fn iifname(mut self, name: &str, prefix: bool, negate: bool) -> Self {
+        let mut data = name.as_bytes().to_vec();
+        if !prefix {
+            data.push(0); // the terminator makes it exact
+        }
+        self.exprs.push(Expr::Meta {
+            key: MetaKey::IifName,
+            dreg: REG_1,
+        });
+        self.exprs.push(Expr::Cmp {
+            sreg: REG_1,
+            op: if negate { CmpOp::Neq } else { CmpOp::Eq },
+            data,
+        });
+        self
+    }
+
     /// `numgen random mod modulus == value`.
     pub fn numgen_eq(mut self, modulus: u32, value: u32) -> Self {
         self.exprs.push(Expr::Numgen {

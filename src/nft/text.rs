@@ -225,6 +225,8 @@ enum RegKind {
     Literal,
     /// A map lookup whose value is a concatenation (`addr . port`).
     MapConcat,
+    /// An interface name (`iifname`, `oifname`).
+    IfName,
 }
 
 /// Renders one rule; `table` supplies set definitions for typing lookups.
@@ -258,11 +260,12 @@ fn render_rule_with(
                     MetaKey::Mark => DataType::Mark,
                     _ => DataType::Integer(4),
                 };
-                put(
-                    &mut regs,
-                    *dreg,
-                    plain(format!("meta {}", key.as_str()), ty),
-                );
+                let mut v = plain(format!("meta {}", key.as_str()), ty);
+                if matches!(key, MetaKey::IifName | MetaKey::OifName) {
+                    v.text = key.as_str().to_string();
+                    v.kind = RegKind::IfName;
+                }
+                put(&mut regs, *dreg, v);
             }
             Expr::Ct { key, dreg } => {
                 let (name, kind) = match key {
@@ -601,6 +604,23 @@ fn cmp_text(v: &RegValue, op: CmpOp, data: &[u8]) -> String {
             scalar_text(v.ty, mask),
             op.as_str(),
             scalar_text(v.ty, data)
+        );
+    }
+    if v.kind == RegKind::IfName {
+        // An interface name; without its terminating NUL the compare is a prefix: `"veth*"`.
+        let (name, wildcard) = match data.iter().position(|b| *b == 0) {
+            Some(end) => (&data[..end], ""),
+            None => (data, "*"),
+        };
+        let op = if op == CmpOp::Eq {
+            String::new()
+        } else {
+            format!("{} ", op.as_str())
+        };
+        return format!(
+            "{} {op}\"{}{wildcard}\"",
+            v.text,
+            String::from_utf8_lossy(name)
         );
     }
     if v.kind == RegKind::FibType && data.len() == 4 {

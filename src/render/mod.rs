@@ -148,6 +148,21 @@ pub struct RenderConfig {
     pub service_cidrs: Vec<Cidr>,
     /// The node's own addresses (for loadBalancerSourceRanges that include the node).
     pub node_ips: Vec<std::net::IpAddr>,
+    /// How traffic from this node's pods is told apart (kube-proxy's `--detect-local-mode`).
+    pub local_detector: LocalDetector,
+}
+
+/// kube-proxy's local-traffic detectors: what makes a packet "from a pod" (not masqueraded on its way to a
+/// ClusterIP, short-circuited for externalTrafficPolicy Local).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum LocalDetector {
+    /// Source inside `--cluster-cidr` (the first CIDR of each family).
+    #[default]
+    ClusterCidr,
+    /// Arrived on an interface whose name starts with this prefix (`--pod-interface-name-prefix`).
+    InterfaceNamePrefix(String),
+    /// Arrived on this bridge (`--pod-bridge-interface`).
+    BridgeInterface(String),
 }
 
 impl Default for RenderConfig {
@@ -162,6 +177,7 @@ impl Default for RenderConfig {
             drop_bit: 0x8000,
             service_cidrs: Vec::new(),
             node_ips: Vec::new(),
+            local_detector: LocalDetector::ClusterCidr,
         }
     }
 }

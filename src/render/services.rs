@@ -18,7 +18,7 @@
 //! re-validate the whole table), and no anonymous set is bound per service (quadratic in the kernel).
 
 use super::names::*;
-use super::{Piece, RenderConfig};
+use super::{LocalDetector, Piece, RenderConfig};
 use crate::model::{Cidr, Endpoint, IpFamily, ServicePort, TrafficPolicy};
 use crate::nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
@@ -366,19 +366,14 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
             MAP_SERVICE_ENDPOINTS,
         ),
     };
-    let cidrs: Vec<_> = cfg
-        .cluster_cidrs
-        .iter()
-        .filter(|c| c.family() == f)
-        .collect();
+    // "From a pod" and "not from a pod", if the detector can tell in this family.
+    let from_pod = |negate: bool| local_traffic(f, cfg, negate);
     let mut rules = Vec::new();
     if let LbKind::LocalExternal(local) | LbKind::LocalNodePort(local) = kind {
         // Pods keep their address and reach every endpoint; so does the node itself, masqueraded.
-        for cidr in &cidrs {
+        if let Some(pod) = from_pod(false) {
             rules.push(
-                RuleBuilder::new()
-                    .prefix(saddr(f), &cidr.addr, cidr.prefix, false)
-                    .dnat_map(&key, n, map, family)
+                pod.dnat_map(&key, n, map, family)
                     .comment("from a pod: every endpoint")
                     .build(),
             );
@@ -408,19 +403,17 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
         };
     }
     let external = matches!(kind, LbKind::External | LbKind::ExternalAffinity(_));
-    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && cidrs.is_empty());
+    let not_pod = from_pod(true);
+    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && not_pod.is_none());
     if always {
         rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
-    } else {
-        for cidr in cidrs {
-            rules.push(
-                RuleBuilder::new()
-                    .prefix(saddr(f), &cidr.addr, cidr.prefix, true)
-                    .mark_or(cfg.masquerade_bit)
-                    .comment("from outside the cluster CIDR")
-                    .build(),
-            );
-        }
+    } else if let Some(not_pod) = not_pod {
+        rules.push(
+            not_pod
+                .mark_or(cfg.masquerade_bit)
+                .comment("not from a pod")
+                .build(),
+        );
     }
     match kind {
         LbKind::ClusterAffinity(t) | LbKind::ExternalAffinity(t) => {
@@ -443,6 +436,19 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
     ChainState {
         chain: regular(&name),
         rules,
+    }
+}
+
+/// The start of a rule matching traffic from this node's pods (`negate`: not from them), per the configured
+/// detector; None when it cannot tell in this family (no cluster CIDR of the family given).
+fn local_traffic(f: IpFamily, cfg: &RenderConfig, negate: bool) -> Option<RuleBuilder> {
+    match &cfg.local_detector {
+        LocalDetector::ClusterCidr => {
+            let cidr = cfg.cluster_cidrs.iter().find(|c| c.family() == f)?;
+            Some(RuleBuilder::new().prefix(saddr(f), &cidr.addr, cidr.prefix, negate))
+        }
+        LocalDetector::InterfaceNamePrefix(p) => Some(RuleBuilder::new().iifname(p, true, negate)),
+        LocalDetector::BridgeInterface(b) => Some(RuleBuilder::new().iifname(b, false, negate)),
     }
 }
 
@@ -856,7 +862,7 @@ mod tests {
         assert_eq!(rules.len(), 2, "only the v4 CIDR applies to the ip table");
         assert_eq!(
             crate::nft::text::render_rule(&rules[0], &t),
-            "ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000 comment \"from outside the cluster CIDR\""
+            "ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000 comment \"not from a pod\""
         );
         cfg.masquerade_all = true;
         assert_eq!(
