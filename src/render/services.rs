@@ -743,6 +743,8 @@ pub(super) fn service_pieces(
             ));
         }
     }
+    // Kept for the life of the service in the sync index: no spare capacity.
+    pieces.shrink_to_fit();
     pieces
 }
 
