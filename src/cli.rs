@@ -73,6 +73,9 @@ pub struct RenderArgs {
     /// With --detect-local-mode=BridgeInterface: the bridge the pods hang off.
     #[arg(long, default_value = "")]
     pub pod_bridge_interface: String,
+    /// This node's zone, for topology hints (nftkube's; from the API, the Node's topology.kubernetes.io/zone).
+    #[arg(long)]
+    pub node_zone: Option<String>,
 }
 
 impl RenderArgs {
@@ -110,6 +113,7 @@ impl RenderArgs {
                 .map(|a| a.into_iter().map(|a| a.ip).collect())
                 .unwrap_or_default(),
             local_detector,
+            node_zone: self.node_zone.clone(),
         })
     }
 }

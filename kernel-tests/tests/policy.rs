@@ -178,3 +178,79 @@ fn local_traffic_policies_choose_endpoints_and_keep_sources_as_kube_proxy_does()
     .unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
 }
+
+const HINTED: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: zoned, namespace: demo}
+spec:
+  clusterIP: 10.96.0.70
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: zoned-1, namespace: demo, labels: {kubernetes.io/service-name: zoned}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], zone: zone-a, hints: {forZones: [{name: zone-a}]}}
+- {addresses: ["10.244.2.2"], zone: zone-b, hints: {forZones: [{name: zone-b}]}}
+- {addresses: ["10.244.3.2"], zone: zone-b, hints: {forZones: [{name: zone-b}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: noded, namespace: demo}
+spec:
+  clusterIP: 10.96.0.71
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: noded-1, namespace: demo, labels: {kubernetes.io/service-name: noded}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], hints: {forNodes: [{name: node-2}]}}
+- {addresses: ["10.244.2.2"], hints: {forNodes: [{name: node-1}]}}
+"#;
+
+#[test]
+fn topology_hints_keep_traffic_in_the_zone_or_on_the_node() {
+    let sb = sandbox("nk-topo", 3);
+    let m = Manifests::examples();
+    m.write("hinted.yaml", HINTED);
+    let zoned = addr("10.96.0.70", 80);
+    let noded = addr("10.96.0.71", 80);
+    // Without a known zone, zone hints cannot apply: every endpoint. Node hints need only the node name.
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    wait_until(SYNC, || {
+        tcp_request(sb.client(), zoned, Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    assert_eq!(
+        tally(&tcp_requests(sb.client(), zoned, 40, T)).0,
+        [1, 2, 3].into()
+    );
+    assert_eq!(
+        tally(&tcp_requests(sb.client(), noded, 20, T)).0,
+        [2].into()
+    );
+    drop(agent);
+    // In zone-a: only the endpoint hinted for zone-a.
+    let agent = Agent::start(sb.node(), &m.dir, &["--node-zone", "zone-a"]);
+    wait_until(SYNC, || {
+        tally(&tcp_requests(sb.client(), zoned, 10, T)).0 == [1].into()
+    })
+    .unwrap_or_else(|_| panic!("zone hints not applied; log:\n{}", agent.log()));
+    assert_eq!(
+        tally(&tcp_requests(sb.client(), zoned, 30, T)).0,
+        [1].into()
+    );
+    drop(agent);
+    // In a zone no endpoint is hinted for: every endpoint.
+    let _agent = Agent::start(sb.node(), &m.dir, &["--node-zone", "zone-c"]);
+    wait_until(SYNC, || {
+        tally(&tcp_requests(sb.client(), zoned, 30, T)).0 == [1, 2, 3].into()
+    })
+    .unwrap_or_else(|_| panic!("unmatched zone must fall back to every endpoint"));
+}

@@ -150,6 +150,8 @@ pub struct RenderConfig {
     pub node_ips: Vec<std::net::IpAddr>,
     /// How traffic from this node's pods is told apart (kube-proxy's `--detect-local-mode`).
     pub local_detector: LocalDetector,
+    /// This node's zone (its `topology.kubernetes.io/zone` label), for topology hints.
+    pub node_zone: Option<String>,
 }
 
 /// kube-proxy's local-traffic detectors: what makes a packet "from a pod" (not masqueraded on its way to a
@@ -178,6 +180,7 @@ impl Default for RenderConfig {
             service_cidrs: Vec::new(),
             node_ips: Vec::new(),
             local_detector: LocalDetector::ClusterCidr,
+            node_zone: None,
         }
     }
 }

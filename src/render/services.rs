@@ -506,6 +506,38 @@ fn firewall_chain_state(
     }
 }
 
+/// Topology hints, as kube-proxy applies them to cluster-wide endpoint sets: when every endpoint has node hints
+/// and some are for this node, only those; else when every endpoint has zone hints and some are for this
+/// node's zone, only those; else all of them.
+pub(super) fn topology_filter(eps: Vec<Endpoint>, cfg: &RenderConfig) -> Vec<Endpoint> {
+    if eps.is_empty() {
+        return eps;
+    }
+    if eps.iter().all(|e| !e.node_hints.is_empty()) {
+        let mine: Vec<Endpoint> = eps
+            .iter()
+            .filter(|e| e.node_hints.contains(&cfg.node_name))
+            .cloned()
+            .collect();
+        if !mine.is_empty() {
+            return mine;
+        }
+    }
+    if let Some(zone) = &cfg.node_zone {
+        if eps.iter().all(|e| !e.zone_hints.is_empty()) {
+            let mine: Vec<Endpoint> = eps
+                .iter()
+                .filter(|e| e.zone_hints.contains(zone))
+                .cloned()
+                .collect();
+            if !mine.is_empty() {
+                return mine;
+            }
+        }
+    }
+    eps
+}
+
 /// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
 /// fallback so that a rolling update does not black-hole a service).
 pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
@@ -585,7 +617,7 @@ pub(super) fn service_pieces(
                 ));
             }
         };
-        let all = usable_endpoints(endpoints, f);
+        let all = topology_filter(usable_endpoints(endpoints, f), cfg);
         let local = usable_endpoints(&local_endpoints, f);
 
         // ClusterIPs (internalTrafficPolicy).
