@@ -370,8 +370,12 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
     let from_pod = |negate: bool| local_traffic(f, cfg, negate);
     let mut rules = Vec::new();
     if let LbKind::LocalExternal(local) | LbKind::LocalNodePort(local) = kind {
-        // Pods keep their address and reach every endpoint; so does the node itself, masqueraded.
-        if let Some(pod) = from_pod(false) {
+        // Pods reach every endpoint (keeping their address unless masquerade-all: their traffic is treated
+        // as cluster traffic); so does the node itself, masqueraded.
+        if let Some(mut pod) = from_pod(false) {
+            if cfg.masquerade_all {
+                pod = pod.mark_or(cfg.masquerade_bit);
+            }
             rules.push(
                 pod.dnat_map(&key, n, map, family)
                     .comment("from a pod: every endpoint")
