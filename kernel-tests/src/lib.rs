@@ -346,3 +346,18 @@ pub fn chi_square(counts: &[usize]) -> f64 {
         .map(|&c| (c as f64 - expected).powi(2) / expected)
         .sum()
 }
+
+/// Routes `net/prefix` from the outside client to the node: where tests put external and LoadBalancer IPs.
+pub fn route_from_outside(sb: &Sandbox, net: std::net::Ipv4Addr, prefix: u8) {
+    sb.ext()
+        .run(move || {
+            nftkube::netns::add_route(
+                net.into(),
+                prefix,
+                Some(sandbox::node_ip_v4().into()),
+                Some(sandbox::NODE_UPLINK),
+            )
+        })
+        .expect("entering the outside client's namespace")
+        .expect("adding the route");
+}

@@ -82,17 +82,7 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
 ) {
     let sb = sandbox("nk-ext", 3);
     // The outside client routes the external range to the node.
-    sb.ext()
-        .run(|| {
-            nftkube::netns::add_route(
-                Ipv4Addr::new(192, 168, 250, 0).into(),
-                24,
-                Some(sandbox::node_ip_v4().into()),
-                Some("eth0"),
-            )
-        })
-        .unwrap()
-        .unwrap();
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
     let m = Manifests::examples();
     m.write("web.yaml", MANIFEST);
     let agent = Agent::start(sb.node(), &m.dir, &[]);

@@ -134,17 +134,7 @@ fn client_addr(src: Source) -> Option<IpAddr> {
 #[test]
 fn sources_destinations_policies_and_masquerade_all() {
     let sb = sandbox("nk-mx", 2);
-    sb.ext()
-        .run(|| {
-            nftkube::netns::add_route(
-                Ipv4Addr::new(192, 168, 251, 0).into(),
-                24,
-                Some(sandbox::node_ip_v4().into()),
-                Some("eth0"),
-            )
-        })
-        .unwrap()
-        .unwrap();
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 251, 0), 24);
     let m = Manifests::examples();
     m.write("matrix.yaml", &manifest());
     let mut failures = Vec::new();

@@ -105,17 +105,7 @@ fn tally(answers: &[io::Result<String>]) -> (BTreeSet<usize>, BTreeSet<IpAddr>) 
 #[test]
 fn local_traffic_policies_choose_endpoints_and_keep_sources_as_kube_proxy_does() {
     let sb = sandbox("nk-pol", 3);
-    sb.ext()
-        .run(|| {
-            nftkube::netns::add_route(
-                Ipv4Addr::new(192, 168, 250, 0).into(),
-                24,
-                Some(sandbox::node_ip_v4().into()),
-                Some("eth0"),
-            )
-        })
-        .unwrap()
-        .unwrap();
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
     let m = Manifests::examples();
     m.write("policy.yaml", MANIFEST);
     let agent = Agent::start(sb.node(), &m.dir, &[]);

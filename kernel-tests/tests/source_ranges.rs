@@ -43,17 +43,7 @@ fn served(ns: &nftkube::netns::NetNs, dst: SocketAddr) -> bool {
 #[test]
 fn source_ranges_allow_and_block_on_the_load_balancer_ip_only() {
     let sb = sandbox("nk-fw", 1);
-    sb.ext()
-        .run(|| {
-            nftkube::netns::add_route(
-                Ipv4Addr::new(192, 168, 250, 0).into(),
-                24,
-                Some(sandbox::node_ip_v4().into()),
-                Some("eth0"),
-            )
-        })
-        .unwrap()
-        .unwrap();
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
     let lb: SocketAddr = "192.168.250.60:80".parse().unwrap();
     let external: SocketAddr = "192.168.250.61:80".parse().unwrap();
     let node_port = SocketAddr::new(sandbox::node_ip_v4().into(), 30110);

@@ -263,9 +263,19 @@ impl RuleBuilder {
         self
     }
 
-    /// `meta mark & bits == 0` (when `set` is false) or `!= 0`.
-    pub fn mark_has(mut self, bits: u32, set: bool) -> Self {
-        self.exprs.push(Field::Mark.load(REG_1));
+    /// `ct status <bit>` / `ct state <bits>`: any of the bits set.
+    pub fn ct_has(self, key: CtKey, bits: u32) -> Self {
+        self.flags(Expr::Ct { key, dreg: REG_1 }, bits, true)
+    }
+
+    /// `ct state|status & bits == 0`: none of the bits set.
+    pub fn ct_lacks(self, key: CtKey, bits: u32) -> Self {
+        self.flags(Expr::Ct { key, dreg: REG_1 }, bits, false)
+    }
+
+    /// A 32-bit value loaded into REG_1 by `load`, masked with `bits`: any set (`set`) or none.
+    fn flags(mut self, load: Expr, bits: u32, set: bool) -> Self {
+        self.exprs.push(load);
         self.exprs.push(Expr::Bitwise {
             sreg: REG_1,
             dreg: REG_1,
@@ -281,43 +291,19 @@ impl RuleBuilder {
         self
     }
 
-    /// `ct status <bit>` / `ct state <bits>`: any of the bits set.
-    pub fn ct_has(mut self, key: CtKey, bits: u32) -> Self {
-        self.exprs.push(Expr::Ct { key, dreg: REG_1 });
-        self.exprs.push(Expr::Bitwise {
-            sreg: REG_1,
-            dreg: REG_1,
-            len: 4,
-            mask: bits.to_ne_bytes().to_vec(),
-            xor: vec![0; 4],
-        });
-        self.exprs.push(Expr::Cmp {
-            sreg: REG_1,
-            op: CmpOp::Neq,
-            data: vec![0; 4],
-        });
-        self
-    }
-
     /// `fib saddr type local`: the packet comes from this host itself.
-    pub fn saddr_is_local(mut self) -> Self {
-        self.exprs.push(Expr::Fib {
-            flags: FIB_F_SADDR,
-            result: FIB_RESULT_ADDRTYPE,
-            dreg: REG_1,
-        });
-        self.exprs.push(Expr::Cmp {
-            sreg: REG_1,
-            op: CmpOp::Eq,
-            data: RTN_LOCAL.to_ne_bytes().to_vec(),
-        });
-        self
+    pub fn saddr_is_local(self) -> Self {
+        self.fib_local(FIB_F_SADDR)
     }
 
     /// `fib daddr type local`: the destination is one of this host's addresses.
-    pub fn daddr_is_local(mut self) -> Self {
+    pub fn daddr_is_local(self) -> Self {
+        self.fib_local(FIB_F_DADDR)
+    }
+
+    fn fib_local(mut self, which: u32) -> Self {
         self.exprs.push(Expr::Fib {
-            flags: FIB_F_DADDR,
+            flags: which,
             result: FIB_RESULT_ADDRTYPE,
             dreg: REG_1,
         });
@@ -329,22 +315,9 @@ impl RuleBuilder {
         self
     }
 
-    /// `ct state|status & bits == 0`: none of the bits set.
-    pub fn ct_lacks(mut self, key: CtKey, bits: u32) -> Self {
-        self.exprs.push(Expr::Ct { key, dreg: REG_1 });
-        self.exprs.push(Expr::Bitwise {
-            sreg: REG_1,
-            dreg: REG_1,
-            len: 4,
-            mask: bits.to_ne_bytes().to_vec(),
-            xor: vec![0; 4],
-        });
-        self.exprs.push(Expr::Cmp {
-            sreg: REG_1,
-            op: CmpOp::Eq,
-            data: vec![0; 4],
-        });
-        self
+    /// `meta mark & bits == 0` (when `set` is false) or `!= 0`.
+    pub fn mark_has(self, bits: u32, set: bool) -> Self {
+        self.flags(Field::Mark.load(REG_1), bits, set)
     }
 
     /// `iifname [!=] "name"` (exact, `prefix == false`) or `iifname [!=] "name*"` (a prefix).
