@@ -1,9 +1,12 @@
 //! Model → desired nf_tables state. Pure: the same model and config always give the same tables.
 
+mod base;
+mod chains;
+mod common;
 pub mod names;
 mod services;
 
-pub use services::{lb_chain_state, LbKind};
+pub use chains::{lb_chain_state, LbKind, LOCAL_SLOTS};
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
@@ -50,7 +53,7 @@ pub enum Piece {
 pub fn skeleton(cfg: &RenderConfig) -> Vec<TableState> {
     [IpFamily::V4, IpFamily::V6]
         .into_iter()
-        .map(|f| services::skeleton(f, cfg))
+        .map(|f| base::table(f, cfg))
         .collect()
 }
 

@@ -1,0 +1,234 @@
+//! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
+//! rejection, kubelet's guard) and the sets and maps the services fill.
+
+use super::common::*;
+use super::names::*;
+use super::RenderConfig;
+use crate::model::IpFamily;
+use crate::nft::build::{ip_bytes, Field, RuleBuilder};
+use crate::nft::ir::*;
+use crate::node::NodePortAddresses;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// The objects every table has whatever the services: hooks, the fixed chains and the sets.
+pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
+    let mut t = TableState::new(nft_family(f), TABLE);
+    let a = addr_type(f);
+    let plain_set = |name: &str, key: Vec<DataType>, data: Vec<DataType>| Set {
+        name: name.into(),
+        key,
+        data,
+        timeout_ms: None,
+        dynamic: false,
+    };
+    t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
+    t.add_set(plain_set(
+        MAP_SERVICE_IPS,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_SERVICE_ENDPOINTS,
+        vec![a, DataType::InetProto, DataType::InetService, SLOT],
+        vec![a, DataType::InetService],
+    ));
+    t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
+    t.add_set(plain_set(
+        MAP_NO_ENDPOINT_SERVICES,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
+    t.add_set(Set {
+        name: MAP_AFFINITY.into(),
+        key: vec![a, a, DataType::InetProto, DataType::InetService],
+        data: vec![a, DataType::InetService],
+        // Each element carries its service's own timeout (set by the rule); this is only the default.
+        timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
+        dynamic: true,
+    });
+    let port_key = vec![DataType::InetProto, DataType::InetService];
+    t.add_set(plain_set(
+        MAP_SERVICE_NODEPORTS,
+        port_key.clone(),
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_NO_ENDPOINT_NODEPORTS,
+        port_key,
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        MAP_NODEPORT_ENDPOINTS,
+        vec![DataType::InetProto, DataType::InetService, SLOT],
+        vec![a, DataType::InetService],
+    ));
+    // NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses).
+    let nodeport_match: Option<RuleBuilder> = match &cfg.nodeport_addresses {
+        NodePortAddresses::None => None,
+        NodePortAddresses::AllLocal => {
+            let loopback: IpAddr = match f {
+                IpFamily::V4 => Ipv4Addr::new(127, 0, 0, 0).into(),
+                IpFamily::V6 => Ipv6Addr::LOCALHOST.into(),
+            };
+            let prefix = if f == IpFamily::V4 { 8 } else { 128 };
+            Some(
+                RuleBuilder::new()
+                    .daddr_is_local()
+                    .prefix(daddr(f), &loopback, prefix, true),
+            )
+        }
+        NodePortAddresses::Only(ips) => {
+            let set = t.add_set(plain_set(SET_NODEPORT_IPS, vec![a], vec![]));
+            for ip in ips.iter().filter(|ip| IpFamily::of(ip) == f) {
+                set.elements.insert(Element {
+                    key: ip_bytes(ip),
+                    value: None,
+                });
+            }
+            Some(RuleBuilder::new().in_set(&[daddr(f)], SET_NODEPORT_IPS, false))
+        }
+    };
+
+    let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
+    t.add_chain(base(
+        CHAIN_NAT_PREROUTING,
+        ChainType::Nat,
+        Hook::Prerouting,
+        PRIO_DSTNAT,
+    ))
+    .rules = vec![jump(CHAIN_SERVICES)];
+    t.add_chain(base(
+        CHAIN_NAT_OUTPUT,
+        ChainType::Nat,
+        Hook::Output,
+        PRIO_DSTNAT,
+    ))
+    .rules = vec![jump(CHAIN_SERVICES)];
+    t.add_chain(base(
+        CHAIN_NAT_POSTROUTING,
+        ChainType::Nat,
+        Hook::Postrouting,
+        PRIO_SRCNAT,
+    ))
+    .rules = vec![jump(CHAIN_MASQUERADING)];
+    t.add_chain(base(
+        CHAIN_FILTER_FORWARD,
+        ChainType::Filter,
+        Hook::Forward,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
+    t.add_chain(base(
+        CHAIN_FILTER_OUTPUT,
+        ChainType::Filter,
+        Hook::Output,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
+    t.add_chain(base(
+        CHAIN_FILTER_INPUT,
+        ChainType::Filter,
+        Hook::Input,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![jump(CHAIN_FIREWALL)];
+    // kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
+    // 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
+    // it could otherwise reach services bound to loopback).
+    let mut firewall = vec![RuleBuilder::new()
+        .mark_has(cfg.drop_bit, true)
+        .verdict(Verdict::Drop)
+        .comment("drop mark")
+        .build()];
+    if f == IpFamily::V4 {
+        let localnet: IpAddr = Ipv4Addr::new(127, 0, 0, 0).into();
+        firewall.push(
+            RuleBuilder::new()
+                .prefix(Field::IpDaddr, &localnet, 8, false)
+                .prefix(Field::IpSaddr, &localnet, 8, true)
+                .ct_lacks(CtKey::State, CT_STATE_ESTABLISHED | CT_STATE_RELATED)
+                .ct_lacks(CtKey::Status, CT_STATUS_DNAT)
+                .verdict(Verdict::Drop)
+                .comment("martian localnet")
+                .build(),
+        );
+    }
+    t.add_chain(regular(CHAIN_FIREWALL)).rules = firewall;
+
+    let mut services = vec![RuleBuilder::new()
+        .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
+        .build()];
+    if let Some(m) = &nodeport_match {
+        services.push(
+            m.clone()
+                .vmap(&[Field::L4Proto, Field::ThDport], MAP_SERVICE_NODEPORTS)
+                .build(),
+        );
+        // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
+        // rejected on input.
+        t.chain_mut(CHAIN_FILTER_INPUT)
+            .rules
+            .push(jump(CHAIN_NODEPORTS_CHECK));
+        t.add_chain(regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
+            .clone()
+            .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
+            .build()];
+    }
+    t.add_chain(regular(CHAIN_SERVICES)).rules = services;
+
+    let bit = cfg.masquerade_bit;
+    t.add_chain(regular(CHAIN_MASQUERADING)).rules = vec![
+        RuleBuilder::new()
+            .ct_has(CtKey::Status, CT_STATUS_DNAT)
+            .in_set(&[saddr(f), daddr(f)], SET_HAIRPIN, false)
+            .mark_or(bit)
+            .comment("hairpin: an endpoint reaching itself through its service")
+            .build(),
+        RuleBuilder::new()
+            .mark_has(bit, false)
+            .verdict(Verdict::Return)
+            .build(),
+        RuleBuilder::new().mark_xor(bit).build(),
+        RuleBuilder::new()
+            .masquerade(cfg.masquerade_fully_random)
+            .build(),
+    ];
+
+    t.add_chain(regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
+        RuleBuilder::new()
+            .vmap(
+                &[daddr(f), Field::L4Proto, Field::ThDport],
+                MAP_NO_ENDPOINT_SERVICES,
+            )
+            .build(),
+        RuleBuilder::new()
+            .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+            .comment("no endpoints, or not a service port")
+            .build(),
+    ];
+    // --service-cidr: an address in the service range that no Service has is dropped here rather than sent
+    // on towards the default route.
+    for cidr in cfg.service_cidrs.iter().filter(|c| c.family() == f) {
+        t.chain_mut(CHAIN_CLUSTER_IPS_CHECK).rules.push(
+            RuleBuilder::new()
+                .prefix(daddr(f), &cidr.addr, cidr.prefix, false)
+                .verdict(Verdict::Drop)
+                .comment("unallocated service address")
+                .build(),
+        );
+    }
+
+    let unreach = match f {
+        IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
+        IpFamily::V6 => RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH),
+    };
+    t.add_chain(regular(CHAIN_REJECT)).rules = vec![
+        RuleBuilder::new()
+            .cmp(Field::L4Proto, CmpOp::Eq, vec![6])
+            .reject(RejectKind::TcpReset)
+            .build(),
+        RuleBuilder::new().reject(unreach).build(),
+    ];
+    t
+}

@@ -1,0 +1,67 @@
+//! Small vocabulary shared by the renderers: families, address fields, chain constructors, priorities.
+
+use crate::model::IpFamily;
+use crate::nft::build::Field;
+use crate::nft::ir::*;
+
+pub(super) fn nft_family(f: IpFamily) -> Family {
+    match f {
+        IpFamily::V4 => Family::Ip,
+        IpFamily::V6 => Family::Ip6,
+    }
+}
+
+pub(super) fn ip_family(f: Family) -> IpFamily {
+    match f {
+        Family::Ip6 => IpFamily::V6,
+        _ => IpFamily::V4,
+    }
+}
+
+pub(super) fn addr_type(f: IpFamily) -> DataType {
+    match f {
+        IpFamily::V4 => DataType::Ipv4Addr,
+        IpFamily::V6 => DataType::Ipv6Addr,
+    }
+}
+
+pub(super) fn saddr(f: IpFamily) -> Field {
+    match f {
+        IpFamily::V4 => Field::IpSaddr,
+        IpFamily::V6 => Field::Ip6Saddr,
+    }
+}
+
+pub(super) fn daddr(f: IpFamily) -> Field {
+    match f {
+        IpFamily::V4 => Field::IpDaddr,
+        IpFamily::V6 => Field::Ip6Daddr,
+    }
+}
+
+pub(super) fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32) -> Chain {
+    Chain {
+        name: name.into(),
+        base: Some(BaseHook {
+            hook,
+            chain_type,
+            priority,
+        }),
+    }
+}
+
+pub(super) fn regular(name: &str) -> Chain {
+    Chain {
+        name: name.into(),
+        base: None,
+    }
+}
+
+/// Priorities as nft names them: dstnat -100, srcnat 100, filter 0 (we run just before filter).
+pub(super) const PRIO_DSTNAT: i32 = -100;
+pub(super) const PRIO_SRCNAT: i32 = 100;
+pub(super) const PRIO_FILTER_EARLY: i32 = -10;
+
+/// The numgen slot is a host-endian 32-bit value; nft knows no fixed-size integer type for set keys, so the
+/// kernel object calls it a mark (same size and byte order). `plan` prints it as `typeof numgen ...`.
+pub(super) const SLOT: DataType = DataType::Mark;
