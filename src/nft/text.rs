@@ -521,6 +521,14 @@ fn get(regs: &BTreeMap<u32, RegValue>, reg: u32) -> Option<&RegValue> {
 /// Reads a concatenated key of the given types out of consecutive registers starting at `sreg`.
 fn concat_text(regs: &BTreeMap<u32, RegValue>, sreg: u32, types: &[DataType]) -> Option<String> {
     let mut slot = reg_slot(sreg)?;
+    // A map lookup that produced a whole concatenated value at once reads as that lookup.
+    if types.len() > 1
+        && regs
+            .get(&slot)
+            .is_some_and(|v| v.kind == RegKind::MapConcat)
+    {
+        return Some(regs[&slot].text.clone());
+    }
     let mut parts = Vec::new();
     for t in types {
         parts.push(regs.get(&slot)?.text.clone());
