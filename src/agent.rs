@@ -1,12 +1,14 @@
 //! The proxy loop: watch the source, keep the kernel in sync, retry failures, resync periodically.
 
+use crate::admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
+use crate::config::{DetectLocal, Resolved, SourceSpec};
 use crate::metrics;
 use crate::model::{Cidr, ClusterState, NamespacedName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::monitor::{self, Drift};
 use crate::nft::netlink::NftSocket;
 use crate::render::{self, names::TABLE, RenderConfig};
-use crate::source::{apply_event, ManifestSource};
+use crate::source::{apply_event, Event, KubeSource, ManifestSource, ProxySource};
 use crate::sync::{delete_tables, SyncEngine, SyncError, SyncReport};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -17,7 +19,8 @@ use std::time::{Duration, Instant};
 /// Everything the proxy loop needs to know.
 #[derive(Debug, Clone)]
 pub struct ProxyOptions {
-    pub manifests: PathBuf,
+    /// Manifest files or the Kubernetes API.
+    pub source: SourceSpec,
     pub render: RenderConfig,
     /// Full resync (re-read the kernel, repair drift) at least this often (kube-proxy's `--sync-period`).
     pub sync_period: Duration,
@@ -27,17 +30,42 @@ pub struct ProxyOptions {
     pub poll_interval: Duration,
     /// `--nodeport-addresses`, re-resolved against the node's addresses at every full sync.
     pub nodeport_cidrs: Vec<Cidr>,
+    /// Health, metrics and healthCheckNodePort servers (None: no admin servers).
+    pub admin: Option<AdminOptions>,
+    /// NodeCIDR: `render.cluster_cidrs` come from this node's podCIDRs (API source), and nothing is
+    /// programmed before they are known. The other modes are in `render.local_detector`.
+    pub detect_local: DetectLocal,
 }
 
 impl ProxyOptions {
     pub fn new(manifests: PathBuf, render: RenderConfig) -> Self {
         ProxyOptions {
-            manifests,
+            source: SourceSpec::Manifests(manifests),
             render,
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
             poll_interval: Duration::from_millis(500),
             nodeport_cidrs: Vec::new(),
+            admin: None,
+            detect_local: DetectLocal::ClusterCidr,
+        }
+    }
+
+    /// `nftkube proxy`'s options: config file, flags and defaults resolved, `render` built from them.
+    pub fn from_resolved(r: Resolved, mut render: RenderConfig) -> Self {
+        if r.detect_local == DetectLocal::NodeCidr {
+            // The local ranges come from the Node object.
+            render.cluster_cidrs = Vec::new();
+        }
+        ProxyOptions {
+            source: r.source,
+            render,
+            sync_period: r.sync_period.max(Duration::from_millis(100)),
+            min_sync_period: r.min_sync_period,
+            poll_interval: Duration::from_millis(500),
+            nodeport_cidrs: r.nodeport_cidrs,
+            admin: Some(r.admin),
+            detect_local: r.detect_local,
         }
     }
 }
@@ -61,14 +89,21 @@ pub fn plan(
     render::render(state.service_map(), &state.endpoints_map(), cfg)
 }
 
+/// Opens the configured source (the API source builds its client here: a bad kubeconfig fails now).
+fn open_source(spec: &SourceSpec) -> anyhow::Result<ProxySource> {
+    Ok(match spec {
+        SourceSpec::Manifests(dir) => ProxySource::Manifests(ManifestSource::new(dir.clone())),
+        SourceSpec::Kube(k) => ProxySource::Kube(KubeSource::start(k.clone())?),
+    })
+}
+
 /// Runs until `stop` is set. Rules stay in place when it returns, as kube-proxy's do.
+///
+/// Nothing is programmed before the source has delivered a complete snapshot (`Event::Synced`): an API
+/// that cannot be reached at startup leaves whatever an earlier run programmed untouched.
 pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
-    let mut source = ManifestSource::new(opts.manifests.clone());
+    let mut source = open_source(&opts.source)?;
     let mut state = ClusterState::new();
-    let (events, _errors) = source.initial(); // errors are logged by the source
-    for ev in events {
-        apply_event(&mut state, ev);
-    }
     let socket = NftSocket::open()
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
@@ -84,28 +119,84 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         ..Default::default()
     });
 
+    // kube-proxy's health timeout: twice the sync period.
+    let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));
+    let admin = match &opts.admin {
+        Some(a) => Some(Admin::start(a, health.clone(), conntrack.metrics())?),
+        None => None,
+    };
+    let mut observer = Observer::new(health, admin, opts.render.node_name.clone());
+    // The API source's channel is cheap to poll; the manifest source stats files.
+    let poll_interval = match opts.source {
+        SourceSpec::Kube(_) => Duration::ZERO,
+        SourceSpec::Manifests(_) => opts.poll_interval,
+    };
+
     let mut cfg = opts.render.clone();
+    let mut synced = false;
+    let mut waiting_logged = false;
     let mut dirty = true;
     let mut last_sync: Option<Instant> = None;
     let mut last_full = Instant::now();
     let mut backoff = Duration::from_secs(1);
     let mut retry_at: Option<Instant> = None;
-    let mut last_poll = Instant::now();
+    let mut last_poll: Option<Instant> = None;
 
     while !stop.load(Ordering::SeqCst) {
-        if last_poll.elapsed() >= opts.poll_interval {
-            last_poll = Instant::now();
-            let (events, _errors) = source.poll();
+        if last_poll.is_none_or(|t| t.elapsed() >= poll_interval) {
+            last_poll = Some(Instant::now());
+            let events = source.poll();
             if !events.is_empty() {
                 dirty = true;
                 for ev in events {
+                    observer.on_event(&ev);
+                    if ev == Event::Synced && !synced {
+                        synced = true;
+                        tracing::info!(
+                            services = state.service_map().len(),
+                            "source synced: complete snapshot received"
+                        );
+                    }
                     apply_event(&mut state, ev);
+                }
+                if synced {
+                    observer.sync_requested();
+                }
+            }
+        }
+        if opts.render.node_zone.is_none() {
+            // Topology hints: this node's zone from its Node object (unless given as a flag).
+            let zone = observer.node.as_ref().and_then(|n| n.zone.clone());
+            if zone.is_some() && zone != cfg.node_zone {
+                tracing::info!(zone = ?zone, "this node's zone, from its Node object");
+                cfg.node_zone = zone;
+                engine.force_full_sync();
+                dirty = true;
+            }
+        }
+        if opts.detect_local == DetectLocal::NodeCidr {
+            let node_cidrs = observer.node.as_ref().map(|n| &n.pod_cidrs);
+            if let Some(cidrs) = node_cidrs.filter(|c| !c.is_empty()) {
+                if cfg.cluster_cidrs.is_empty() {
+                    tracing::info!(pod_cidrs = ?cidrs, "local traffic: this node's podCIDRs");
+                    cfg.cluster_cidrs = cidrs.clone();
+                    engine.force_full_sync();
+                    dirty = true;
+                } else if *cidrs != cfg.cluster_cidrs {
+                    // What kube-proxy does too: the rules were built for the old ranges.
+                    anyhow::bail!(
+                        "this node's podCIDRs changed from {:?} to {cidrs:?}: exiting to restart with them (the rules stay)",
+                        cfg.cluster_cidrs
+                    );
                 }
             }
         }
         if last_full.elapsed() >= opts.sync_period {
             engine.force_full_sync();
             dirty = true;
+            if synced {
+                observer.sync_requested();
+            }
         }
         if monitor.drift.detected.swap(false, Ordering::SeqCst) {
             // Someone changed our tables: read them back and repair now, bypassing the debounce.
@@ -113,12 +204,24 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
             dirty = true;
             last_sync = None;
+            if synced {
+                observer.sync_requested();
+            }
+        }
+        let ready =
+            synced && (opts.detect_local != DetectLocal::NodeCidr || !cfg.cluster_cidrs.is_empty());
+        if dirty && !ready && !waiting_logged {
+            waiting_logged = true;
+            tracing::info!(
+                "waiting for the source's first complete snapshot (and, with NodeCIDR, this node's podCIDRs) before programming anything"
+            );
         }
         let debounced = last_sync.is_none_or(|t| t.elapsed() >= opts.min_sync_period);
         let retry_due = retry_at.is_none_or(|t| Instant::now() >= t);
-        if dirty && debounced && retry_due {
+        if dirty && ready && debounced && retry_due {
             let changes = state.take_changes();
             last_sync = Some(Instant::now());
+            observer.sync_started();
             if engine.needs_full_sync() {
                 // Node addresses can change; full syncs pick that up for NodePorts.
                 cfg.nodeport_addresses = nodeport_addresses(&opts.nodeport_cidrs);
@@ -128,6 +231,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             }
             match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
                 Ok(report) => {
+                    observer.sync_succeeded(&report, &changes.changed_services, &state);
                     // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
                     conntrack.after_sync(&changes, &state);
                     if report.full {

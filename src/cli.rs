@@ -1,6 +1,7 @@
 //! Command-line interface. Flag names follow kube-proxy's where one exists.
 
 use crate::agent::{self, ProxyOptions};
+use crate::config;
 use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -21,8 +22,9 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once
 pub enum Command {
-    /// Keep the kernel in sync with the Services and EndpointSlices in a manifest directory until SIGTERM.
+    /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
     Proxy(ProxyArgs),
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
     Plan(PlanArgs),
@@ -36,9 +38,9 @@ pub enum Command {
 
 #[derive(Debug, Args, Clone)]
 pub struct RenderArgs {
-    /// Directory (or file) of Service and EndpointSlice YAML manifests.
+    /// Directory (or file) of Service and EndpointSlice YAML manifests (`proxy`: instead of the API).
     #[arg(long)]
-    pub manifests: PathBuf,
+    pub manifests: Option<PathBuf>,
     /// This node's name, as endpoints' nodeName spell it.
     #[arg(long, default_value = "")]
     pub hostname_override: String,
@@ -49,11 +51,11 @@ pub struct RenderArgs {
     /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
     #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
     pub nodeport_addresses: std::vec::Vec<crate::model::Cidr>,
-    /// Masquerade all traffic sent to service IPs.
-    #[arg(long)]
+    /// Masquerade all traffic sent to service IPs (`--masquerade-all=false` overrides a config file).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub masquerade_all: bool,
     /// The fwmark bit (0-31) that asks for masquerade (kube-proxy's --iptables-masquerade-bit).
-    #[arg(long, default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..32))]
+    #[arg(long, visible_alias = "iptables-masquerade-bit", default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..32))]
     pub masquerade_bit: u32,
     /// Masquerade with fully random source ports.
     #[arg(long)]
@@ -64,7 +66,8 @@ pub struct RenderArgs {
     /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
     #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
     pub service_cidr: std::vec::Vec<crate::model::Cidr>,
-    /// How pod traffic is recognised: ClusterCIDR, InterfaceNamePrefix or BridgeInterface.
+    /// How pod traffic is recognised: ClusterCIDR, NodeCIDR (API source), InterfaceNamePrefix or
+    /// BridgeInterface.
     #[arg(long, default_value = "ClusterCIDR")]
     pub detect_local_mode: String,
     /// With --detect-local-mode=InterfaceNamePrefix: the prefix of the pods' interfaces on the node.
@@ -120,23 +123,109 @@ impl RenderArgs {
 
 #[derive(Debug, Args)]
 pub struct ProxyArgs {
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API (default: the config file's clientConnection.kubeconfig, else
+    /// the in-cluster service account).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The Kubernetes API server's address (overrides the kubeconfig's).
+    #[arg(long)]
+    pub master: Option<String>,
     #[command(flatten)]
     pub render: RenderArgs,
-    /// Full resync (re-read the kernel and repair drift) at least this often, in seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub sync_period: f64,
-    /// Minimum time between syncs, in seconds: bursts of changes coalesce.
-    #[arg(long, default_value_t = 1.0)]
-    pub min_sync_period: f64,
+    /// Full resync (re-read the kernel and repair drift) at least this often: "30s", or seconds.
+    #[arg(long, visible_alias = "iptables-sync-period", default_value = "30s", value_parser = config::parse_duration_flag)]
+    pub sync_period: Duration,
+    /// Minimum time between syncs, so that bursts of changes coalesce: "1s", or seconds.
+    #[arg(long, visible_alias = "iptables-min-sync-period", default_value = "1s", value_parser = config::parse_duration_flag)]
+    pub min_sync_period: Duration,
+    /// IP:PORT of /healthz and /livez [default: 127.0.0.1:10256; empty: off].
+    #[arg(long)]
+    pub healthz_bind_address: Option<String>,
+    /// IP:PORT of /metrics [default: 127.0.0.1:10249; empty: off].
+    #[arg(long)]
+    pub metrics_bind_address: Option<String>,
+    /// Exit when the healthz or metrics address cannot be bound (else retry every 5 s).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub bind_address_hard_fail: bool,
+    /// The node's primary IP; an IPv6 one makes the default admin addresses [::1].
+    #[arg(long)]
+    pub bind_address: Option<String>,
+    /// Accepted for kube-proxy compatibility: nftkube always programs nf_tables.
+    #[arg(long)]
+    pub proxy_mode: Option<String>,
 }
 
 impl ProxyArgs {
-    pub fn options(&self) -> Result<ProxyOptions, String> {
-        let mut o = ProxyOptions::new(self.render.manifests.clone(), self.render.render_config()?);
-        o.nodeport_cidrs = self.render.nodeport_addresses.clone();
-        o.sync_period = Duration::from_secs_f64(self.sync_period.max(0.1));
-        o.min_sync_period = Duration::from_secs_f64(self.min_sync_period.max(0.0));
-        Ok(o)
+    /// The flags given on the command line (`given(id)`: the argument with that id was given), for
+    /// [`config::resolve`]; flags left at their defaults do not override the config file.
+    pub fn flags(&self, given: &dyn Fn(&str) -> bool) -> config::Flags {
+        fn when<T: Clone>(given: &dyn Fn(&str) -> bool, id: &str, v: &T) -> Option<T> {
+            given(id).then(|| v.clone())
+        }
+        let r = &self.render;
+        config::Flags {
+            config: self.config.clone(),
+            manifests: r.manifests.clone(),
+            kubeconfig: self.kubeconfig.clone(),
+            master: self.master.clone(),
+            hostname_override: when(given, "hostname_override", &r.hostname_override),
+            cluster_cidr: when(given, "cluster_cidr", &r.cluster_cidr),
+            nodeport_addresses: when(given, "nodeport_addresses", &r.nodeport_addresses),
+            masquerade_all: when(given, "masquerade_all", &r.masquerade_all),
+            masquerade_bit: when(given, "masquerade_bit", &r.masquerade_bit),
+            sync_period: when(given, "sync_period", &self.sync_period),
+            min_sync_period: when(given, "min_sync_period", &self.min_sync_period),
+            healthz_bind_address: self.healthz_bind_address.clone(),
+            metrics_bind_address: self.metrics_bind_address.clone(),
+            bind_address_hard_fail: when(
+                given,
+                "bind_address_hard_fail",
+                &self.bind_address_hard_fail,
+            ),
+            bind_address: self.bind_address.clone(),
+            detect_local_mode: when(given, "detect_local_mode", &r.detect_local_mode),
+            pod_interface_name_prefix: when(
+                given,
+                "pod_interface_name_prefix",
+                &r.pod_interface_name_prefix,
+            ),
+            pod_bridge_interface: when(given, "pod_bridge_interface", &r.pod_bridge_interface),
+            proxy_mode: self.proxy_mode.clone(),
+        }
+    }
+
+    /// Config file, flags and defaults combined (warnings are logged); Err: what is invalid.
+    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, String> {
+        let r = config::resolve(&self.flags(given), &config::Env::current())
+            .map_err(|e| e.to_string())?;
+        for w in &r.warnings {
+            tracing::warn!("config: {w}");
+        }
+        // Render flags without a config-file counterpart come from RenderArgs (which validates them);
+        // the rest from the resolution.
+        let mut args = self.render.clone();
+        args.masquerade_bit = r.masquerade_bit;
+        args.detect_local_mode = "ClusterCIDR".into();
+        args.nodeport_addresses = r.nodeport_cidrs.clone();
+        let mut render = args.render_config()?;
+        render.node_name = r.node_name.clone();
+        render.cluster_cidrs = r.cluster_cidrs.clone();
+        render.masquerade_all = r.masquerade_all;
+        render.local_detector = match &r.detect_local {
+            config::DetectLocal::ClusterCidr | config::DetectLocal::NodeCidr => {
+                crate::render::LocalDetector::ClusterCidr
+            }
+            config::DetectLocal::InterfaceNamePrefix(p) => {
+                crate::render::LocalDetector::InterfaceNamePrefix(p.clone())
+            }
+            config::DetectLocal::BridgeInterface(b) => {
+                crate::render::LocalDetector::BridgeInterface(b.clone())
+            }
+        };
+        Ok(ProxyOptions::from_resolved(r, render))
     }
 }
 

@@ -1,6 +1,8 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
+pub mod admin;
 pub mod agent;
 pub mod cli;
+pub mod config;
 pub mod conntrack;
 pub mod demo;
 pub mod metrics;

@@ -1,4 +1,4 @@
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +30,25 @@ fn usage_error(e: &str) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Invalid flags exit with 64, as invalid configuration does; --help and --version with 0.
+    let matches = match Cli::command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(64)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(64);
+        }
+    };
     let level = cli.log_level.parse().unwrap_or(tracing::Level::INFO);
     tracing_subscriber::fmt()
         .with_max_level(level)
@@ -40,7 +58,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Proxy(args) => {
             install_signal_handlers();
-            match args.options() {
+            let sub = matches.subcommand_matches("proxy");
+            // A flag given on the command line overrides the config file; a default does not.
+            let given = |id: &str| {
+                sub.and_then(|m| m.value_source(id)) == Some(clap::parser::ValueSource::CommandLine)
+            };
+            match args.options(&given) {
                 Ok(opts) => nftkube::agent::run_proxy(&opts, &STOP),
                 Err(e) => return usage_error(&e),
             }
@@ -50,9 +73,10 @@ fn main() -> ExitCode {
                 Ok(cfg) => cfg,
                 Err(e) => return usage_error(&e),
             };
-            let tables = nftkube::agent::plan(args.render.manifests.clone(), &cfg, |e| {
-                eprintln!("error: {e}")
-            });
+            let Some(manifests) = args.render.manifests.clone() else {
+                return usage_error("plan needs --manifests DIR");
+            };
+            let tables = nftkube::agent::plan(manifests, &cfg, |e| eprintln!("error: {e}"));
             for t in tables {
                 print!("{}", nftkube::nft::text::render_table(&t));
             }

@@ -1,5 +1,6 @@
 //! Counters the agent keeps, named as kube-proxy names its metrics, rendered in the Prometheus text format
-//! (the HTTP endpoint that serves them is a later step). Process-wide statics: one agent per process.
+//! (served on `/metrics` by `admin`, which adds the conntrack and API-source counters). Process-wide
+//! statics: one agent per process.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,6 +67,112 @@ impl Default for Histogram {
     }
 }
 
+/// A histogram with explicit bucket bounds (seconds), lock-free.
+pub struct BoundedHistogram<const N: usize> {
+    bounds: [f64; N],
+    counts: [AtomicU64; N],
+    count: AtomicU64,
+    sum_us: AtomicU64,
+}
+
+impl<const N: usize> BoundedHistogram<N> {
+    pub const fn new(bounds: [f64; N]) -> Self {
+        BoundedHistogram {
+            bounds,
+            counts: [const { AtomicU64::new(0) }; N],
+            count: AtomicU64::new(0),
+            sum_us: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            if s <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{b}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// kube-proxy's network programming latency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 120..300 s
+/// by 30.
+const fn network_programming_bounds() -> [f64; 80] {
+    let mut b = [0.0; 80];
+    b[0] = 0.25;
+    b[1] = 0.5;
+    let mut i = 0;
+    while i < 59 {
+        b[2 + i] = (i + 1) as f64;
+        i += 1;
+    }
+    i = 0;
+    while i < 12 {
+        b[61 + i] = 60.0 + 5.0 * i as f64;
+        i += 1;
+    }
+    i = 0;
+    while i < 7 {
+        b[73 + i] = 120.0 + 30.0 * i as f64;
+        i += 1;
+    }
+    b
+}
+
+/// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
+pub static SYNC_DURATION: Histogram = Histogram::new();
+/// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
+/// programmed it.
+pub static NETWORK_PROGRAMMING: BoundedHistogram<80> =
+    BoundedHistogram::new(network_programming_bounds());
+/// Unix time (ms) when a sync was last asked for (a change arrived, or a periodic resync fell due).
+pub static LAST_QUEUED_UNIX_MS: AtomicU64 = AtomicU64::new(0);
+/// Service / EndpointSlice changes received, in total and since the last sync started.
+pub static SERVICE_CHANGES_TOTAL: AtomicU64 = AtomicU64::new(0);
+pub static SERVICE_CHANGES_PENDING: AtomicU64 = AtomicU64::new(0);
+pub static ENDPOINT_CHANGES_TOTAL: AtomicU64 = AtomicU64::new(0);
+pub static ENDPOINT_CHANGES_PENDING: AtomicU64 = AtomicU64::new(0);
+/// nf_tables objects (elements, chains, rules, sets) added or removed by committed syncs.
+pub static OBJECT_CHANGES_TOTAL: AtomicU64 = AtomicU64::new(0);
+/// Netlink bytes sent by committed syncs.
+pub static NETLINK_BYTES_TOTAL: AtomicU64 = AtomicU64::new(0);
+/// Service ports in the model after the last successful sync.
+pub static SERVICE_PORTS: AtomicU64 = AtomicU64::new(0);
+
+/// Unix time now, in milliseconds.
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 pub static SYNC_FULL_DURATION: Histogram = Histogram::new();
 pub static SYNC_PARTIAL_DURATION: Histogram = Histogram::new();
 pub static SYNC_FAILURES: AtomicU64 = AtomicU64::new(0);
@@ -83,11 +190,8 @@ pub fn record_sync(full: bool, elapsed: Duration) {
     } else {
         SYNC_PARTIAL_DURATION.observe(elapsed);
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    LAST_SYNC_UNIX_MS.store(now, Ordering::Relaxed);
+    SYNC_DURATION.observe(elapsed);
+    LAST_SYNC_UNIX_MS.store(now_unix_ms(), Ordering::Relaxed);
 }
 
 /// Everything above in the Prometheus text exposition format.
@@ -102,6 +206,16 @@ pub fn render_prometheus() -> String {
         &mut out,
         "kubeproxy_sync_partial_proxy_rules_duration_seconds",
         "Partial sync duration (changed services only).",
+    );
+    SYNC_DURATION.render(
+        &mut out,
+        "kubeproxy_sync_proxy_rules_duration_seconds",
+        "Sync duration, full and partial.",
+    );
+    NETWORK_PROGRAMMING.render(
+        &mut out,
+        "kubeproxy_network_programming_duration_seconds",
+        "From an EndpointSlice change (its last-change-trigger-time) to the commit that programmed it.",
     );
     let counter = |out: &mut String, name: &str, help: &str, kind: &str, v: f64| {
         let _ = writeln!(
@@ -123,6 +237,59 @@ pub fn render_prometheus() -> String {
         "counter",
         SYNC_FAILURES.load(Ordering::Relaxed) as f64,
     );
+    counter(
+        &mut out,
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        "When a sync was last asked for (a change arrived, or a periodic resync fell due).",
+        "gauge",
+        LAST_QUEUED_UNIX_MS.load(Ordering::Relaxed) as f64 / 1000.0,
+    );
+    for (name, help, kind, v) in [
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "Service changes received.",
+            "counter",
+            &SERVICE_CHANGES_TOTAL,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Service changes received since the last sync started.",
+            "gauge",
+            &SERVICE_CHANGES_PENDING,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "EndpointSlice changes received.",
+            "counter",
+            &ENDPOINT_CHANGES_TOTAL,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "EndpointSlice changes received since the last sync started.",
+            "gauge",
+            &ENDPOINT_CHANGES_PENDING,
+        ),
+        (
+            "nftkube_sync_object_changes_total",
+            "nf_tables objects (set elements, chains, rules, sets) added or removed by committed syncs.",
+            "counter",
+            &OBJECT_CHANGES_TOTAL,
+        ),
+        (
+            "nftkube_sync_netlink_bytes_total",
+            "Netlink bytes sent by committed syncs.",
+            "counter",
+            &NETLINK_BYTES_TOTAL,
+        ),
+        (
+            "nftkube_service_ports",
+            "Service ports in the model at the last successful sync.",
+            "gauge",
+            &SERVICE_PORTS,
+        ),
+    ] {
+        counter(&mut out, name, help, kind, v.load(Ordering::Relaxed) as f64);
+    }
     counter(
         &mut out,
         "nftkube_repairs_total",
@@ -165,5 +332,25 @@ mod tests {
         assert!(text.contains("kubeproxy_sync_partial_proxy_rules_duration_seconds_count"));
         assert!(text.contains("kubeproxy_sync_proxy_rules_nftables_sync_failures_total"));
         assert!(text.contains("nftkube_repairs_total"));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_count"));
+        assert!(text.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}"));
+    }
+
+    #[test]
+    fn network_programming_buckets_are_kube_proxys() {
+        let b = network_programming_bounds();
+        assert_eq!(&b[..4], &[0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(b[60], 59.0);
+        assert_eq!(b[61], 60.0);
+        assert_eq!(b[72], 115.0);
+        assert_eq!(b[73], 120.0);
+        assert_eq!(b[79], 300.0);
+        assert!(b.windows(2).all(|w| w[0] < w[1]));
+        let h = BoundedHistogram::new(b);
+        h.observe(Duration::from_millis(700));
+        let mut out = String::new();
+        h.render(&mut out, "x", "h");
+        assert!(out.contains("x_bucket{le=\"0.5\"} 0\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"1\"} 1\n"), "{out}");
     }
 }

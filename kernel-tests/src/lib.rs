@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 pub use nftkube::sandbox;
 
+pub mod fake_api;
+
 /// Ports the sandbox backends listen on; the examples' targetPorts.
 pub const BACKEND_TCP_PORT: u16 = 8080;
 pub const BACKEND_UDP_PORT: u16 = 5353;

@@ -120,6 +120,11 @@ impl ManifestSource {
         &self.path
     }
 
+    /// Whether [`ManifestSource::initial`] has run.
+    pub fn started(&self) -> bool {
+        self.fingerprint.is_some()
+    }
+
     /// A complete snapshot (Applied for every object) followed by `Event::Synced`. Forgets anything
     /// emitted before.
     pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
@@ -611,6 +616,7 @@ mod tests {
                 ),
                 Event::SliceDeleted { namespace, name } => format!("slice- {namespace}/{name}"),
                 Event::Synced => "synced".into(),
+                other => format!("{other:?}"),
             })
             .collect()
     }

@@ -1,13 +1,17 @@
-//! Sources of cluster state: they turn kube objects (from files, later from the API) into model events.
+//! Sources of cluster state: they turn kube objects (from files or from the API) into model events.
 //! The only layer that sees kube types; everything below gets [`Event`]s.
 
 pub mod convert;
+pub mod kube;
 pub mod manifests;
 
 pub use convert::{ConvertError, ServiceConversion, SliceConversion};
+pub use kube::{KubeOptions, KubeSource};
 pub use manifests::{ManifestSource, SourceError};
 
-use crate::model::{ClusterState, NamespacedName, ServicePort, SliceInfo};
+use crate::model::{Cidr, ClusterState, NamespacedName, ServicePort, SliceInfo};
+use std::net::IpAddr;
+use std::time::SystemTime;
 
 /// A change to the cluster state, as every source reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +30,59 @@ pub enum Event {
     },
     /// The source has delivered a complete snapshot (after the initial list).
     Synced,
+    /// An EndpointSlice of `service` changed, and its `endpoints.kubernetes.io/last-change-trigger-time`
+    /// annotation says when the change behind it happened: the start of kube-proxy's network programming
+    /// latency. Sent just before the `SliceApplied` it belongs to; changes nothing in the store.
+    EndpointsChangeTriggered {
+        service: NamespacedName,
+        at: SystemTime,
+    },
+    /// This node's object changed (API source only); changes nothing in the store.
+    NodeApplied(NodeInfo),
+    /// This node's object was deleted (API source only).
+    NodeDeleted,
+}
+
+/// What the agent keeps of its own Node object: no kube types, only what it uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct NodeInfo {
+    pub name: String,
+    /// `topology.kubernetes.io/zone`, for topology-aware routing.
+    pub zone: Option<String>,
+    /// InternalIP and ExternalIP addresses, in the order the status lists them.
+    pub addresses: Vec<IpAddr>,
+    /// `spec.podCIDRs` (or `spec.podCIDR`): the local pod ranges for `detectLocalMode: NodeCIDR`.
+    pub pod_cidrs: Vec<Cidr>,
+    /// The node is going away (a deletion timestamp, or the cluster autoscaler's
+    /// `ToBeDeletedByClusterAutoscaler` taint): `/healthz` then answers 503, as kube-proxy's does, so load
+    /// balancers drain it first.
+    pub deleting: bool,
+}
+
+/// Where the proxy loop gets cluster state from.
+#[derive(Debug)]
+pub enum ProxySource {
+    Manifests(ManifestSource),
+    Kube(KubeSource),
+}
+
+impl ProxySource {
+    /// Events since the previous call (the first call of a manifest source returns its full snapshot).
+    /// Never blocks. A complete snapshot ends with [`Event::Synced`]; the API source sends each relist
+    /// as one batch, so whatever is returned here is never half of one.
+    pub fn poll(&mut self) -> Vec<Event> {
+        match self {
+            ProxySource::Manifests(m) => {
+                // Errors are logged by the source.
+                if m.started() {
+                    m.poll().0
+                } else {
+                    m.initial().0
+                }
+            }
+            ProxySource::Kube(k) => k.poll(),
+        }
+    }
 }
 
 /// Applies one event to the store (`Synced` changes nothing).
@@ -35,6 +92,9 @@ pub fn apply_event(state: &mut ClusterState, ev: Event) {
         Event::ServiceDeleted(key) => state.delete_service(&key),
         Event::SliceApplied(slice) => state.apply_slice(slice),
         Event::SliceDeleted { namespace, name } => state.delete_slice(&namespace, &name),
-        Event::Synced => {}
+        Event::Synced
+        | Event::EndpointsChangeTriggered { .. }
+        | Event::NodeApplied(_)
+        | Event::NodeDeleted => {}
     }
 }

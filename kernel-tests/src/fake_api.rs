@@ -1,0 +1,636 @@
+//! A loopback HTTP server that speaks the Kubernetes API's list + watch protocol for Services,
+//! EndpointSlices and Nodes, so that the real agent can be driven without a kube-apiserver.
+//!
+//! What it does as the API server does:
+//! - every change bumps a global `resourceVersion`; objects carry theirs in `metadata.resourceVersion`;
+//! - lists answer `{"kind":"…List","metadata":{"resourceVersion":RV,"continue":…},"items":[…]}`, honour
+//!   `limit` / `continue` (pages), `labelSelector` (`k`, `!k`, `k=v`, `k!=v`) and `fieldSelector`
+//!   (`metadata.name=`, `metadata.namespace=`);
+//! - `watch=true` streams newline-delimited JSON events (ADDED, MODIFIED, DELETED) after the given
+//!   resourceVersion over chunked transfer encoding, sends BOOKMARK events when asked
+//!   (`allowWatchBookmarks`), ends after `timeoutSeconds`, and answers a resourceVersion older than the
+//!   compacted history with an ERROR event carrying a `410 Gone` Status, as etcd compaction makes it do;
+//! - an object that stops matching a watch's label selector is sent as DELETED.
+//!
+//! Test controls: [`FakeApi::apply`] / [`FakeApi::delete`], [`FakeApi::compact`] (force 410 on re-watch),
+//! [`FakeApi::drop_watches`] (connections cut), [`FakeApi::set_down`] (listener closed: connection
+//! refused), [`FakeApi::fail`] (answer a resource with an HTTP error), and a log of the requests.
+
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The resources served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Resource {
+    Services,
+    EndpointSlices,
+    Nodes,
+}
+
+impl Resource {
+    pub fn path(self) -> &'static str {
+        match self {
+            Resource::Services => "/api/v1/services",
+            Resource::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
+            Resource::Nodes => "/api/v1/nodes",
+        }
+    }
+    fn kind(self) -> &'static str {
+        match self {
+            Resource::Services => "Service",
+            Resource::EndpointSlices => "EndpointSlice",
+            Resource::Nodes => "Node",
+        }
+    }
+    fn api_version(self) -> &'static str {
+        match self {
+            Resource::EndpointSlices => "discovery.k8s.io/v1",
+            _ => "v1",
+        }
+    }
+    /// The resource of an object, by its `kind`.
+    pub fn of(obj: &Value) -> Option<Resource> {
+        match obj.get("kind")?.as_str()? {
+            "Service" => Some(Resource::Services),
+            "EndpointSlice" => Some(Resource::EndpointSlices),
+            "Node" => Some(Resource::Nodes),
+            _ => None,
+        }
+    }
+}
+
+type Key = (Resource, String, String);
+
+#[derive(Debug, Clone)]
+struct Entry {
+    rv: u64,
+    resource: Resource,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    rv: u64,
+    objects: BTreeMap<Key, Value>,
+    log: Vec<Entry>,
+    /// Watches from before this resourceVersion get 410 Gone.
+    compacted: u64,
+    /// Bumped to cut every open watch.
+    generation: u64,
+    down: bool,
+    fail: HashMap<Resource, u16>,
+    requests: Vec<String>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+/// Binds the listening socket (in whatever network namespace the test needs).
+pub type Binder = Arc<dyn Fn(SocketAddr) -> io::Result<TcpListener> + Send + Sync>;
+
+/// The fake API server. Stops (and closes its port) on drop.
+pub struct FakeApi {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    binder: Binder,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn key_of(resource: Resource, obj: &Value) -> Key {
+    let meta = &obj["metadata"];
+    (
+        resource,
+        meta["namespace"].as_str().unwrap_or("").to_string(),
+        meta["name"].as_str().unwrap_or("").to_string(),
+    )
+}
+
+impl FakeApi {
+    /// Serves on 127.0.0.1 (an ephemeral port) of the current network namespace.
+    pub fn start() -> FakeApi {
+        Self::start_with(Arc::new(TcpListener::bind))
+    }
+
+    /// Serves on a socket `binder` creates (e.g. inside a test namespace); port chosen by the kernel.
+    pub fn start_with(binder: Binder) -> FakeApi {
+        let listener = binder("127.0.0.1:0".parse().unwrap()).expect("binding the fake API server");
+        let addr = listener.local_addr().unwrap();
+        let api = FakeApi {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+                stop: AtomicBool::new(false),
+            }),
+            addr,
+            binder,
+            accept: Mutex::new(None),
+        };
+        api.serve(listener);
+        api
+    }
+
+    fn serve(&self, listener: TcpListener) {
+        listener.set_nonblocking(true).unwrap();
+        let shared = self.shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("fake-api".into())
+            .spawn(move || loop {
+                if shared.stop.load(Ordering::SeqCst) || shared.state.lock().unwrap().down {
+                    return; // drops the listener: connections are refused
+                }
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let s = shared.clone();
+                        std::thread::spawn(move || {
+                            let _ = handle(&s, stream);
+                        });
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            })
+            .unwrap();
+        *self.accept.lock().unwrap() = Some(thread);
+    }
+
+    /// `http://127.0.0.1:PORT`, for `--master`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn change(&self, f: impl FnOnce(&mut State)) {
+        let mut st = self.shared.state.lock().unwrap();
+        f(&mut st);
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// Creates or replaces an object (its `kind` says which resource); returns its resourceVersion.
+    pub fn apply(&self, obj: Value) -> u64 {
+        let resource = Resource::of(&obj).expect("object kind Service, EndpointSlice or Node");
+        let mut rv = 0;
+        self.change(|st| {
+            st.rv += 1;
+            rv = st.rv;
+            let mut obj = obj;
+            obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+            let key = key_of(resource, &obj);
+            let kind = if st.objects.insert(key, obj.clone()).is_some() {
+                "MODIFIED"
+            } else {
+                "ADDED"
+            };
+            st.log.push(Entry {
+                rv,
+                resource,
+                kind,
+                object: obj,
+            });
+        });
+        rv
+    }
+
+    /// Deletes an object; false if it did not exist.
+    pub fn delete(&self, resource: Resource, namespace: &str, name: &str) -> bool {
+        let mut found = false;
+        self.change(|st| {
+            if let Some(mut obj) =
+                st.objects
+                    .remove(&(resource, namespace.to_string(), name.to_string()))
+            {
+                found = true;
+                st.rv += 1;
+                obj["metadata"]["resourceVersion"] = json!(st.rv.to_string());
+                let rv = st.rv;
+                st.log.push(Entry {
+                    rv,
+                    resource,
+                    kind: "DELETED",
+                    object: obj,
+                });
+            }
+        });
+        found
+    }
+
+    /// Current objects of a resource.
+    pub fn objects(&self, resource: Resource) -> Vec<Value> {
+        let st = self.shared.state.lock().unwrap();
+        st.objects
+            .iter()
+            .filter(|(k, _)| k.0 == resource)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// Forgets the history: a watch from any earlier resourceVersion gets 410 Gone (and the client must
+    /// relist).
+    pub fn compact(&self) {
+        self.change(|st| {
+            st.compacted = st.rv + 1;
+            st.log.clear();
+        });
+    }
+
+    /// Ends every open watch now (as a load balancer or an apiserver restart does).
+    pub fn drop_watches(&self) {
+        self.change(|st| st.generation += 1);
+    }
+
+    /// Down: open watches are cut and the port refuses connections. Up: the same port serves again.
+    pub fn set_down(&self, down: bool) {
+        if down {
+            self.change(|st| {
+                st.down = true;
+                st.generation += 1;
+            });
+            if let Some(t) = self.accept.lock().unwrap().take() {
+                let _ = t.join();
+            }
+        } else {
+            let mut last = None;
+            // The port may linger briefly after close; retry the bind for a while.
+            for _ in 0..100 {
+                match (self.binder)(self.addr) {
+                    Ok(l) => {
+                        self.change(|st| st.down = false);
+                        self.serve(l);
+                        return;
+                    }
+                    Err(e) => last = Some(e),
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            panic!("cannot rebind {}: {last:?}", self.addr);
+        }
+    }
+
+    /// Answers lists and watches of `resource` with this HTTP status (None: serve normally).
+    pub fn fail(&self, resource: Resource, status: Option<u16>) {
+        self.change(|st| match status {
+            Some(s) => {
+                st.fail.insert(resource, s);
+                st.generation += 1;
+            }
+            None => {
+                st.fail.remove(&resource);
+            }
+        });
+    }
+
+    /// Request lines received so far ("GET /api/v1/services?…").
+    pub fn requests(&self) -> Vec<String> {
+        self.shared.state.lock().unwrap().requests.clone()
+    }
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.change(|st| st.generation += 1);
+        if let Some(t) = self.accept.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 3;
+                    }
+                    Err(_) => {
+                        out.push(b'%');
+                        i += 1;
+                    }
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(target: &str) -> (String, HashMap<String, String>) {
+    let (path, q) = target.split_once('?').unwrap_or((target, ""));
+    let params = q
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect();
+    (path.to_string(), params)
+}
+
+/// Label selector requirements, comma-separated: `k`, `!k`, `k=v`, `k==v`, `k!=v`.
+fn labels_match(selector: &str, obj: &Value) -> bool {
+    let labels = &obj["metadata"]["labels"];
+    selector
+        .split(',')
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .all(|r| {
+            if let Some(k) = r.strip_prefix('!') {
+                labels.get(k).is_none()
+            } else if let Some((k, v)) = r.split_once("!=") {
+                labels.get(k).and_then(Value::as_str) != Some(v)
+            } else if let Some((k, v)) = r.split_once('=') {
+                labels.get(k).and_then(Value::as_str) == Some(v.trim_start_matches('='))
+            } else {
+                labels.get(r).is_some()
+            }
+        })
+}
+
+fn fields_match(selector: &str, obj: &Value) -> bool {
+    selector
+        .split(',')
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .all(|r| match r.split_once('=') {
+            Some((path, v)) => {
+                let mut cur = obj;
+                for part in path.split('.') {
+                    cur = &cur[part];
+                }
+                cur.as_str().unwrap_or("") == v.trim_start_matches('=')
+            }
+            None => false,
+        })
+}
+
+fn write_response(stream: &mut TcpStream, status: u16, body: &str) -> io::Result<()> {
+    let reason = match status {
+        200 => "OK",
+        404 => "Not Found",
+        410 => "Gone",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
+        _ => "Error",
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+fn status_body(code: u16, reason: &str, message: &str) -> String {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+    .to_string()
+}
+
+fn handle(shared: &Shared, mut stream: TcpStream) -> io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let request_line = line.trim_end().to_string();
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+    }
+    let mut parts = request_line.split(' ');
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+    shared
+        .state
+        .lock()
+        .unwrap()
+        .requests
+        .push(format!("{method} {target}"));
+    let (path, params) = query(target);
+    let resource = [
+        Resource::Services,
+        Resource::EndpointSlices,
+        Resource::Nodes,
+    ]
+    .into_iter()
+    .find(|r| r.path() == path);
+    let Some(resource) = resource.filter(|_| method == "GET") else {
+        return write_response(
+            &mut stream,
+            404,
+            &status_body(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+            ),
+        );
+    };
+    if let Some(code) = shared.state.lock().unwrap().fail.get(&resource).copied() {
+        return write_response(
+            &mut stream,
+            code,
+            &status_body(code, "InternalError", "injected failure"),
+        );
+    }
+    let labels = params.get("labelSelector").cloned().unwrap_or_default();
+    let fields = params.get("fieldSelector").cloned().unwrap_or_default();
+    let selected = |o: &Value| labels_match(&labels, o) && fields_match(&fields, o);
+    if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) {
+        return watch(shared, stream, resource, &params, &selected);
+    }
+    // A list, possibly one page of it.
+    let st = shared.state.lock().unwrap();
+    let (list_rv, offset) = match params.get("continue").filter(|c| !c.is_empty()) {
+        Some(c) => {
+            let (rv, off) = c.split_once('/').unwrap_or(("0", "0"));
+            (rv.parse().unwrap_or(st.rv), off.parse().unwrap_or(0))
+        }
+        None => (st.rv, 0usize),
+    };
+    let all: Vec<&Value> = st
+        .objects
+        .iter()
+        .filter(|(k, v)| k.0 == resource && selected(v))
+        .map(|(_, v)| v)
+        .collect();
+    let limit = params
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|l| *l > 0)
+        .unwrap_or(usize::MAX);
+    let page: Vec<Value> = all
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(|v| (*v).clone())
+        .collect();
+    let next = offset.saturating_add(limit);
+    let mut meta = json!({"resourceVersion": list_rv.to_string()});
+    if next < all.len() {
+        meta["continue"] = json!(format!("{list_rv}/{next}"));
+    }
+    let body =
+        json!({"kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version(),
+                      "metadata": meta, "items": page})
+        .to_string();
+    drop(st);
+    write_response(&mut stream, 200, &body)
+}
+
+fn chunk(stream: &mut TcpStream, data: &str) -> io::Result<()> {
+    write!(stream, "{:x}\r\n{data}\r\n", data.len())?;
+    stream.flush()
+}
+
+fn watch(
+    shared: &Shared,
+    mut stream: TcpStream,
+    resource: Resource,
+    params: &HashMap<String, String>,
+    selected: &dyn Fn(&Value) -> bool,
+) -> io::Result<()> {
+    let from: u64 = params
+        .get("resourceVersion")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let bookmarks = params.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+    let deadline = Instant::now()
+        + Duration::from_secs(
+            params
+                .get("timeoutSeconds")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(290),
+        );
+    write!(
+        stream,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut st = shared.state.lock().unwrap();
+    let generation = st.generation;
+    if from != 0 && from < st.compacted {
+        let ev = json!({"type": "ERROR", "object": serde_json::from_str::<Value>(
+            &status_body(410, "Expired", &format!("too old resource version: {from} ({})", st.compacted)))
+            .unwrap()});
+        drop(st);
+        chunk(&mut stream, &format!("{ev}\n"))?;
+        return chunk(&mut stream, "");
+    }
+    let mut sent = from;
+    if from == 0 {
+        // No resourceVersion: the current objects as ADDED first, as the API server does.
+        let initial: Vec<Value> = st
+            .objects
+            .iter()
+            .filter(|(k, v)| k.0 == resource && selected(v))
+            .map(|(_, v)| json!({"type": "ADDED", "object": v}))
+            .collect();
+        sent = st.rv;
+        drop(st);
+        for ev in initial {
+            chunk(&mut stream, &format!("{ev}\n"))?;
+        }
+        st = shared.state.lock().unwrap();
+    }
+    let mut last_bookmark = Instant::now();
+    loop {
+        if st.generation != generation || shared.stop.load(Ordering::SeqCst) {
+            return Ok(()); // cut: no terminating chunk, like a dropped connection
+        }
+        let mut out = Vec::new();
+        for e in st
+            .log
+            .iter()
+            .filter(|e| e.rv > sent && e.resource == resource)
+        {
+            let kind = if e.kind != "DELETED" && !selected(&e.object) {
+                "DELETED"
+            } else if e.kind == "DELETED" && !selected(&e.object) {
+                continue;
+            } else {
+                e.kind
+            };
+            out.push(json!({"type": kind, "object": e.object}).to_string());
+        }
+        sent = st.rv;
+        let bookmark =
+            (bookmarks && last_bookmark.elapsed() >= Duration::from_millis(500)).then(|| {
+                json!({"type": "BOOKMARK", "object": {"kind": resource.kind(),
+                    "apiVersion": resource.api_version(),
+                    "metadata": {"resourceVersion": st.rv.to_string()}}})
+                .to_string()
+            });
+        drop(st);
+        for line in out {
+            chunk(&mut stream, &format!("{line}\n"))?;
+        }
+        if let Some(b) = bookmark {
+            last_bookmark = Instant::now();
+            chunk(&mut stream, &format!("{b}\n"))?;
+        }
+        if Instant::now() >= deadline {
+            return chunk(&mut stream, "");
+        }
+        st = shared.state.lock().unwrap();
+        let (guard, _) = shared
+            .changed
+            .wait_timeout(st, Duration::from_millis(200))
+            .unwrap();
+        st = guard;
+    }
+}
+
+/// Converts YAML manifests (multi-document) into API objects.
+pub fn objects_from_yaml(text: &str) -> Vec<Value> {
+    text.split("\n---")
+        .filter(|d| !d.trim().is_empty())
+        .filter_map(|d| serde_yaml::from_str::<Value>(d).ok())
+        .filter(|v| v.is_object())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors() {
+        let o = json!({"metadata": {"name": "a", "namespace": "ns",
+            "labels": {"kubernetes.io/service-name": "web", "x": "1"}}});
+        assert!(labels_match("!service.kubernetes.io/headless,x", &o));
+        assert!(!labels_match("!x", &o));
+        assert!(labels_match("kubernetes.io/service-name=web", &o));
+        assert!(labels_match("x!=2", &o));
+        assert!(fields_match("metadata.name=a", &o));
+        assert!(!fields_match("metadata.name=b", &o));
+        assert_eq!(percent_decode("%21a%2Fb%2Cc"), "!a/b,c");
+    }
+}

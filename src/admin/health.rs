@@ -1,0 +1,200 @@
+//! `/healthz` and `/livez` with kube-proxy's meaning.
+//!
+//! The proxier is healthy while nothing waits to be programmed, or while the oldest waiting request is
+//! younger than the health timeout (kube-proxy: twice the sync period). A sync is requested when a change
+//! arrives and when a periodic resync falls due; a successful sync clears it. So a loop that stalls, or
+//! keeps failing to commit, turns unhealthy one timeout after it should have synced, and an idle proxy with
+//! nothing to do stays healthy. Before the source's first complete snapshot nothing is requested (kube-proxy
+//! is healthy while it starts up).
+//!
+//! `/healthz` is also unhealthy when this node is being deleted (a deletion timestamp, or the cluster
+//! autoscaler's `ToBeDeletedByClusterAutoscaler` taint), so that load balancers that probe it drain the
+//! node first; `/livez` ignores the node (a liveness probe must not restart a healthy proxy on a draining
+//! node).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::http::Response;
+use crate::metrics;
+
+/// Answers given, by endpoint and code (exported as kubeproxy_proxy_{healthz,livez}_total{code}).
+pub static HEALTHZ_200: AtomicU64 = AtomicU64::new(0);
+pub static HEALTHZ_503: AtomicU64 = AtomicU64::new(0);
+pub static LIVEZ_200: AtomicU64 = AtomicU64::new(0);
+pub static LIVEZ_503: AtomicU64 = AtomicU64::new(0);
+
+#[derive(Debug)]
+struct State {
+    last_updated: Option<SystemTime>,
+    oldest_queued: Option<Instant>,
+    node_eligible: bool,
+}
+
+/// The proxy loop's health, shared with the admin server.
+#[derive(Debug)]
+pub struct ProxyHealth {
+    timeout: Duration,
+    state: Mutex<State>,
+}
+
+impl ProxyHealth {
+    /// `timeout`: how long a requested sync may wait before the proxier counts as unhealthy.
+    pub fn new(timeout: Duration) -> Self {
+        ProxyHealth {
+            timeout,
+            state: Mutex::new(State {
+                last_updated: None,
+                oldest_queued: None,
+                node_eligible: true,
+            }),
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A sync was requested (kube-proxy's `QueuedUpdate`); the oldest pending request counts.
+    pub fn queued(&self) {
+        self.queued_at(Instant::now());
+        metrics::LAST_QUEUED_UNIX_MS.store(metrics::now_unix_ms(), Ordering::Relaxed);
+    }
+
+    pub fn queued_at(&self, now: Instant) {
+        let mut s = self.lock();
+        if s.oldest_queued.is_none() {
+            s.oldest_queued = Some(now);
+        }
+    }
+
+    /// A sync succeeded (kube-proxy's `Updated`).
+    pub fn updated(&self) {
+        let mut s = self.lock();
+        s.last_updated = Some(SystemTime::now());
+        s.oldest_queued = None;
+    }
+
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.lock().node_eligible = eligible;
+    }
+
+    pub fn node_eligible(&self) -> bool {
+        self.lock().node_eligible
+    }
+
+    /// Whether the proxier is healthy at `now` (ignoring the node).
+    pub fn healthy_at(&self, now: Instant) -> bool {
+        match self.lock().oldest_queued {
+            None => true,
+            Some(q) => now.saturating_duration_since(q) < self.timeout,
+        }
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy_at(Instant::now())
+    }
+
+    fn body(&self, healthy: bool, node: Option<bool>) -> String {
+        let now = SystemTime::now();
+        // As kube-proxy: a healthy proxier reports lastUpdated = now (its old clients compare the two).
+        let last = if healthy {
+            Some(now)
+        } else {
+            self.lock().last_updated
+        };
+        let mut v = serde_json::json!({
+            "lastUpdated": last.map(rfc3339),
+            "currentTime": rfc3339(now),
+        });
+        if let Some(eligible) = node {
+            v["nodeEligible"] = eligible.into();
+        }
+        v.to_string()
+    }
+
+    /// The `/healthz` answer: the proxier's health and the node's eligibility.
+    pub fn healthz(&self) -> Response {
+        let eligible = self.node_eligible();
+        let healthy = self.is_healthy() && eligible;
+        let counter = if healthy { &HEALTHZ_200 } else { &HEALTHZ_503 };
+        counter.fetch_add(1, Ordering::Relaxed);
+        json(healthy, self.body(healthy, Some(eligible)))
+    }
+
+    /// The `/livez` answer: the proxier's health only.
+    pub fn livez(&self) -> Response {
+        let healthy = self.is_healthy();
+        let counter = if healthy { &LIVEZ_200 } else { &LIVEZ_503 };
+        counter.fetch_add(1, Ordering::Relaxed);
+        json(healthy, self.body(healthy, None))
+    }
+}
+
+fn json(healthy: bool, body: String) -> Response {
+    Response::new(if healthy { 200 } else { 503 }, "application/json", body)
+        .header("X-Content-Type-Options", "nosniff")
+}
+
+/// RFC 3339 rendering of a system time.
+pub fn rfc3339(t: SystemTime) -> String {
+    k8s_openapi::jiff::Timestamp::try_from(t)
+        .map(|ts| ts.to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthy_until_a_queued_sync_waits_past_the_timeout() {
+        let h = ProxyHealth::new(Duration::from_secs(60));
+        let t0 = Instant::now();
+        // Starting up: nothing queued, healthy.
+        assert!(h.healthy_at(t0 + Duration::from_secs(3600)));
+        h.queued_at(t0);
+        assert!(h.healthy_at(t0 + Duration::from_secs(59)));
+        // A later request does not restart the clock: the oldest one counts.
+        h.queued_at(t0 + Duration::from_secs(30));
+        assert!(!h.healthy_at(t0 + Duration::from_secs(60)));
+        h.updated();
+        assert!(h.healthy_at(t0 + Duration::from_secs(120)));
+    }
+
+    #[test]
+    fn answers_and_node_eligibility() {
+        let h = ProxyHealth::new(Duration::from_secs(60));
+        let r = h.healthz();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.content_type, "application/json");
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["nodeEligible"], true);
+        assert_eq!(v["lastUpdated"], v["currentTime"]);
+        assert!(v["currentTime"].as_str().unwrap().ends_with('Z'));
+        // A draining node: healthz says 503, livez stays 200.
+        h.set_node_eligible(false);
+        assert_eq!(h.healthz().status, 503);
+        let live = h.livez();
+        assert_eq!(live.status, 200);
+        let v: serde_json::Value = serde_json::from_str(&live.body).unwrap();
+        assert!(v.get("nodeEligible").is_none());
+        // A stalled proxier: both 503, and lastUpdated is the last real sync (none yet).
+        h.set_node_eligible(true);
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(61))
+            .unwrap_or_else(Instant::now);
+        h.queued_at(long_ago);
+        if long_ago + Duration::from_secs(61) <= Instant::now() {
+            let r = h.livez();
+            assert_eq!(r.status, 503);
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert!(v["lastUpdated"].is_null());
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! The agent's HTTP side: `/healthz` and `/livez` (kube-proxy's healthz server, default
+//! `127.0.0.1:10256` here), `/metrics` (kube-proxy's metrics server, default `127.0.0.1:10249`), and the
+//! healthCheckNodePort servers of `externalTrafficPolicy: Local` services.
+//!
+//! Everything runs on one thread with a single-threaded tokio runtime, started from the proxy loop's
+//! thread so that it inherits that thread's network namespace (it never changes namespace itself). The
+//! proxy loop reports to it through an [`Observer`]: events received, syncs requested and committed.
+
+pub mod hc;
+pub mod health;
+pub mod http;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+use crate::conntrack;
+use crate::metrics;
+use crate::model::{ClusterState, NamespacedName};
+use crate::source::{Event, NodeInfo};
+use crate::sync::SyncReport;
+use hc::{HcDesired, HcService};
+use health::ProxyHealth;
+use http::{Handler, Request, Response};
+
+/// kube-proxy's default ports.
+pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
+pub const DEFAULT_METRICS_PORT: u16 = 10249;
+
+/// Where the admin servers listen.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdminOptions {
+    /// `/healthz`, `/livez`; None: no server.
+    pub healthz: Option<SocketAddr>,
+    /// `/metrics`; None: no server.
+    pub metrics: Option<SocketAddr>,
+    /// A healthz or metrics address that cannot be bound stops startup (else: logged, retried every 5 s).
+    pub bind_address_hard_fail: bool,
+    /// Addresses of the healthCheckNodePort servers (empty: all addresses).
+    pub health_check_addresses: Vec<IpAddr>,
+}
+
+/// The running admin servers. Dropping it stops them.
+pub struct Admin {
+    hc: watch::Sender<HcDesired>,
+    stop: Option<futures::channel::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+type Listener = (
+    &'static str,
+    SocketAddr,
+    Option<std::net::TcpListener>,
+    Handler,
+);
+
+impl Admin {
+    /// Binds the healthz and metrics addresses now (in the caller's network namespace) and serves them
+    /// from a thread of their own.
+    pub fn start(
+        opts: &AdminOptions,
+        health: Arc<ProxyHealth>,
+        conntrack: Arc<conntrack::Metrics>,
+    ) -> anyhow::Result<Admin> {
+        let h = health.clone();
+        let healthz: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
+            "/healthz" => h.healthz(),
+            "/livez" => h.livez(),
+            _ => Response::text(404, "404 page not found\n"),
+        });
+        let metrics_handler: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
+            "/metrics" => Response::new(
+                200,
+                "text/plain; version=0.0.4; charset=utf-8",
+                render_metrics(&conntrack),
+            ),
+            "/healthz" => Response::text(200, "ok"),
+            "/proxyMode" => Response::text(200, "nftables"),
+            _ => Response::text(404, "404 page not found\n"),
+        });
+        let mut listeners: Vec<Listener> = Vec::new();
+        for (what, addr, handler) in [
+            ("healthz", opts.healthz, healthz),
+            ("metrics", opts.metrics, metrics_handler),
+        ] {
+            let Some(addr) = addr else { continue };
+            match bind(addr) {
+                Ok(l) => {
+                    tracing::info!(%addr, "{what} server listening");
+                    listeners.push((what, addr, Some(l), handler));
+                }
+                Err(e) if opts.bind_address_hard_fail => {
+                    anyhow::bail!("cannot serve {what} on {addr}: {e} (bindAddressHardFail is set)")
+                }
+                Err(e) => {
+                    tracing::error!(%addr, "cannot serve {what}, retrying every 5 s: {e}");
+                    listeners.push((what, addr, None, handler));
+                }
+            }
+        }
+        let (hc_tx, hc_rx) = watch::channel(HcDesired::new());
+        let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
+        let hc_addrs = opts.health_check_addresses.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let thread = std::thread::Builder::new()
+            .name("admin".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    for (what, addr, listener, handler) in listeners {
+                        tokio::spawn(serve_or_retry(what, addr, listener, handler));
+                    }
+                    tokio::spawn(hc::run(hc_rx, hc_addrs, health));
+                    let _ = stop_rx.await;
+                });
+            })?;
+        Ok(Admin {
+            hc: hc_tx,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Sets the healthCheckNodePort servers to run.
+    pub fn set_health_checks(&self, desired: HcDesired) {
+        self.hc.send_if_modified(|cur| {
+            if *cur == desired {
+                false
+            } else {
+                *cur = desired;
+                true
+            }
+        });
+    }
+}
+
+impl Drop for Admin {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let l = std::net::TcpListener::bind(addr)?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+async fn serve_or_retry(
+    what: &'static str,
+    addr: SocketAddr,
+    mut listener: Option<std::net::TcpListener>,
+    handler: Handler,
+) {
+    loop {
+        if let Some(l) = listener.take() {
+            match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => return http::serve(l, handler).await,
+                Err(e) => tracing::error!(%addr, "cannot serve {what}: {e}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        match bind(addr) {
+            Ok(l) => {
+                tracing::info!(%addr, "{what} server listening");
+                listener = Some(l);
+            }
+            Err(e) => tracing::debug!(%addr, "still cannot serve {what}: {e}"),
+        }
+    }
+}
+
+/// Everything `/metrics` shows: the proxy's metrics, health answers, conntrack cleanup, API watch errors.
+pub fn render_metrics(ct: &conntrack::Metrics) -> String {
+    let mut out = metrics::render_prometheus();
+    let _ = writeln!(
+        out,
+        "# HELP kubeproxy_proxy_healthz_total Answers of /healthz, by code.\n# TYPE kubeproxy_proxy_healthz_total counter"
+    );
+    for (code, c) in [("200", &health::HEALTHZ_200), ("503", &health::HEALTHZ_503)] {
+        let _ = writeln!(
+            out,
+            "kubeproxy_proxy_healthz_total{{code=\"{code}\"}} {}",
+            c.load(Ordering::Relaxed)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kubeproxy_proxy_livez_total Answers of /livez, by code.\n# TYPE kubeproxy_proxy_livez_total counter"
+    );
+    for (code, c) in [("200", &health::LIVEZ_200), ("503", &health::LIVEZ_503)] {
+        let _ = writeln!(
+            out,
+            "kubeproxy_proxy_livez_total{{code=\"{code}\"}} {}",
+            c.load(Ordering::Relaxed)
+        );
+    }
+    let s = ct.snapshot();
+    for (name, help, kind, v) in [
+        (
+            "kubeproxy_conntrack_reconciler_deleted_entries_total",
+            "Stale conntrack entries deleted after syncs.",
+            "counter",
+            s.entries_deleted as f64,
+        ),
+        (
+            "nftkube_conntrack_cleanups_total",
+            "Conntrack cleanups run after syncs.",
+            "counter",
+            s.cleanups as f64,
+        ),
+        (
+            "nftkube_conntrack_cleanup_failures_total",
+            "Conntrack cleanups that failed.",
+            "counter",
+            s.cleanup_failures as f64,
+        ),
+        (
+            "nftkube_conntrack_entries_scanned_total",
+            "Conntrack entries dumped and examined.",
+            "counter",
+            s.entries_scanned as f64,
+        ),
+        (
+            "nftkube_conntrack_delete_errors_total",
+            "Conntrack deletes that failed for another reason than the entry being gone.",
+            "counter",
+            s.delete_errors as f64,
+        ),
+        (
+            "nftkube_conntrack_cleanup_duration_seconds_total",
+            "Time spent in conntrack cleanups.",
+            "counter",
+            s.duration_us_total as f64 / 1e6,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nftkube_api_watch_errors_total Kubernetes API list/watch errors, by resource.\n# TYPE nftkube_api_watch_errors_total counter"
+    );
+    for (i, kind) in ["Service", "EndpointSlice", "Node"].iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "nftkube_api_watch_errors_total{{resource=\"{kind}\"}} {}",
+            crate::source::kube::WATCH_ERRORS[i].load(Ordering::Relaxed)
+        );
+    }
+    out
+}
+
+/// Trigger times kept while waiting for a successful sync.
+const MAX_TRIGGERS: usize = 100_000;
+
+/// What the proxy loop reports: it keeps health, metrics and the health check servers current.
+pub struct Observer {
+    pub health: Arc<ProxyHealth>,
+    admin: Option<Admin>,
+    node_name: String,
+    /// Trigger times of slice changes not yet programmed.
+    triggers: Vec<SystemTime>,
+    /// Services that need a health check server: port and local endpoints.
+    health_checks: BTreeMap<NamespacedName, (u16, usize)>,
+    /// This node's object, when the source reports it.
+    pub node: Option<NodeInfo>,
+}
+
+impl Observer {
+    pub fn new(health: Arc<ProxyHealth>, admin: Option<Admin>, node_name: String) -> Self {
+        Observer {
+            health,
+            admin,
+            node_name,
+            triggers: Vec::new(),
+            health_checks: BTreeMap::new(),
+            node: None,
+        }
+    }
+
+    /// An event from the source, before it is applied to the store.
+    pub fn on_event(&mut self, ev: &Event) {
+        let bump = |total: &std::sync::atomic::AtomicU64,
+                    pending: &std::sync::atomic::AtomicU64| {
+            total.fetch_add(1, Ordering::Relaxed);
+            pending.fetch_add(1, Ordering::Relaxed);
+        };
+        match ev {
+            Event::ServiceApplied { .. } | Event::ServiceDeleted(_) => bump(
+                &metrics::SERVICE_CHANGES_TOTAL,
+                &metrics::SERVICE_CHANGES_PENDING,
+            ),
+            Event::SliceApplied(_) | Event::SliceDeleted { .. } => bump(
+                &metrics::ENDPOINT_CHANGES_TOTAL,
+                &metrics::ENDPOINT_CHANGES_PENDING,
+            ),
+            // Bounded: while syncs keep failing, the oldest trigger times are the ones that matter.
+            Event::EndpointsChangeTriggered { at, .. } if self.triggers.len() < MAX_TRIGGERS => {
+                self.triggers.push(*at)
+            }
+            Event::EndpointsChangeTriggered { .. } => {}
+            Event::NodeApplied(n) => {
+                if n.deleting == self.health.node_eligible() {
+                    tracing::info!(
+                        node = n.name,
+                        deleting = n.deleting,
+                        "node eligibility changed"
+                    );
+                }
+                self.health.set_node_eligible(!n.deleting);
+                self.node = Some(n.clone());
+            }
+            Event::NodeDeleted => {
+                tracing::warn!("this node's object was deleted");
+                self.health.set_node_eligible(false);
+            }
+            Event::Synced => {}
+        }
+    }
+
+    /// A sync is due (a change arrived, a periodic resync fell due, someone changed our tables).
+    pub fn sync_requested(&self) {
+        self.health.queued();
+    }
+
+    /// A sync starts: the changes received so far are in it.
+    pub fn sync_started(&self) {
+        metrics::SERVICE_CHANGES_PENDING.store(0, Ordering::Relaxed);
+        metrics::ENDPOINT_CHANGES_PENDING.store(0, Ordering::Relaxed);
+    }
+
+    /// A sync committed: health, programming latency, health check servers.
+    pub fn sync_succeeded(
+        &mut self,
+        report: &SyncReport,
+        changed: &BTreeSet<NamespacedName>,
+        state: &ClusterState,
+    ) {
+        self.health.updated();
+        metrics::OBJECT_CHANGES_TOTAL.fetch_add(report.changes as u64, Ordering::Relaxed);
+        metrics::NETLINK_BYTES_TOTAL.fetch_add(report.bytes as u64, Ordering::Relaxed);
+        metrics::SERVICE_PORTS.store(state.service_map().len() as u64, Ordering::Relaxed);
+        let now = SystemTime::now();
+        for t in self.triggers.drain(..) {
+            metrics::NETWORK_PROGRAMMING.observe(now.duration_since(t).unwrap_or_default());
+        }
+        let names: Vec<NamespacedName> = if report.full {
+            let mut all: BTreeSet<NamespacedName> = state.service_names();
+            all.extend(self.health_checks.keys().cloned());
+            all.into_iter().collect()
+        } else {
+            changed.iter().cloned().collect()
+        };
+        let mut modified = false;
+        for name in names {
+            let new = hc::health_check_of(state, &name, &self.node_name);
+            let old = match new {
+                Some(v) => self.health_checks.insert(name, v),
+                None => self.health_checks.remove(&name),
+            };
+            modified |= old != new;
+        }
+        if modified {
+            if let Some(admin) = &self.admin {
+                admin.set_health_checks(self.desired_health_checks());
+            }
+        }
+    }
+
+    /// The health check servers the model asks for, by port (one port claimed twice: the first service
+    /// in name order keeps it, the other is logged).
+    pub fn desired_health_checks(&self) -> HcDesired {
+        let mut out = HcDesired::new();
+        for (name, (port, local)) in &self.health_checks {
+            if let Some(other) = out.get(port) {
+                tracing::warn!(port, service = %name, owner = %other.service, "healthCheckNodePort already used by another service");
+                continue;
+            }
+            out.insert(
+                *port,
+                HcService {
+                    service: name.clone(),
+                    local_endpoints: *local,
+                },
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_page_has_kube_proxy_and_nftkube_names() {
+        let ct = conntrack::Metrics::default();
+        let text = render_metrics(&ct);
+        for name in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
+            "kubeproxy_network_programming_duration_seconds_count",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+            "kubeproxy_conntrack_reconciler_deleted_entries_total",
+            "kubeproxy_proxy_healthz_total{code=\"200\"}",
+            "nftkube_repairs_total",
+            "nftkube_sync_object_changes_total",
+            "nftkube_api_watch_errors_total{resource=\"Service\"}",
+        ] {
+            assert!(text.contains(name), "{name} missing:\n{text}");
+        }
+        // Every sample line parses as `name{labels} value`.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (_, v) = line.rsplit_once(' ').unwrap();
+            assert!(v.parse::<f64>().is_ok(), "{line}");
+        }
+    }
+
+    #[test]
+    fn observer_tracks_changes_triggers_and_node() {
+        let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
+        let mut o = Observer::new(health.clone(), None, "node-1".into());
+        let before = metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed);
+        o.on_event(&Event::SliceDeleted {
+            namespace: "a".into(),
+            name: "b".into(),
+        });
+        assert!(metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed) > before);
+        o.on_event(&Event::EndpointsChangeTriggered {
+            service: NamespacedName::new("a", "b"),
+            at: SystemTime::now() - Duration::from_millis(300),
+        });
+        o.on_event(&Event::NodeApplied(NodeInfo {
+            name: "node-1".into(),
+            deleting: true,
+            ..NodeInfo::default()
+        }));
+        assert!(!health.node_eligible());
+        let count = metrics::NETWORK_PROGRAMMING.count();
+        let report = SyncReport {
+            full: true,
+            changes: 3,
+            bytes: 100,
+            commit_time: Duration::ZERO,
+            transactions: 1,
+            longest_transaction: Duration::ZERO,
+            elapsed: Duration::from_millis(1),
+        };
+        o.sync_succeeded(&report, &BTreeSet::new(), &ClusterState::new());
+        assert!(metrics::NETWORK_PROGRAMMING.count() > count);
+        assert!(o.triggers.is_empty());
+    }
+}

@@ -1,0 +1,1292 @@
+//! kube-proxy-compatible configuration: a `KubeProxyConfiguration` file
+//! (`kubeproxy.config.k8s.io/v1alpha1`, `--config`) and kube-proxy-named flags, flags winning over the file.
+//!
+//! Fields nftkube honours: `clientConnection.kubeconfig`, `hostnameOverride`, `bindAddress` (only for the
+//! family of the default health and metrics addresses), `healthzBindAddress`, `metricsBindAddress`,
+//! `bindAddressHardFail`, `mode` (selects the section below), `clusterCIDR`, `detectLocalMode`
+//! (`ClusterCIDR`, `NodeCIDR`), `nodePortAddresses` (validated and kept), and from the section of the
+//! configured mode — `nftables` for `mode: nftables`, `iptables` for `iptables` or unset, `ipvs` (sync
+//! periods) plus `iptables` (masquerade) for `ipvs` — `masqueradeBit`, `masqueradeAll`, `syncPeriod`,
+//! `minSyncPeriod`.
+//!
+//! Every other known field is accepted; set to anything but its zero value or kube-proxy's default, it is
+//! warned about by name as not supported. Unknown fields are warned about by name (kube-proxy decodes
+//! leniently too). Invalid values (a bad CIDR, duration, address, mask bit, an unsupported detect-local
+//! mode) are a [`ConfigError`]: startup stops with exit code 64.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
+use crate::model::Cidr;
+
+pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub const KIND: &str = "KubeProxyConfiguration";
+
+/// Exit code for invalid configuration and invalid flags (EX_USAGE).
+pub const EXIT_INVALID_CONFIG: u8 = 64;
+
+/// An invalid configuration file or flag value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(pub String);
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// How local (pod) traffic is told apart (kube-proxy's `detectLocalMode`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DetectLocal {
+    /// Sources inside `clusterCIDR` are local.
+    #[default]
+    ClusterCidr,
+    /// Sources inside this node's `spec.podCIDRs` are local (needs the API source).
+    NodeCidr,
+    /// Packets that arrive on an interface whose name starts with this prefix.
+    InterfaceNamePrefix(String),
+    /// Packets that arrive on this bridge.
+    BridgeInterface(String),
+}
+
+/// The values the file sets (None: not set, or set to its zero value as Go's decoder would leave it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FileConfig {
+    pub kubeconfig: Option<PathBuf>,
+    pub hostname_override: Option<String>,
+    pub bind_address: Option<String>,
+    pub healthz_bind_address: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub bind_address_hard_fail: Option<bool>,
+    pub mode: Option<String>,
+    pub masquerade_bit: Option<i64>,
+    pub masquerade_all: Option<bool>,
+    pub sync_period: Option<Duration>,
+    pub min_sync_period: Option<Duration>,
+    pub detect_local_mode: Option<String>,
+    pub bridge_interface: Option<String>,
+    pub interface_name_prefix: Option<String>,
+    pub cluster_cidr: Option<String>,
+    pub node_port_addresses: Option<Vec<String>>,
+    /// Fields warned about (unknown, unsupported, or of another mode's section).
+    pub warnings: Vec<String>,
+}
+
+/// What the file says about each known field.
+#[derive(Clone, Copy)]
+enum Field {
+    /// A mapping whose fields are described too.
+    Object,
+    /// Read by nftkube.
+    Honoured,
+    /// Known, not supported: silent when at its zero value or at one of these kube-proxy defaults.
+    Ignored(&'static [&'static str]),
+}
+
+/// Every field of v1alpha1 (as of Kubernetes 1.33), by dotted path.
+fn field(path: &str) -> Option<Field> {
+    use Field::*;
+    Some(match path {
+        "apiVersion" | "kind" => Honoured,
+        "clientConnection" | "iptables" | "ipvs" | "nftables" | "winkernel" | "detectLocal"
+        | "conntrack" => Object,
+        "clientConnection.kubeconfig" => Honoured,
+        "clientConnection.acceptContentTypes" => Ignored(&["application/json"]),
+        "clientConnection.contentType" => {
+            Ignored(&["application/vnd.kubernetes.protobuf", "application/json"])
+        }
+        "clientConnection.qps" => Ignored(&["5"]),
+        "clientConnection.burst" => Ignored(&["10"]),
+        "hostnameOverride"
+        | "bindAddress"
+        | "healthzBindAddress"
+        | "metricsBindAddress"
+        | "bindAddressHardFail"
+        | "mode"
+        | "detectLocalMode"
+        | "clusterCIDR"
+        | "nodePortAddresses" => Honoured,
+        "featureGates" | "logging" => Ignored(&[]),
+        "enableProfiling" | "showHiddenMetricsForVersion" | "portRange" | "windowsRunAsService" => {
+            Ignored(&[])
+        }
+        "oomScoreAdj" => Ignored(&["-999"]),
+        "configSyncPeriod" => Ignored(&["15m0s", "15m"]),
+        "iptables.masqueradeBit"
+        | "iptables.masqueradeAll"
+        | "iptables.syncPeriod"
+        | "iptables.minSyncPeriod"
+        | "nftables.masqueradeBit"
+        | "nftables.masqueradeAll"
+        | "nftables.syncPeriod"
+        | "nftables.minSyncPeriod"
+        | "ipvs.syncPeriod"
+        | "ipvs.minSyncPeriod" => Honoured,
+        "iptables.localhostNodePorts" => Ignored(&["true"]),
+        "iptables.snatNodeInternalIP" => Ignored(&[]),
+        "ipvs.scheduler" | "ipvs.excludeCIDRs" | "ipvs.strictARP" | "ipvs.tcpTimeout"
+        | "ipvs.tcpFinTimeout" | "ipvs.udpTimeout" => Ignored(&[]),
+        "detectLocal.bridgeInterface" | "detectLocal.interfaceNamePrefix" => Honoured,
+        "conntrack.maxPerCore" => Ignored(&["32768"]),
+        "conntrack.min" => Ignored(&["131072"]),
+        "conntrack.tcpEstablishedTimeout" => Ignored(&["24h0m0s", "24h"]),
+        "conntrack.tcpCloseWaitTimeout" => Ignored(&["1h0m0s", "1h"]),
+        "conntrack.tcpBeLiberal" | "conntrack.udpTimeout" | "conntrack.udpStreamTimeout" => {
+            Ignored(&[])
+        }
+        p if p.starts_with("winkernel.") => Ignored(&[]),
+        _ => return None,
+    })
+}
+
+/// Go's zero value of a decoded field: null, false, 0, "", "0s", empty list or map (recursively).
+fn is_zero(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty() || s == "0s" || s == "0",
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.values().all(is_zero),
+    }
+}
+
+fn scalar_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Reads and checks a configuration file.
+pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("cannot read --config {}: {e}", path.display())))?;
+    parse(&text).map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
+}
+
+/// Parses a configuration (YAML or JSON).
+pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
+    let root: Value =
+        serde_yaml::from_str(text).map_err(|e| ConfigError(format!("not valid YAML: {e}")))?;
+    let Value::Object(map) = &root else {
+        return err("the file is not a mapping");
+    };
+    match map.get("apiVersion").and_then(Value::as_str) {
+        Some(API_VERSION) => {}
+        Some(other) => {
+            return err(format!(
+                "apiVersion {other:?} is not supported (want {API_VERSION})"
+            ))
+        }
+        None => return err(format!("apiVersion is missing (want {API_VERSION})")),
+    }
+    match map.get("kind").and_then(Value::as_str) {
+        Some(KIND) => {}
+        other => return err(format!("kind {other:?} is not {KIND}")),
+    }
+    let mut cfg = FileConfig::default();
+    walk(&root, "", &mut cfg.warnings);
+
+    let get = |path: &str| -> Option<&Value> {
+        let mut v = &root;
+        for part in path.split('.') {
+            v = v.get(part)?;
+        }
+        Some(v).filter(|v| !v.is_null())
+    };
+    let string = |path: &str| -> Result<Option<String>, ConfigError> {
+        match get(path) {
+            None => Ok(None),
+            Some(Value::String(s)) if s.is_empty() => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(other) => err(format!("{path}: want a string, got {other}")),
+        }
+    };
+    let boolean = |path: &str| -> Result<Option<bool>, ConfigError> {
+        match get(path) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => err(format!("{path}: want true or false, got {other}")),
+        }
+    };
+    let duration = |path: &str| -> Result<Option<Duration>, ConfigError> {
+        match get(path) {
+            None => Ok(None),
+            Some(Value::String(s)) if s.is_empty() => Ok(None),
+            Some(Value::String(s)) => parse_go_duration(s)
+                .map(Some)
+                .map_err(|e| ConfigError(format!("{path}: {e}"))),
+            Some(other) => err(format!(
+                "{path}: want a duration string such as \"30s\", got {other}"
+            )),
+        }
+    };
+
+    cfg.kubeconfig = string("clientConnection.kubeconfig")?.map(PathBuf::from);
+    cfg.hostname_override = string("hostnameOverride")?;
+    cfg.bind_address = string("bindAddress")?;
+    cfg.healthz_bind_address = string("healthzBindAddress")?;
+    cfg.metrics_bind_address = string("metricsBindAddress")?;
+    cfg.bind_address_hard_fail = boolean("bindAddressHardFail")?;
+    cfg.mode = string("mode")?;
+    cfg.detect_local_mode = string("detectLocalMode")?;
+    cfg.bridge_interface = string("detectLocal.bridgeInterface")?;
+    cfg.interface_name_prefix = string("detectLocal.interfaceNamePrefix")?;
+    cfg.cluster_cidr = string("clusterCIDR")?;
+    cfg.node_port_addresses = match get("nodePortAddresses") {
+        None => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => err(format!("nodePortAddresses: want strings, got {other}")),
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(other) => return err(format!("nodePortAddresses: want a list, got {other}")),
+    };
+
+    // The section of the configured mode; the others' non-zero values are warned about.
+    let mode = cfg.mode.clone().unwrap_or_default();
+    let (sync_section, masq_section) = match mode.as_str() {
+        "" | "iptables" => ("iptables", "iptables"),
+        "nftables" => ("nftables", "nftables"),
+        "ipvs" => ("ipvs", "iptables"),
+        other => {
+            return err(format!(
+                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables)"
+            ))
+        }
+    };
+    if !matches!(mode.as_str(), "" | "nftables") {
+        cfg.warnings.push(format!(
+            "mode {mode:?}: nftkube always programs nf_tables; the {sync_section} section's settings are used"
+        ));
+    }
+    for section in ["iptables", "ipvs", "nftables"] {
+        for f in [
+            "masqueradeBit",
+            "masqueradeAll",
+            "syncPeriod",
+            "minSyncPeriod",
+        ] {
+            let path = format!("{section}.{f}");
+            let used = if f.starts_with("masquerade") {
+                section == masq_section
+            } else {
+                section == sync_section
+            };
+            if !used && field(&path).is_some() && get(&path).is_some_and(|v| !is_zero(v)) {
+                cfg.warnings.push(format!(
+                    "{path} is ignored: with mode {:?} the {} section applies",
+                    mode,
+                    if f.starts_with("masquerade") {
+                        masq_section
+                    } else {
+                        sync_section
+                    }
+                ));
+            }
+        }
+    }
+    cfg.masquerade_bit = match get(&format!("{masq_section}.masqueradeBit")) {
+        None => None,
+        Some(v) => Some(v.as_i64().ok_or_else(|| {
+            ConfigError(format!(
+                "{masq_section}.masqueradeBit: want an integer, got {v}"
+            ))
+        })?),
+    };
+    cfg.masquerade_all = boolean(&format!("{masq_section}.masqueradeAll"))?;
+    cfg.sync_period = duration(&format!("{sync_section}.syncPeriod"))?.filter(|d| !d.is_zero());
+    cfg.min_sync_period = duration(&format!("{sync_section}.minSyncPeriod"))?;
+    Ok(cfg)
+}
+
+/// Collects warnings for unknown fields and for unsupported fields set to something.
+fn walk(v: &Value, prefix: &str, warnings: &mut Vec<String>) {
+    let Value::Object(map) = v else { return };
+    for (k, child) in map {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match field(&path) {
+            None => warnings.push(format!("unknown field {path} (ignored)")),
+            Some(Field::Object) => walk(child, &path, warnings),
+            Some(Field::Honoured) => {}
+            Some(Field::Ignored(defaults)) => {
+                if !is_zero(child) && !defaults.contains(&scalar_text(child).as_str()) {
+                    warnings.push(format!(
+                        "{path} is not supported by nftkube (ignored; set to {})",
+                        scalar_text(child)
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// A Go duration ("300ms", "1.5h", "2h45m", "0"): what metav1.Duration and kube-proxy's flags accept.
+pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("invalid duration {s:?} (examples: \"30s\", \"1m30s\", \"500ms\")");
+    let t = s.trim();
+    if t == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if t.starts_with('-') {
+        return Err(format!("invalid duration {s:?}: negative"));
+    }
+    let t = t.strip_prefix('+').unwrap_or(t);
+    if t.is_empty() {
+        return Err(bad());
+    }
+    let mut total = 0f64;
+    let mut rest = t;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        if num_len == 0 {
+            return Err(bad());
+        }
+        let n: f64 = rest[..num_len].parse().map_err(|_| bad())?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        total += n * scale;
+    }
+    if !total.is_finite() || total > 1e12 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(total))
+}
+
+/// A duration flag: a Go duration ("30s", as kube-proxy's flags take) or a plain number of seconds.
+pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
+    if let Ok(secs) = s.trim().parse::<f64>() {
+        if (0.0..1e12).contains(&secs) {
+            return Ok(Duration::from_secs_f64(secs));
+        }
+        return Err(format!("invalid duration {s:?}"));
+    }
+    parse_go_duration(s)
+}
+
+/// A healthz / metrics bind address: "IP:PORT", "[IPv6]:PORT", or an IP (the default port).
+pub fn parse_bind_address(
+    what: &str,
+    s: &str,
+    default_port: u16,
+) -> Result<SocketAddr, ConfigError> {
+    let t = s.trim();
+    if let Ok(a) = t.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if let Ok(ip) = t
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        return Ok(SocketAddr::new(ip, default_port));
+    }
+    err(format!(
+        "{what} {s:?} is not IP:PORT (for example 127.0.0.1:{default_port})"
+    ))
+}
+
+/// A comma-separated list of CIDRs, at most one per family (kube-proxy's clusterCIDR rule).
+pub fn parse_cluster_cidrs(what: &str, s: &str) -> Result<Vec<Cidr>, ConfigError> {
+    let cidrs = crate::agent::parse_cidrs(s).map_err(|e| ConfigError(format!("{what}: {e}")))?;
+    check_families(what, &cidrs)?;
+    Ok(cidrs)
+}
+
+fn check_families(what: &str, cidrs: &[Cidr]) -> Result<(), ConfigError> {
+    if cidrs.len() > 2 || (cidrs.len() == 2 && cidrs[0].family() == cidrs[1].family()) {
+        let list: Vec<String> = cidrs.iter().map(|c| c.to_string()).collect();
+        return err(format!(
+            "{what} {}: at most one CIDR per IP family (a dual-stack pair)",
+            list.join(",")
+        ));
+    }
+    Ok(())
+}
+
+/// `nodePortAddresses` entries (CIDRs, or kube-proxy's keywords) as the CIDR list `--nodeport-addresses`
+/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is not served
+/// (warned: nftkube does not turn on route_localnet).
+pub fn parse_node_port_addresses(
+    what: &str,
+    items: &[String],
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Cidr>, ConfigError> {
+    let mut out = Vec::new();
+    let mut primary = false;
+    for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        match item {
+            "primary" => primary = true,
+            "all" => {
+                out.push("0.0.0.0/0".parse().expect("valid CIDR"));
+                out.push("::/0".parse().expect("valid CIDR"));
+            }
+            "localhost" => warnings.push(format!(
+                "{what}: localhost is not served by nftkube (NodePorts on loopback need route_localnet)"
+            )),
+            cidr if cidr.contains('/') => out.push(
+                cidr.parse::<Cidr>()
+                    .map_err(|e| ConfigError(format!("{what}: {e}")))?,
+            ),
+            other => {
+                return err(format!(
+                    "{what}: {other:?} is neither a CIDR nor one of primary, localhost, all"
+                ))
+            }
+        }
+    }
+    if primary && !out.is_empty() {
+        warnings.push(format!(
+            "{what}: primary together with CIDRs: only the CIDRs are used"
+        ));
+    }
+    Ok(out)
+}
+
+/// kube-proxy-named flags, as given on the command line (None: not given, so the file or the default
+/// applies).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Flags {
+    pub config: Option<PathBuf>,
+    pub manifests: Option<PathBuf>,
+    pub kubeconfig: Option<PathBuf>,
+    pub master: Option<String>,
+    pub hostname_override: Option<String>,
+    pub cluster_cidr: Option<Vec<Cidr>>,
+    pub nodeport_addresses: Option<Vec<Cidr>>,
+    pub masquerade_all: Option<bool>,
+    pub masquerade_bit: Option<u32>,
+    pub sync_period: Option<Duration>,
+    pub min_sync_period: Option<Duration>,
+    pub healthz_bind_address: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub bind_address_hard_fail: Option<bool>,
+    pub bind_address: Option<String>,
+    pub detect_local_mode: Option<String>,
+    pub pod_interface_name_prefix: Option<String>,
+    pub pod_bridge_interface: Option<String>,
+    pub proxy_mode: Option<String>,
+}
+
+/// Where the cluster state comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceSpec {
+    Manifests(PathBuf),
+    Kube(crate::source::KubeOptions),
+}
+
+/// The effective settings after file, flags and defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub source: SourceSpec,
+    pub node_name: String,
+    pub cluster_cidrs: Vec<Cidr>,
+    pub detect_local: DetectLocal,
+    pub masquerade_all: bool,
+    pub masquerade_bit: u32,
+    pub sync_period: Duration,
+    pub min_sync_period: Duration,
+    pub admin: AdminOptions,
+    /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
+    pub nodeport_cidrs: Vec<Cidr>,
+    /// To log at startup.
+    pub warnings: Vec<String>,
+}
+
+/// Inputs from the environment, injectable for tests.
+#[derive(Debug, Clone, Default)]
+pub struct Env {
+    /// The machine's hostname (kube-proxy's default node name).
+    pub hostname: String,
+    /// KUBERNETES_SERVICE_HOST is set: running in a pod, the in-cluster configuration exists.
+    pub in_cluster: bool,
+}
+
+impl Env {
+    pub fn current() -> Env {
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        Env {
+            hostname,
+            in_cluster: std::env::var_os("KUBERNETES_SERVICE_HOST").is_some_and(|v| !v.is_empty()),
+        }
+    }
+}
+
+/// Combines defaults, the file (if `flags.config`) and the flags (which win).
+pub fn resolve(flags: &Flags, env: &Env) -> Result<Resolved, ConfigError> {
+    let file = match &flags.config {
+        Some(p) => load(p)?,
+        None => FileConfig::default(),
+    };
+    let r = resolve_with(flags, file, env)?;
+    if let SourceSpec::Kube(crate::source::KubeOptions {
+        kubeconfig: Some(path),
+        ..
+    }) = &r.source
+    {
+        kube::config::Kubeconfig::read_from(path)
+            .map_err(|e| ConfigError(format!("kubeconfig {}: {e}", path.display())))?;
+    }
+    Ok(r)
+}
+
+/// [`resolve`] with the file already parsed.
+pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolved, ConfigError> {
+    let mut warnings = file.warnings.clone();
+    if let Some(mode) = flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+        match mode {
+            "nftables" => {}
+            "iptables" | "ipvs" => warnings.push(format!(
+                "--proxy-mode {mode}: nftkube always programs nf_tables"
+            )),
+            other => return err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
+        }
+    }
+
+    // Source.
+    let kubeconfig = flags.kubeconfig.clone().or(file.kubeconfig.clone());
+    let master = flags.master.clone().filter(|m| !m.is_empty());
+    if let Some(m) = &master {
+        let uri: http::Uri = m
+            .parse()
+            .map_err(|e| ConfigError(format!("--master {m:?}: {e}")))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return err(format!("--master {m:?}: want http(s)://HOST[:PORT]"));
+        }
+    }
+    let source = match &flags.manifests {
+        Some(dir) => {
+            if flags.kubeconfig.is_some() || master.is_some() {
+                return err("--manifests cannot be combined with --kubeconfig or --master");
+            }
+            SourceSpec::Manifests(dir.clone())
+        }
+        None if kubeconfig.is_some() || master.is_some() || env.in_cluster => {
+            SourceSpec::Kube(crate::source::KubeOptions {
+                kubeconfig,
+                master,
+                node_name: String::new(),
+            })
+        }
+        None => {
+            return err(
+                "no source of Services: give --manifests DIR, --kubeconfig FILE or --master URL \
+                 (or clientConnection.kubeconfig in --config), or run in a pod for the in-cluster configuration",
+            )
+        }
+    };
+    let kube = matches!(source, SourceSpec::Kube(_));
+
+    // Node name: kube-proxy's rule (override, else the hostname), lower-cased; with manifests the
+    // override alone (no node-local semantics unless asked for).
+    let node_name = flags
+        .hostname_override
+        .clone()
+        .or(file.hostname_override.clone())
+        .map(|s| s.trim().to_lowercase())
+        .filter(|s| !s.is_empty())
+        .or_else(|| kube.then(|| env.hostname.trim().to_lowercase()))
+        .unwrap_or_default();
+    if kube && node_name.is_empty() {
+        return err("cannot tell this node's name: give --hostname-override");
+    }
+    let source = match source {
+        SourceSpec::Kube(mut k) => {
+            k.node_name = node_name.clone();
+            SourceSpec::Kube(k)
+        }
+        m => m,
+    };
+
+    let cluster_cidrs = match (&flags.cluster_cidr, &file.cluster_cidr) {
+        (Some(c), _) => {
+            check_families("--cluster-cidr", c)?;
+            c.clone()
+        }
+        (None, Some(s)) => parse_cluster_cidrs("clusterCIDR", s)?,
+        (None, None) => Vec::new(),
+    };
+    let pick = |flag: &Option<String>, file: &Option<String>| -> String {
+        flag.clone()
+            .or(file.clone())
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let detect_local = match pick(&flags.detect_local_mode, &file.detect_local_mode).as_str() {
+        "" | "ClusterCIDR" => DetectLocal::ClusterCidr,
+        "NodeCIDR" => {
+            if !kube {
+                return err("detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)");
+            }
+            DetectLocal::NodeCidr
+        }
+        "InterfaceNamePrefix" => {
+            let p = pick(&flags.pod_interface_name_prefix, &file.interface_name_prefix);
+            if p.is_empty() {
+                return err("detectLocalMode InterfaceNamePrefix needs detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)");
+            }
+            DetectLocal::InterfaceNamePrefix(p)
+        }
+        "BridgeInterface" => {
+            let b = pick(&flags.pod_bridge_interface, &file.bridge_interface);
+            if b.is_empty() {
+                return err("detectLocalMode BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)");
+            }
+            DetectLocal::BridgeInterface(b)
+        }
+        other => {
+            return err(format!(
+                "detectLocalMode {other:?} is not one of ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix"
+            ))
+        }
+    };
+    if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
+        warnings.push(
+            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
+                .into(),
+        );
+    }
+
+    let masquerade_bit = match (flags.masquerade_bit, file.masquerade_bit) {
+        (Some(b), _) => b as i64,
+        (None, Some(b)) => b,
+        (None, None) => 14,
+    };
+    if !(0..=31).contains(&masquerade_bit) {
+        return err(format!(
+            "masqueradeBit {masquerade_bit} is out of range (0-31)"
+        ));
+    }
+    let masquerade_all = flags
+        .masquerade_all
+        .or(file.masquerade_all)
+        .unwrap_or(false);
+
+    let sync_period = flags
+        .sync_period
+        .or(file.sync_period)
+        .unwrap_or(Duration::from_secs(30));
+    let min_sync_period = flags
+        .min_sync_period
+        .or(file.min_sync_period)
+        .unwrap_or(Duration::from_secs(1));
+    if sync_period.is_zero() {
+        return err("syncPeriod must be greater than 0");
+    }
+    if min_sync_period > sync_period {
+        return err(format!(
+            "minSyncPeriod ({min_sync_period:?}) must not exceed syncPeriod ({sync_period:?})"
+        ));
+    }
+
+    // Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it
+    // private unless configured), IPv6 loopback when bindAddress is IPv6.
+    let bind_v6 = flags
+        .bind_address
+        .as_deref()
+        .or(file.bind_address.as_deref())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<IpAddr>()
+                .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
+        })
+        .transpose()?
+        .is_some_and(|ip| ip.is_ipv6());
+    let loopback: IpAddr = if bind_v6 {
+        Ipv6Addr::LOCALHOST.into()
+    } else {
+        Ipv4Addr::LOCALHOST.into()
+    };
+    let addr = |what: &str,
+                field: &str,
+                flag: &Option<String>,
+                file: &Option<String>,
+                port: u16|
+     -> Result<Option<SocketAddr>, ConfigError> {
+        match (flag, file) {
+            // An explicitly empty flag turns the server off.
+            (Some(f), _) if f.trim().is_empty() => Ok(None),
+            (Some(f), _) => parse_bind_address(&format!("--{what}"), f, port).map(Some),
+            (None, Some(f)) => parse_bind_address(field, f, port).map(Some),
+            (None, None) => Ok(Some(SocketAddr::new(loopback, port))),
+        }
+    };
+    let admin = AdminOptions {
+        healthz: addr(
+            "healthz-bind-address",
+            "healthzBindAddress",
+            &flags.healthz_bind_address,
+            &file.healthz_bind_address,
+            DEFAULT_HEALTHZ_PORT,
+        )?,
+        metrics: addr(
+            "metrics-bind-address",
+            "metricsBindAddress",
+            &flags.metrics_bind_address,
+            &file.metrics_bind_address,
+            DEFAULT_METRICS_PORT,
+        )?,
+        bind_address_hard_fail: flags
+            .bind_address_hard_fail
+            .or(file.bind_address_hard_fail)
+            .unwrap_or(false),
+        health_check_addresses: Vec::new(),
+    };
+
+    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
+        (Some(c), _) => c.clone(),
+        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
+        (None, None) => Vec::new(),
+    };
+    Ok(Resolved {
+        source,
+        node_name,
+        cluster_cidrs,
+        detect_local,
+        masquerade_all,
+        masquerade_bit: masquerade_bit as u32,
+        sync_period,
+        min_sync_period,
+        admin,
+        nodeport_cidrs,
+        warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KUBEADM: &str = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 0
+  contentType: ""
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+clusterCIDR: 10.244.0.0/16
+configSyncPeriod: 0s
+conntrack:
+  maxPerCore: null
+  min: null
+  tcpBeLiberal: false
+  tcpCloseWaitTimeout: null
+  tcpEstablishedTimeout: null
+  udpStreamTimeout: 0s
+  udpTimeout: 0s
+detectLocal:
+  bridgeInterface: ""
+  interfaceNamePrefix: ""
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: ""
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+ipvs:
+  excludeCIDRs: null
+  minSyncPeriod: 0s
+  scheduler: ""
+  strictARP: false
+  syncPeriod: 0s
+  tcpFinTimeout: 0s
+  tcpTimeout: 0s
+  udpTimeout: 0s
+kind: KubeProxyConfiguration
+logging:
+  flushFrequency: 0
+  options:
+    json:
+      infoBufferSize: "0"
+    text:
+      infoBufferSize: "0"
+  verbosity: 0
+metricsBindAddress: ""
+mode: ""
+nftables:
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+nodePortAddresses: null
+oomScoreAdj: null
+portRange: ""
+showHiddenMetricsForVersion: ""
+winkernel:
+  enableDSR: false
+  forwardHealthCheckVip: false
+  networkName: ""
+  rootHnsEndpointName: ""
+  sourceVip: ""
+"#;
+
+    fn env() -> Env {
+        Env {
+            hostname: "Node-A".into(),
+            in_cluster: false,
+        }
+    }
+
+    #[test]
+    fn kubeadms_default_file_loads_without_warnings() {
+        let f = parse(KUBEADM).unwrap();
+        assert!(f.warnings.is_empty(), "{:?}", f.warnings);
+        assert_eq!(
+            f.kubeconfig.as_deref(),
+            Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
+        let r = resolve_with(&Flags::default(), f, &env()).unwrap();
+        assert_eq!(
+            r.source,
+            SourceSpec::Kube(crate::source::KubeOptions {
+                kubeconfig: Some("/var/lib/kube-proxy/kubeconfig.conf".into()),
+                master: None,
+                node_name: "node-a".into(),
+            })
+        );
+        assert_eq!(r.node_name, "node-a");
+        assert_eq!(r.cluster_cidrs[0].to_string(), "10.244.0.0/16");
+        assert_eq!(r.masquerade_bit, 14);
+        assert_eq!(r.sync_period, Duration::from_secs(30));
+        assert_eq!(r.min_sync_period, Duration::ZERO, "0s is an explicit 0");
+        assert_eq!(r.admin.healthz, Some("127.0.0.1:10256".parse().unwrap()));
+        assert_eq!(r.admin.metrics, Some("127.0.0.1:10249".parse().unwrap()));
+        assert!(!r.admin.bind_address_hard_fail);
+    }
+
+    #[test]
+    fn honoured_fields_and_flag_precedence() {
+        let text = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+hostnameOverride: from-file
+clusterCIDR: "10.244.0.0/16,fd00:244::/48"
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: "[::1]:9999"
+bindAddressHardFail: true
+nftables:
+  masqueradeAll: true
+  masqueradeBit: 5
+  syncPeriod: 1m
+  minSyncPeriod: 500ms
+iptables:
+  masqueradeBit: 7
+nodePortAddresses: ["primary", "192.168.0.0/16"]
+detectLocalMode: ClusterCIDR
+"#;
+        let f = parse(text).unwrap();
+        assert_eq!(
+            f.warnings,
+            ["iptables.masqueradeBit is ignored: with mode \"nftables\" the nftables section applies"]
+        );
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            ..Flags::default()
+        };
+        let r = resolve_with(&flags, f.clone(), &env()).unwrap();
+        assert_eq!(r.source, SourceSpec::Manifests("/m".into()));
+        assert_eq!(r.node_name, "from-file");
+        assert_eq!(r.cluster_cidrs.len(), 2);
+        assert!(r.masquerade_all);
+        assert_eq!(r.masquerade_bit, 5);
+        assert_eq!(r.sync_period, Duration::from_secs(60));
+        assert_eq!(r.min_sync_period, Duration::from_millis(500));
+        assert_eq!(r.admin.healthz, Some("0.0.0.0:10256".parse().unwrap()));
+        assert_eq!(r.admin.metrics, Some("[::1]:9999".parse().unwrap()));
+        assert!(r.admin.bind_address_hard_fail);
+        assert_eq!(
+            r.nodeport_cidrs.len(),
+            1,
+            "primary adds nothing: {:?}",
+            r.nodeport_cidrs
+        );
+        // Flags win.
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            hostname_override: Some("Flag-Node".into()),
+            cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]),
+            masquerade_all: Some(false),
+            masquerade_bit: Some(3),
+            sync_period: Some(Duration::from_secs(10)),
+            min_sync_period: Some(Duration::from_secs(2)),
+            healthz_bind_address: Some(String::new()),
+            metrics_bind_address: Some("127.0.0.1:1234".into()),
+            bind_address_hard_fail: Some(false),
+            nodeport_addresses: Some(vec!["0.0.0.0/0".parse().unwrap()]),
+            ..Flags::default()
+        };
+        let r = resolve_with(&flags, f, &env()).unwrap();
+        assert_eq!(r.node_name, "flag-node");
+        assert_eq!(r.cluster_cidrs.len(), 1);
+        assert!(!r.masquerade_all);
+        assert_eq!(r.masquerade_bit, 3);
+        assert_eq!(r.sync_period, Duration::from_secs(10));
+        assert_eq!(r.min_sync_period, Duration::from_secs(2));
+        assert_eq!(r.admin.healthz, None, "an empty flag turns healthz off");
+        assert_eq!(r.admin.metrics, Some("127.0.0.1:1234".parse().unwrap()));
+        assert!(!r.admin.bind_address_hard_fail);
+        assert_eq!(r.nodeport_cidrs.len(), 1);
+    }
+
+    #[test]
+    fn unknown_and_unsupported_fields_are_warned_by_name() {
+        let text = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clusterCIDR: 10.244.0.0/16
+oomScoreAdj: -500
+conntrack:
+  maxPerCore: 32768
+  min: 65536
+ipvs:
+  scheduler: rr
+  strictARP: true
+featureGates:
+  SomeGate: true
+frobnicate: 3
+iptables:
+  masqueradeAll: true
+  surprise: x
+"#;
+        let f = parse(text).unwrap();
+        let w = f.warnings.join("\n");
+        for want in [
+            "oomScoreAdj is not supported by nftkube (ignored; set to -500)",
+            "conntrack.min is not supported",
+            "ipvs.scheduler is not supported",
+            "ipvs.strictARP is not supported",
+            "featureGates is not supported",
+            "unknown field frobnicate",
+            "unknown field iptables.surprise",
+        ] {
+            assert!(w.contains(want), "{want} missing from:\n{w}");
+        }
+        assert!(
+            !w.contains("maxPerCore"),
+            "kube-proxy's default is silent:\n{w}"
+        );
+        assert_eq!(f.masquerade_all, Some(true), "mode unset reads iptables.*");
+    }
+
+    #[test]
+    fn invalid_values_are_errors() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            ..Flags::default()
+        };
+        for (extra, want) in [
+            ("clusterCIDR: 10.244.0.0/33", "clusterCIDR"),
+            (
+                "clusterCIDR: 10.0.0.0/8,10.1.0.0/16",
+                "at most one CIDR per IP family",
+            ),
+            (
+                "iptables:\n  masqueradeBit: 32",
+                "masqueradeBit 32 is out of range",
+            ),
+            ("iptables:\n  syncPeriod: 30", "want a duration string"),
+            ("iptables:\n  syncPeriod: 30 seconds", "invalid duration"),
+            (
+                "iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 5s",
+                "must not exceed syncPeriod",
+            ),
+            ("healthzBindAddress: localhost:x", "healthzBindAddress"),
+            ("metricsBindAddress: 1.2.3.4:99999", "metricsBindAddress"),
+            (
+                "detectLocalMode: BridgeInterface",
+                "needs detectLocal.bridgeInterface",
+            ),
+            ("detectLocalMode: Sideways", "is not one of"),
+            (
+                "detectLocalMode: NodeCIDR",
+                "needs the Kubernetes API source",
+            ),
+            ("nodePortAddresses: [\"eth0\"]", "neither a CIDR"),
+            ("nodePortAddresses: [\"10.0.0.0/99\"]", "nodePortAddresses"),
+            ("mode: kernelspace", "not a Linux proxy mode"),
+            ("bindAddressHardFail: yes please", "want true or false"),
+            ("bindAddress: nope", "bindAddress"),
+        ] {
+            let r =
+                parse(&format!("{base}{extra}\n")).and_then(|f| resolve_with(&flags, f, &env()));
+            let e = r.expect_err(extra).0;
+            assert!(e.contains(want), "{extra}: got {e}, want {want}");
+        }
+        for (text, want) in [
+            ("kind: KubeProxyConfiguration\n", "apiVersion is missing"),
+            (
+                "apiVersion: kubeproxy.config.k8s.io/v1beta9\nkind: KubeProxyConfiguration\n",
+                "not supported",
+            ),
+            (
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Pod\n",
+                "kind",
+            ),
+            ("[1, 2", "not valid YAML"),
+        ] {
+            assert!(parse(text).unwrap_err().0.contains(want), "{text}");
+        }
+        for m in ["127.0.0.1:6443", "ftp://x", "http://"] {
+            let f = Flags {
+                master: Some(m.into()),
+                ..Flags::default()
+            };
+            let e = resolve_with(&f, FileConfig::default(), &env()).unwrap_err();
+            assert!(e.0.contains("--master"), "{m}: {e}");
+        }
+        let f = Flags {
+            kubeconfig: Some("/nonexistent/kubeconfig".into()),
+            ..Flags::default()
+        };
+        let e = resolve(&f, &env()).unwrap_err();
+        assert!(e.0.contains("kubeconfig /nonexistent/kubeconfig"), "{e}");
+        // No source at all, or two of them.
+        let e = resolve_with(&Flags::default(), FileConfig::default(), &env()).unwrap_err();
+        assert!(e.0.contains("no source of Services"), "{e}");
+        let both = Flags {
+            manifests: Some("/m".into()),
+            master: Some("http://127.0.0.1:1".into()),
+            ..Flags::default()
+        };
+        assert!(resolve_with(&both, FileConfig::default(), &env()).is_err());
+        // In a pod, the in-cluster configuration is the default source.
+        let r = resolve_with(
+            &Flags::default(),
+            FileConfig::default(),
+            &Env {
+                hostname: "n".into(),
+                in_cluster: true,
+            },
+        )
+        .unwrap();
+        assert!(
+            matches!(r.source, SourceSpec::Kube(ref k) if k.kubeconfig.is_none() && k.master.is_none())
+        );
+    }
+
+    #[test]
+    fn detect_local_modes_and_node_port_keywords() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            ..Flags::default()
+        };
+        let f = parse(&format!(
+            "{base}detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: veth\n"
+        ))
+        .unwrap();
+        let r = resolve_with(&flags, f.clone(), &env()).unwrap();
+        assert_eq!(
+            r.detect_local,
+            DetectLocal::InterfaceNamePrefix("veth".into())
+        );
+        let over = Flags {
+            detect_local_mode: Some("BridgeInterface".into()),
+            pod_bridge_interface: Some("cbr0".into()),
+            ..flags.clone()
+        };
+        let r = resolve_with(&over, f, &env()).unwrap();
+        assert_eq!(r.detect_local, DetectLocal::BridgeInterface("cbr0".into()));
+        let f = parse(&format!("{base}nodePortAddresses: [all, localhost]\n")).unwrap();
+        let r = resolve_with(&flags, f, &env()).unwrap();
+        assert_eq!(r.nodeport_cidrs.len(), 2);
+        assert!(
+            r.warnings
+                .iter()
+                .any(|w| w.contains("localhost is not served")),
+            "{:?}",
+            r.warnings
+        );
+    }
+
+    /// deploy/nftkube.yaml's ConfigMap: the config loads without a warning, names the kubeconfig, and the
+    /// kubeconfig is one the client reads.
+    #[test]
+    fn the_deploy_config_map_is_valid() {
+        let text = include_str!("../deploy/nftkube.yaml");
+        let cm: serde_json::Value = text
+            .split("\n---")
+            .map(|d| serde_yaml::from_str::<serde_json::Value>(d).unwrap())
+            .find(|d| d["kind"] == "ConfigMap")
+            .unwrap();
+        let f = parse(cm["data"]["config.conf"].as_str().unwrap()).unwrap();
+        assert!(f.warnings.is_empty(), "{:?}", f.warnings);
+        let r = resolve_with(&Flags::default(), f, &env()).unwrap();
+        assert!(matches!(r.source, SourceSpec::Kube(ref k)
+            if k.kubeconfig.as_deref() == Some(Path::new("/var/lib/nftkube/kubeconfig.conf"))));
+        let kc =
+            kube::config::Kubeconfig::from_yaml(cm["data"]["kubeconfig.conf"].as_str().unwrap())
+                .unwrap();
+        assert_eq!(kc.current_context.as_deref(), Some("default"));
+        let user = kc.auth_infos[0].auth_info.as_ref().unwrap();
+        assert_eq!(
+            user.token_file.as_deref(),
+            Some("/var/run/secrets/kubernetes.io/serviceaccount/token")
+        );
+    }
+
+    #[test]
+    fn durations() {
+        for (s, ms) in [
+            ("30s", 30_000),
+            ("1m30s", 90_000),
+            ("500ms", 500),
+            ("1.5h", 5_400_000),
+            ("0", 0),
+            ("0s", 0),
+            ("2h45m", 9_900_000),
+        ] {
+            assert_eq!(parse_go_duration(s).unwrap().as_millis(), ms, "{s}");
+        }
+        for s in ["", "s", "10", "10x", "-1s", "1..5s", "abc"] {
+            assert!(parse_go_duration(s).is_err(), "{s}");
+        }
+        assert_eq!(
+            parse_duration_flag("0.2").unwrap(),
+            Duration::from_millis(200)
+        );
+        assert_eq!(parse_duration_flag("30s").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration_flag("-1").is_err());
+    }
+
+    #[test]
+    fn bind_addresses_and_ipv6_defaults() {
+        assert_eq!(
+            parse_bind_address("x", "0.0.0.0", 10256).unwrap(),
+            "0.0.0.0:10256".parse().unwrap()
+        );
+        assert_eq!(
+            parse_bind_address("x", "[::]:1", 10256).unwrap(),
+            "[::]:1".parse().unwrap()
+        );
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            bind_address: Some("::".into()),
+            ..Flags::default()
+        };
+        let r = resolve_with(&flags, FileConfig::default(), &env()).unwrap();
+        assert_eq!(r.admin.metrics, Some("[::1]:10249".parse().unwrap()));
+    }
+}
+
+#[cfg(test)]
+mod cli_tests {
+    use crate::cli::{Cli, Command};
+    use clap::{CommandFactory, FromArgMatches};
+
+    /// The command line as `main` sees it: flags given vs. defaults, and the resulting options.
+    fn proxy(args: &[&str]) -> Result<crate::agent::ProxyOptions, String> {
+        let mut argv = vec!["nftkube", "proxy"];
+        argv.extend_from_slice(args);
+        let m = Cli::command()
+            .try_get_matches_from(argv)
+            .map_err(|e| e.to_string())?;
+        let Command::Proxy(p) = Cli::from_arg_matches(&m).unwrap().command else {
+            unreachable!()
+        };
+        let sub = m.subcommand_matches("proxy").unwrap();
+        let given = |id: &str| sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        p.options(&given)
+    }
+
+    #[test]
+    fn flags_override_the_file_and_defaults_do_not() {
+        let dir = std::env::temp_dir().join(format!("nftkube-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("config.yaml");
+        std::fs::write(
+            &file,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             clusterCIDR: 10.244.0.0/16\nmetricsBindAddress: 127.0.0.1:20249\n\
+             iptables:\n  masqueradeAll: true\n  masqueradeBit: 4\n  syncPeriod: 45s\n",
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let o = proxy(&["--config", f, "--manifests", "/m"]).unwrap();
+        assert!(o.render.masquerade_all);
+        assert_eq!(o.render.masquerade_bit, 1 << 4);
+        assert_eq!(o.sync_period, std::time::Duration::from_secs(45));
+        assert_eq!(o.render.cluster_cidrs[0].to_string(), "10.244.0.0/16");
+        let admin = o.admin.clone().unwrap();
+        assert_eq!(admin.metrics, Some("127.0.0.1:20249".parse().unwrap()));
+        assert_eq!(admin.healthz, Some("127.0.0.1:10256".parse().unwrap()));
+        let o = proxy(&[
+            "--config",
+            f,
+            "--manifests",
+            "/m",
+            "--masquerade-all=false",
+            "--iptables-masquerade-bit",
+            "6",
+            "--sync-period",
+            "10s",
+            "--cluster-cidr",
+            "10.0.0.0/8",
+            "--metrics-bind-address",
+            "127.0.0.1:30249",
+        ])
+        .unwrap();
+        assert!(!o.render.masquerade_all);
+        assert_eq!(o.render.masquerade_bit, 1 << 6);
+        assert_eq!(o.sync_period, std::time::Duration::from_secs(10));
+        assert_eq!(o.render.cluster_cidrs[0].to_string(), "10.0.0.0/8");
+        assert_eq!(
+            o.admin.unwrap().metrics,
+            Some("127.0.0.1:30249".parse().unwrap())
+        );
+        // Seconds still work (the flags used to take them), and --masquerade-all alone means true.
+        let o = proxy(&[
+            "--manifests",
+            "/m",
+            "--min-sync-period",
+            "0.2",
+            "--masquerade-all",
+        ])
+        .unwrap();
+        assert_eq!(o.min_sync_period, std::time::Duration::from_millis(200));
+        assert!(o.render.masquerade_all);
+        // Invalid values are errors (main exits 64 with them).
+        assert!(proxy(&["--manifests", "/m", "--masquerade-bit", "40"]).is_err());
+        assert!(proxy(&["--manifests", "/m", "--sync-period", "soon"]).is_err());
+        let e = proxy(&["--config", f, "--manifests", "/m", "--drop-bit", "4"]).unwrap_err();
+        assert!(e.contains("--masquerade-bit and --drop-bit"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

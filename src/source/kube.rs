@@ -1,0 +1,914 @@
+//! Services, EndpointSlices and this Node from the Kubernetes API, as the same [`Event`]s the manifest
+//! source emits.
+//!
+//! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
+//! after `410 Gone`, exponential backoff 0.8 s → 30 s with jitter, as client-go's reflector) run on a
+//! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
+//! proxy loop through a channel. The runtime thread never changes network namespace: it inherits the one
+//! of the thread that started it.
+//!
+//! Guarantees, implemented by [`Coordinator`] (pure, unit-tested without HTTP):
+//! - **No sync on a partial view.** [`Event::Synced`] is sent once, after both Services and
+//!   EndpointSlices completed their first list. The proxy loop does not touch the kernel before it.
+//! - **An unreachable API flushes nothing.** Errors only delay events; nothing is deleted because a
+//!   list failed.
+//! - **A relist is applied whole.** The objects of a relist (the first list, or one after `410 Gone`) are
+//!   compared with what was emitted as they arrive and only the differences are buffered; when the list
+//!   is complete, the differences (changes, then deletions of whatever the list no longer has) go out as
+//!   one batch, so the proxy loop never syncs half of it.
+//! - **Small memory.** Objects are converted to model types as they arrive and dropped; per object only
+//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model).
+//! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
+//!   object (if any) stays in effect.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime};
+
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::watcher;
+use kube::runtime::WatchStreamExt;
+
+use super::convert::{self, ServiceConversion, SliceConversion};
+use super::{Event, NodeInfo};
+use crate::model::{Cidr, NamespacedName, ServicePort, SliceInfo};
+
+/// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// kube-proxy's selector for Services and EndpointSlices: objects that another proxy implementation
+/// claims, and headless services, are not its business.
+pub const PROXY_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+/// The cluster autoscaler's taint on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// How to reach the API server (kube-proxy's `--kubeconfig` / `--master`), and which node this is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KubeOptions {
+    /// A kubeconfig file; its current context is used.
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server's URL; overrides the kubeconfig's server. Without a kubeconfig: no credentials.
+    pub master: Option<String>,
+    /// This node's name: its Node object is watched (labels, addresses, pod CIDRs, deletion).
+    pub node_name: String,
+}
+
+/// Which watcher an item came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+/// An object converted to what the model keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Model {
+    Service(Vec<ServicePort>),
+    Slice(SliceInfo),
+    Node(NodeInfo),
+}
+
+/// One object as a watcher delivered it: its identity, and its conversion (Ok(None): an object the proxy
+/// ignores, such as a headless service; Err: malformed, with the reason).
+pub struct Converted {
+    key: Option<NamespacedName>,
+    model: Result<Option<Model>, String>,
+    trigger: Option<SystemTime>,
+}
+
+impl Converted {
+    pub fn service(svc: &Service) -> Converted {
+        let key = meta_key(&svc.metadata);
+        let model = match convert::service_ports(svc) {
+            Ok(ServiceConversion::Ports(p)) => Ok(Some(Model::Service(p))),
+            Ok(ServiceConversion::Skipped(reason)) => {
+                tracing::debug!(service = ?key, reason, "service not proxied");
+                Ok(None)
+            }
+            Err(e) => Err(e.reason),
+        };
+        Converted {
+            key,
+            model,
+            trigger: None,
+        }
+    }
+
+    pub fn slice(slice: &EndpointSlice) -> Converted {
+        let key = meta_key(&slice.metadata);
+        let model = match convert::endpoint_slice(slice) {
+            Ok(SliceConversion::Slice(s)) => Ok(Some(Model::Slice(s))),
+            Ok(SliceConversion::Skipped(reason)) => {
+                tracing::debug!(slice = ?key, reason, "EndpointSlice ignored");
+                Ok(None)
+            }
+            Err(e) => Err(e.reason),
+        };
+        let trigger = slice
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
+            .and_then(|t| parse_rfc3339(t));
+        Converted {
+            key,
+            model,
+            trigger,
+        }
+    }
+
+    pub fn node(node: &Node) -> Converted {
+        Converted {
+            key: meta_key(&node.metadata),
+            model: node_info(node).map(|n| Some(Model::Node(n))),
+            trigger: None,
+        }
+    }
+}
+
+/// "namespace/name" of an object (namespace "" for cluster-scoped ones); None without a name.
+fn meta_key(meta: &ObjectMeta) -> Option<NamespacedName> {
+    let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
+    Some(NamespacedName::new(
+        meta.namespace.clone().unwrap_or_default(),
+        name,
+    ))
+}
+
+/// An RFC 3339 timestamp (what the API writes in annotations) as a system time.
+pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    let ts: k8s_openapi::jiff::Timestamp = s.trim().parse().ok()?;
+    Some(SystemTime::from(ts))
+}
+
+/// Converts this node's object.
+pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let zone = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned();
+    let mut addresses = Vec::new();
+    for a in node
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+    {
+        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+            match a.address.parse::<IpAddr>() {
+                Ok(ip) if !addresses.contains(&ip) => addresses.push(ip),
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::debug!(address = a.address, "ignoring a node address that is no IP")
+                }
+            }
+        }
+    }
+    let spec = node.spec.as_ref();
+    let cidr_strings: Vec<&String> = match spec.and_then(|s| s.pod_cidrs.as_ref()) {
+        Some(c) if !c.is_empty() => c.iter().collect(),
+        _ => spec.and_then(|s| s.pod_cidr.as_ref()).into_iter().collect(),
+    };
+    let pod_cidrs = cidr_strings
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<Cidr>().map_err(|e| format!("spec.podCIDRs: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tainted = spec
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    Ok(NodeInfo {
+        name,
+        zone,
+        addresses,
+        pod_cidrs,
+        deleting: node.metadata.deletion_timestamp.is_some() || tainted,
+    })
+}
+
+fn fingerprint(m: &Model) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    m.hash(&mut h);
+    h.finish()
+}
+
+/// A relist in progress: which objects it has listed, and those that differ from what was emitted.
+#[derive(Default)]
+struct Relist {
+    seen: HashSet<NamespacedName>,
+    changed: BTreeMap<NamespacedName, (u64, Model, Option<SystemTime>)>,
+}
+
+/// Per-kind memory: a fingerprint of what was emitted for each object.
+struct Tracker {
+    kind: Kind,
+    emitted: HashMap<NamespacedName, u64>,
+    relist: Option<Relist>,
+    /// The first list completed.
+    listed: bool,
+}
+
+impl Tracker {
+    fn new(kind: Kind) -> Self {
+        Tracker {
+            kind,
+            emitted: HashMap::new(),
+            relist: None,
+            listed: false,
+        }
+    }
+}
+
+/// Turns watcher events into model events; see the module documentation for what it guarantees.
+pub struct Coordinator {
+    services: Tracker,
+    slices: Tracker,
+    node: Tracker,
+    synced: bool,
+    /// Trigger times from before this instant are not ours to measure (kube-proxy's rule).
+    started: SystemTime,
+    /// Malformed objects skipped so far (for tests and metrics).
+    pub skipped: u64,
+}
+
+impl Default for Coordinator {
+    fn default() -> Self {
+        Self::new(SystemTime::now())
+    }
+}
+
+impl Coordinator {
+    pub fn new(started: SystemTime) -> Self {
+        Coordinator {
+            services: Tracker::new(Kind::Service),
+            slices: Tracker::new(Kind::EndpointSlice),
+            node: Tracker::new(Kind::Node),
+            synced: false,
+            started,
+            skipped: 0,
+        }
+    }
+
+    /// Whether `Synced` was sent.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// Handles one watcher event of `kind` (objects already converted). Returns the events to send, as
+    /// one batch.
+    pub fn handle(&mut self, kind: Kind, ev: watcher::Event<Converted>) -> Vec<Event> {
+        let started = self.started;
+        let skipped = &mut self.skipped;
+        let tracker = match kind {
+            Kind::Service => &mut self.services,
+            Kind::EndpointSlice => &mut self.slices,
+            Kind::Node => &mut self.node,
+        };
+        let mut out = Vec::new();
+        match ev {
+            watcher::Event::Init => {
+                // A new list starts (the first one, or a relist after 410 Gone or a failed list):
+                // whatever an earlier unfinished one collected is dropped.
+                tracker.relist = Some(Relist::default());
+            }
+            watcher::Event::InitApply(obj) => {
+                let Some(key) = obj.key.clone() else {
+                    *skipped += 1;
+                    tracing::warn!(
+                        kind = kind.as_str(),
+                        "skipping an object without metadata.name"
+                    );
+                    return out;
+                };
+                let relist = tracker.relist.get_or_insert_with(Relist::default);
+                match obj.model {
+                    Ok(Some(model)) => {
+                        let print = fingerprint(&model);
+                        relist.seen.insert(key.clone());
+                        if tracker.emitted.get(&key) != Some(&print) {
+                            relist.changed.insert(key, (print, model, obj.trigger));
+                        } else {
+                            relist.changed.remove(&key);
+                        }
+                    }
+                    // Ignored by the proxy: absent for us, so not "seen" (deleted if it was emitted).
+                    Ok(None) => {
+                        relist.seen.remove(&key);
+                        relist.changed.remove(&key);
+                    }
+                    Err(reason) => {
+                        *skipped += 1;
+                        warn_malformed(kind, &key, &reason);
+                        // Keep the last good version: seen, unchanged.
+                        relist.seen.insert(key.clone());
+                        relist.changed.remove(&key);
+                    }
+                }
+            }
+            watcher::Event::InitDone => {
+                let relist = tracker.relist.take().unwrap_or_default();
+                let mut deleted: Vec<NamespacedName> = tracker
+                    .emitted
+                    .keys()
+                    .filter(|k| !relist.seen.contains(*k))
+                    .cloned()
+                    .collect();
+                deleted.sort();
+                for (key, (print, model, trigger)) in relist.changed {
+                    tracker.emitted.insert(key.clone(), print);
+                    emit_applied(&mut out, &key, model, trigger, started);
+                }
+                for key in deleted {
+                    tracker.emitted.remove(&key);
+                    out.push(deleted_event(tracker.kind, key));
+                }
+                if !tracker.listed {
+                    tracker.listed = true;
+                    tracing::info!(
+                        kind = kind.as_str(),
+                        objects = tracker.emitted.len(),
+                        "initial list complete"
+                    );
+                } else {
+                    tracing::info!(kind = kind.as_str(), changes = out.len(), "relist complete");
+                }
+            }
+            watcher::Event::Apply(obj) => {
+                let Some(key) = obj.key.clone() else {
+                    *skipped += 1;
+                    tracing::warn!(
+                        kind = kind.as_str(),
+                        "skipping an object without metadata.name"
+                    );
+                    return out;
+                };
+                match obj.model {
+                    Ok(Some(model)) => {
+                        let print = fingerprint(&model);
+                        if tracker.emitted.insert(key.clone(), print) != Some(print) {
+                            emit_applied(&mut out, &key, model, obj.trigger, started);
+                        }
+                    }
+                    Ok(None) => {
+                        if tracker.emitted.remove(&key).is_some() {
+                            out.push(deleted_event(kind, key));
+                        }
+                    }
+                    Err(reason) => {
+                        *skipped += 1;
+                        warn_malformed(kind, &key, &reason);
+                    }
+                }
+            }
+            watcher::Event::Delete(obj) => {
+                if let Some(key) = obj.key {
+                    if tracker.emitted.remove(&key).is_some() {
+                        out.push(deleted_event(kind, key));
+                    }
+                }
+            }
+        }
+        if !self.synced && self.services.listed && self.slices.listed {
+            self.synced = true;
+            out.push(Event::Synced);
+        }
+        out
+    }
+}
+
+fn warn_malformed(kind: Kind, key: &NamespacedName, reason: &str) {
+    tracing::warn!(
+        "{} {}: {reason}; skipped (its last good version, if any, stays in effect)",
+        kind.as_str(),
+        display_key(key)
+    );
+}
+
+fn display_key(key: &NamespacedName) -> String {
+    if key.namespace.is_empty() {
+        key.name.clone()
+    } else {
+        key.to_string()
+    }
+}
+
+fn emit_applied(
+    out: &mut Vec<Event>,
+    key: &NamespacedName,
+    model: Model,
+    trigger: Option<SystemTime>,
+    started: SystemTime,
+) {
+    match model {
+        Model::Service(ports) => out.push(Event::ServiceApplied {
+            key: key.clone(),
+            ports,
+        }),
+        Model::Slice(slice) => {
+            if let Some(at) = trigger.filter(|t| *t > started) {
+                out.push(Event::EndpointsChangeTriggered {
+                    service: slice.service_key(),
+                    at,
+                });
+            }
+            out.push(Event::SliceApplied(slice));
+        }
+        Model::Node(node) => out.push(Event::NodeApplied(node)),
+    }
+}
+
+fn deleted_event(kind: Kind, key: NamespacedName) -> Event {
+    match kind {
+        Kind::Service => Event::ServiceDeleted(key),
+        Kind::EndpointSlice => Event::SliceDeleted {
+            namespace: key.namespace,
+            name: key.name,
+        },
+        Kind::Node => Event::NodeDeleted,
+    }
+}
+
+fn map_event<K>(ev: watcher::Event<K>, f: impl Fn(&K) -> Converted) -> watcher::Event<Converted> {
+    match ev {
+        watcher::Event::Apply(o) => watcher::Event::Apply(f(&o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(f(&o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(&o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+/// Watch errors per kind since start (exported as a metric).
+pub static WATCH_ERRORS: [std::sync::atomic::AtomicU64; 3] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 3];
+
+/// The API source: watchers on a runtime thread, batches of events through a channel.
+#[derive(Debug)]
+pub struct KubeSource {
+    rx: mpsc::Receiver<Vec<Event>>,
+    stop: Option<futures::channel::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl KubeSource {
+    /// Builds the client (reads the kubeconfig or the in-cluster service account; a configuration error
+    /// is returned here) and starts watching. Does not wait for the API to answer.
+    pub fn start(opts: KubeOptions) -> anyhow::Result<KubeSource> {
+        let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+        let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("kube-watch".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("starting the tokio runtime: {e}")));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let client = match client(&opts).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    let watch = run(client, opts.node_name.clone(), tx).boxed();
+                    futures::future::select(watch, stop_rx).await;
+                });
+            })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(KubeSource {
+                rx,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(anyhow::anyhow!("{e}"))
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(anyhow::anyhow!(
+                    "the API watcher thread stopped during startup"
+                ))
+            }
+        }
+    }
+
+    /// Every batch received so far, in order.
+    pub fn poll(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Ok(batch) = self.rx.try_recv() {
+            out.extend(batch);
+        }
+        out
+    }
+}
+
+impl Drop for KubeSource {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            // The runtime drops the watchers at once; bound the wait anyway (a connect in progress).
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// The client for `--kubeconfig` / `--master`, or the in-cluster service account.
+async fn client(opts: &KubeOptions) -> Result<kube::Client, String> {
+    let master = match opts.master.as_deref().filter(|m| !m.is_empty()) {
+        Some(m) => Some(
+            m.parse::<http::Uri>()
+                .map_err(|e| format!("invalid --master {m:?}: {e}"))?,
+        ),
+        None => None,
+    };
+    let mut config = match (&opts.kubeconfig, &master) {
+        (Some(path), _) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("reading kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?
+        }
+        (None, Some(url)) => kube::Config::new(url.clone()),
+        (None, None) => kube::Config::incluster().map_err(|e| {
+            format!("no --kubeconfig or --master, and no in-cluster configuration: {e}")
+        })?,
+    };
+    if let Some(url) = master {
+        config.cluster_url = url;
+    }
+    tracing::info!(server = %config.cluster_url, "watching the Kubernetes API");
+    kube::Client::try_from(config).map_err(|e| format!("building the API client: {e}"))
+}
+
+type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
+
+/// Runs the three watchers until the receiver goes away.
+async fn run(client: kube::Client, node_name: String, tx: mpsc::Sender<Vec<Event>>) {
+    let proxied = watcher::Config::default()
+        .labels(PROXY_LABEL_SELECTOR)
+        .any_semantic();
+    let services = watcher::watcher(kube::Api::<Service>::all(client.clone()), proxied.clone())
+        .default_backoff()
+        .map(|r| (Kind::Service, r.map(|e| map_event(e, Converted::service))))
+        .boxed();
+    let slices = watcher::watcher(kube::Api::<EndpointSlice>::all(client.clone()), proxied)
+        .default_backoff()
+        .map(|r| {
+            (
+                Kind::EndpointSlice,
+                r.map(|e| map_event(e, Converted::slice)),
+            )
+        })
+        .boxed();
+    let mut streams: Vec<futures::stream::BoxStream<'static, Item>> = vec![services, slices];
+    if !node_name.is_empty() {
+        let cfg = watcher::Config::default()
+            .fields(&format!("metadata.name={node_name}"))
+            .any_semantic();
+        streams.push(
+            watcher::watcher(kube::Api::<Node>::all(client), cfg)
+                .default_backoff()
+                .map(|r| (Kind::Node, r.map(|e| map_event(e, Converted::node))))
+                .boxed(),
+        );
+    }
+    let mut all = futures::stream::select_all(streams);
+    let mut coordinator = Coordinator::default();
+    while let Some((kind, item)) = all.next().await {
+        match item {
+            Ok(ev) => {
+                let batch = coordinator.handle(kind, ev);
+                if !batch.is_empty() && tx.send(batch).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                WATCH_ERRORS[kind as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(
+                    kind = kind.as_str(),
+                    "API watch failed (retrying with backoff; the programmed rules stay): {e}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ClusterState, Protocol};
+    use crate::source::apply_event;
+    use watcher::Event as W;
+
+    fn svc(name: &str, ip: &str) -> Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]},
+        }))
+        .unwrap()
+    }
+
+    fn slice(name: &str, service: &str, ips: &[&str], trigger: Option<&str>) -> EndpointSlice {
+        let mut annotations = serde_json::Map::new();
+        if let Some(t) = trigger {
+            annotations.insert(TRIGGER_TIME_ANNOTATION.into(), t.into());
+        }
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns",
+                         "labels": {"kubernetes.io/service-name": service},
+                         "annotations": annotations},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080}],
+            "endpoints": ips.iter().map(|ip| serde_json::json!({"addresses": [ip]})).collect::<Vec<_>>(),
+        }))
+        .unwrap()
+    }
+
+    fn s(ev: W<Service>) -> W<Converted> {
+        map_event(ev, Converted::service)
+    }
+    fn e(ev: W<EndpointSlice>) -> W<Converted> {
+        map_event(ev, Converted::slice)
+    }
+
+    fn names(events: &[Event]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                Event::ServiceApplied { key, ports } => format!("svc+ {key} {}", ports.len()),
+                Event::ServiceDeleted(k) => format!("svc- {k}"),
+                Event::SliceApplied(s) => format!("slice+ {} {}", s.key(), s.endpoints.len()),
+                Event::SliceDeleted { namespace, name } => format!("slice- {namespace}/{name}"),
+                Event::Synced => "synced".into(),
+                Event::EndpointsChangeTriggered { service, .. } => format!("trigger {service}"),
+                Event::NodeApplied(n) => format!("node+ {}", n.name),
+                Event::NodeDeleted => "node-".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn synced_only_after_both_lists() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        assert!(c.handle(Kind::Service, s(W::Init)).is_empty());
+        // Listed objects are held back until the list is complete.
+        assert!(c
+            .handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))))
+            .is_empty());
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(names(&out), ["svc+ ns/a 1"]);
+        assert!(!c.synced());
+        // The node's list does not gate the sync.
+        c.handle(Kind::Node, map_event(W::<Node>::Init, Converted::node));
+        assert!(
+            !names(&c.handle(Kind::Node, map_event(W::<Node>::InitDone, Converted::node)))
+                .contains(&"synced".to_string())
+        );
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        c.handle(
+            Kind::EndpointSlice,
+            e(W::InitApply(slice("a-1", "a", &["10.244.1.2"], None))),
+        );
+        let out = c.handle(Kind::EndpointSlice, e(W::InitDone));
+        assert_eq!(names(&out), ["slice+ ns/a-1 1", "synced"]);
+        assert!(c.synced());
+        // Synced is sent once.
+        c.handle(Kind::Service, s(W::Init));
+        c.handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))));
+        assert!(c.handle(Kind::Service, s(W::InitDone)).is_empty());
+    }
+
+    #[test]
+    fn relist_emits_only_the_difference_in_one_batch() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        c.handle(Kind::EndpointSlice, e(W::InitDone));
+        c.handle(Kind::Service, s(W::Init));
+        for (n, ip) in [("a", "10.96.0.1"), ("b", "10.96.0.2"), ("c", "10.96.0.3")] {
+            c.handle(Kind::Service, s(W::InitApply(svc(n, ip))));
+        }
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(out.len(), 4, "{:?}", names(&out));
+        let mut state = ClusterState::new();
+        for ev in out {
+            apply_event(&mut state, ev);
+        }
+        // A relist (after 410 Gone): a unchanged, b changed, c gone, d new. Nothing comes out until the
+        // list is complete, then exactly the difference.
+        assert!(c.handle(Kind::Service, s(W::Init)).is_empty());
+        for (n, ip) in [("a", "10.96.0.1"), ("b", "10.96.0.22"), ("d", "10.96.0.4")] {
+            assert!(c
+                .handle(Kind::Service, s(W::InitApply(svc(n, ip))))
+                .is_empty());
+        }
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(names(&out), ["svc+ ns/b 1", "svc+ ns/d 1", "svc- ns/c"]);
+        for ev in out {
+            apply_event(&mut state, ev);
+        }
+        let ips: Vec<String> = state
+            .service_map()
+            .values()
+            .map(|p| format!("{} {}", p.name.service, p.cluster_ips[0]))
+            .collect();
+        assert_eq!(ips, ["ns/a 10.96.0.1", "ns/b 10.96.0.22", "ns/d 10.96.0.4"]);
+        // An interrupted relist (a new Init before InitDone) drops what it had collected.
+        c.handle(Kind::Service, s(W::Init));
+        c.handle(Kind::Service, s(W::InitApply(svc("e", "10.96.0.5"))));
+        c.handle(Kind::Service, s(W::Init));
+        for (n, ip) in [("a", "10.96.0.1"), ("b", "10.96.0.22"), ("d", "10.96.0.4")] {
+            c.handle(Kind::Service, s(W::InitApply(svc(n, ip))));
+        }
+        assert!(c.handle(Kind::Service, s(W::InitDone)).is_empty());
+    }
+
+    #[test]
+    fn watch_events_apply_only_real_changes() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        for k in [Kind::Service, Kind::EndpointSlice] {
+            c.handle(k, s(W::Init));
+            c.handle(k, s(W::InitDone));
+        }
+        assert_eq!(
+            names(&c.handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.1"))))),
+            ["svc+ ns/a 1"]
+        );
+        // The same content again (a resourceVersion bump, a status change we do not use): nothing.
+        assert!(c
+            .handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.1"))))
+            .is_empty());
+        assert_eq!(
+            names(&c.handle(Kind::Service, s(W::Delete(svc("a", "10.96.0.1"))))),
+            ["svc- ns/a"]
+        );
+        // Deleting what was never emitted: nothing.
+        assert!(c
+            .handle(Kind::Service, s(W::Delete(svc("zz", "10.96.0.9"))))
+            .is_empty());
+        // A service that turns headless is removed; headless from the start is never emitted.
+        c.handle(Kind::Service, s(W::Apply(svc("h", "10.96.0.7"))));
+        assert_eq!(
+            names(&c.handle(Kind::Service, s(W::Apply(svc("h", "None"))))),
+            ["svc- ns/h"]
+        );
+        assert!(c
+            .handle(Kind::Service, s(W::Apply(svc("h2", "None"))))
+            .is_empty());
+    }
+
+    #[test]
+    fn malformed_objects_are_skipped_and_the_last_good_version_stays() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        for k in [Kind::Service, Kind::EndpointSlice] {
+            c.handle(k, s(W::Init));
+            c.handle(k, s(W::InitDone));
+        }
+        c.handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.1"))));
+        assert!(c
+            .handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.300"))))
+            .is_empty());
+        assert_eq!(c.skipped, 1);
+        // A relist that still has the broken version keeps the good one (no deletion).
+        c.handle(Kind::Service, s(W::Init));
+        c.handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.300"))));
+        c.handle(Kind::Service, s(W::InitApply(svc("bad", "nope"))));
+        assert!(c.handle(Kind::Service, s(W::InitDone)).is_empty());
+        assert_eq!(c.skipped, 3);
+        // A slice without the service-name label is skipped too.
+        let mut sl = slice("x-1", "x", &["10.244.1.2"], None);
+        sl.metadata.labels = None;
+        assert!(c.handle(Kind::EndpointSlice, e(W::Apply(sl))).is_empty());
+        assert_eq!(c.skipped, 4);
+        // Fixed: applied.
+        assert_eq!(
+            names(&c.handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.2"))))),
+            ["svc+ ns/a 1"]
+        );
+    }
+
+    #[test]
+    fn slices_merge_per_service_and_carry_trigger_times() {
+        let started = parse_rfc3339("2024-05-01T10:00:00Z").unwrap();
+        let mut c = Coordinator::new(started);
+        c.handle(Kind::Service, s(W::Init));
+        c.handle(Kind::Service, s(W::InitApply(svc("web", "10.96.0.1"))));
+        c.handle(Kind::Service, s(W::InitDone));
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        // A trigger time from before the start is not measured.
+        c.handle(
+            Kind::EndpointSlice,
+            e(W::InitApply(slice(
+                "web-1",
+                "web",
+                &["10.244.1.2"],
+                Some("2024-05-01T09:59:00Z"),
+            ))),
+        );
+        let out = c.handle(Kind::EndpointSlice, e(W::InitDone));
+        assert_eq!(names(&out), ["slice+ ns/web-1 1", "synced"]);
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice(
+                "web-2",
+                "web",
+                &["10.244.2.2", "10.244.3.2"],
+                Some("2024-05-01T10:00:01.5Z"),
+            ))),
+        );
+        assert_eq!(names(&out), ["trigger ns/web", "slice+ ns/web-2 2"]);
+        let Event::EndpointsChangeTriggered { at, .. } = &out[0] else {
+            unreachable!()
+        };
+        assert_eq!(
+            at.duration_since(started).unwrap(),
+            Duration::from_millis(1500)
+        );
+        let mut state = ClusterState::new();
+        let mut c2 = Coordinator::new(started);
+        for k in [Kind::Service, Kind::EndpointSlice] {
+            c2.handle(k, s(W::Init));
+            c2.handle(k, s(W::InitDone));
+        }
+        for ev in c2
+            .handle(Kind::Service, s(W::Apply(svc("web", "10.96.0.1"))))
+            .into_iter()
+            .chain(c2.handle(
+                Kind::EndpointSlice,
+                e(W::Apply(slice("web-1", "web", &["10.244.1.2"], None))),
+            ))
+            .chain(c2.handle(
+                Kind::EndpointSlice,
+                e(W::Apply(slice("web-2", "web", &["10.244.2.2"], None))),
+            ))
+        {
+            apply_event(&mut state, ev);
+        }
+        let eps = state.endpoints_map();
+        let (name, list) = eps.iter().next().unwrap();
+        assert_eq!(name.protocol, Protocol::Tcp);
+        assert_eq!(list.len(), 2, "both slices of the service are merged");
+    }
+
+    #[test]
+    fn node_info_reads_zone_addresses_cidrs_and_deletion() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "node-1", "labels": {"topology.kubernetes.io/zone": "z1"}},
+            "spec": {"podCIDRs": ["10.244.1.0/24", "fd00:244:1::/64"],
+                     "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]},
+            "status": {"addresses": [{"type": "Hostname", "address": "node-1"},
+                                     {"type": "InternalIP", "address": "192.168.1.10"},
+                                     {"type": "InternalIP", "address": "fd00::10"}]},
+        }))
+        .unwrap();
+        let n = node_info(&node).unwrap();
+        assert_eq!(n.name, "node-1");
+        assert_eq!(n.zone.as_deref(), Some("z1"));
+        assert_eq!(n.addresses.len(), 2);
+        assert_eq!(n.pod_cidrs[0].to_string(), "10.244.1.0/24");
+        assert!(n.deleting);
+        let mut bad = node.clone();
+        bad.spec.as_mut().unwrap().pod_cidrs = Some(vec!["10.244.1.0/99".into()]);
+        assert!(node_info(&bad).unwrap_err().contains("podCIDRs"));
+    }
+}
