@@ -272,7 +272,10 @@ fn manifest_changes_take_effect_and_removed_services_leave_nothing() {
         reduced, original,
         "test bug: endpoint not found in the slices file"
     );
+    let syncs = agent.log().matches("sync complete").count();
     m.write("endpointslices.yaml", &reduced);
+    // The next sync applies it (then new connections never reach pod 2).
+    agent.wait_syncs(syncs + 1, SYNC);
     wait_until(SYNC, || backends_seen(&sb, 20) == BTreeSet::from([1, 3]))
         .unwrap_or_else(|_| panic!("endpoint removal not applied; log:\n{}", agent.log()));
     assert_eq!(backends_seen(&sb, 60), BTreeSet::from([1, 3]));

@@ -618,7 +618,14 @@ fn cap_net_admin_is_the_only_capability_needed() {
         .args(["--min-sync-period", "0.2"]);
     only_net_admin(&mut cmd);
     let agent = Agent::spawn(cmd);
-    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid().unwrap())).unwrap();
+    // Right after spawn the child may not have exec'd yet (its capabilities would be the test's): wait until
+    // the process is nftkube itself.
+    let status_path = format!("/proc/{}/status", agent.pid().unwrap());
+    wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(&status_path).is_ok_and(|s| s.lines().next() == Some("Name:\tnftkube"))
+    })
+    .expect("the agent never exec'd");
+    let status = std::fs::read_to_string(&status_path).unwrap();
     let cap_eff = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
