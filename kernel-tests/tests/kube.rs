@@ -622,7 +622,8 @@ fn cap_net_admin_is_the_only_capability_needed() {
     // the process is nftkube itself.
     let status_path = format!("/proc/{}/status", agent.pid().unwrap());
     wait_until(Duration::from_secs(10), || {
-        std::fs::read_to_string(&status_path).is_ok_and(|s| s.lines().next() == Some("Name:\tnftkube"))
+        std::fs::read_to_string(&status_path)
+            .is_ok_and(|s| s.lines().next() == Some("Name:\tnftkube"))
     })
     .expect("the agent never exec'd");
     let status = std::fs::read_to_string(&status_path).unwrap();
