@@ -244,3 +244,53 @@ fn topology_hints_keep_traffic_in_the_zone_or_on_the_node() {
     })
     .unwrap_or_else(|_| panic!("unmatched zone must fall back to every endpoint"));
 }
+
+const TERMINATING: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: rolling, namespace: demo}
+spec:
+  clusterIP: 10.96.0.80
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: rolling-1, namespace: demo, labels: {kubernetes.io/service-name: rolling}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], conditions: {ready: false, serving: true, terminating: true}}
+- {addresses: ["10.244.2.2"], conditions: {ready: false, serving: true, terminating: true}}
+- {addresses: ["10.244.3.2"], conditions: {ready: false, serving: false, terminating: true}}
+"#;
+
+#[test]
+fn terminating_endpoints_that_still_serve_take_over_when_none_is_ready() {
+    let sb = sandbox("nk-term", 3);
+    let m = Manifests::examples();
+    m.write("rolling.yaml", TERMINATING);
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    let dst = addr("10.96.0.80", 80);
+    wait_until(SYNC, || {
+        tcp_request(sb.client(), dst, Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    // No endpoint is ready: the serving ones that are terminating carry the traffic; the one that no
+    // longer serves gets none.
+    assert_eq!(
+        tally(&tcp_requests(sb.client(), dst, 40, T)).0,
+        [1, 2].into()
+    );
+    // A ready endpoint appears: it alone serves new connections.
+    m.write(
+        "rolling.yaml",
+        &TERMINATING.replace(
+            "{ready: false, serving: false, terminating: true}",
+            "{ready: true, serving: true, terminating: false}",
+        ),
+    );
+    wait_until(SYNC, || {
+        tally(&tcp_requests(sb.client(), dst, 20, T)).0 == [3].into()
+    })
+    .unwrap_or_else(|_| panic!("the ready endpoint never took over; log:\n{}", agent.log()));
+}
