@@ -293,6 +293,14 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> Result<D
     }
 }
 
+/// The repository's examples/: `$NFTKUBE_EXAMPLES`, or the path compiled in (the VM matrix copies them to a
+/// fixed place, since the build's path may be hidden in the VM, e.g. under its /tmp).
+pub fn examples_dir() -> PathBuf {
+    std::env::var_os("NFTKUBE_EXAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples"))
+}
+
 /// A private copy of the repository's examples/ that a test may edit; removed on drop.
 pub struct Manifests {
     pub dir: PathBuf,
@@ -302,7 +310,7 @@ impl Manifests {
     pub fn examples() -> Manifests {
         let dir = std::env::temp_dir().join(unique_name("nftkube-manifests"));
         std::fs::create_dir_all(&dir).unwrap();
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let src = examples_dir();
         for entry in std::fs::read_dir(src).unwrap() {
             let p = entry.unwrap().path();
             if p.extension().is_some_and(|e| e == "yaml") {

@@ -361,7 +361,7 @@ fn the_static_binary_follows_the_api_server_from_an_empty_root() {
             .map_err(|e| io::Error::other(e.to_string()))?
             .run(move || TcpListener::bind(a))?
     }));
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let examples = examples_dir();
     for file in ["services.yaml", "endpointslices.yaml"] {
         let text = std::fs::read_to_string(examples.join(file)).unwrap();
         for obj in objects_from_yaml(&text) {

@@ -1,13 +1,13 @@
 //! README's first command, `nftkube demo`, works and cleans up after itself.
 
-use kernel_tests::{nftkube_bin, require_root};
-use std::path::Path;
+use kernel_tests::{examples_dir, nftkube_bin, require_root};
 use std::process::Command;
 
 #[test]
 fn demo_shows_balanced_traffic_rejections_and_the_ruleset_then_removes_its_sandbox() {
     require_root();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // README's command runs from the repository root, where `examples/` is the default manifest directory.
+    let root = examples_dir().join("..");
     let out = Command::new(nftkube_bin())
         .args(["demo", "--requests", "30"])
         .current_dir(&root)

@@ -37,7 +37,7 @@ fn fake_api_in(ns: &NetNs) -> FakeApi {
 
 /// The examples' Services and EndpointSlices, plus this node's object.
 fn load_examples(api: &FakeApi) {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let dir = examples_dir();
     for file in ["services.yaml", "endpointslices.yaml"] {
         let text = std::fs::read_to_string(dir.join(file)).unwrap();
         for obj in objects_from_yaml(&text) {
