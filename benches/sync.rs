@@ -249,25 +249,15 @@ fn v4(base: [u8; 4], offset: u32) -> IpAddr {
 }
 
 fn service(i: usize) -> ServicePort {
-    ServicePort {
-        name: ServicePortName {
+    ServicePort::cluster_ip(
+        ServicePortName {
             service: NamespacedName::new(format!("ns{}", i % 100), format!("svc{i}")),
             port: "p80".into(),
             protocol: Protocol::Tcp,
         },
-        service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![v4([10, 96, 0, 0], 1 + i as u32)],
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        external_traffic_policy: TrafficPolicy::Cluster,
-        internal_traffic_policy: TrafficPolicy::Cluster,
-        session_affinity_timeout: None,
-        health_check_node_port: None,
-    }
+        vec![v4([10, 96, 0, 0], 1 + i as u32)],
+        80,
+    )
 }
 
 fn endpoint(ip: IpAddr) -> Endpoint {

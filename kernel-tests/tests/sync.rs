@@ -115,21 +115,7 @@ fn model() -> (ServiceMap, EndpointsMap, RenderConfig) {
         port: "tcp".into(),
         protocol: Protocol::Tcp,
     };
-    let sp = ServicePort {
-        name: spn.clone(),
-        service_type: ServiceType::ClusterIP,
-        cluster_ips: vec![echo().ip()],
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        external_traffic_policy: TrafficPolicy::Cluster,
-        internal_traffic_policy: TrafficPolicy::Cluster,
-        session_affinity_timeout: None,
-        health_check_node_port: None,
-    };
+    let sp = ServicePort::cluster_ip(spn.clone(), vec![echo().ip()], 80);
     let eps = (1..=3)
         .map(|i| Endpoint {
             ip: sandbox::pod_ip_v4(i).into(),

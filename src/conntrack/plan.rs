@@ -360,7 +360,7 @@ pub fn build_filter(
 mod tests {
     use super::super::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
     use super::*;
-    use crate::model::{IpFamily, SliceEndpoint, SliceInfo, SlicePort, TrafficPolicy};
+    use crate::model::{IpFamily, SliceEndpoint, SliceInfo, SlicePort};
 
     fn key(name: &str) -> NamespacedName {
         NamespacedName::new("ns", name)
@@ -373,21 +373,7 @@ mod tests {
         }
     }
     fn port(svc: &str, name: &str, proto: Protocol, port: u16, ip: &str) -> ServicePort {
-        ServicePort {
-            name: spn(svc, name, proto),
-            service_type: crate::model::ServiceType::ClusterIP,
-            cluster_ips: vec![ip.parse().unwrap()],
-            port,
-            protocol: proto,
-            node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            session_affinity_timeout: None,
-            health_check_node_port: None,
-        }
+        ServicePort::cluster_ip(spn(svc, name, proto), vec![ip.parse().unwrap()], port)
     }
     fn slice(svc: &str, eps: &[(&str, bool)]) -> SliceInfo {
         SliceInfo {

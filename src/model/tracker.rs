@@ -386,25 +386,15 @@ mod tests {
         port: u16,
         ip: &str,
     ) -> ServicePort {
-        ServicePort {
-            name: ServicePortName {
+        ServicePort::cluster_ip(
+            ServicePortName {
                 service: NamespacedName::new(ns, svc),
                 port: port_name.into(),
                 protocol: proto,
             },
-            service_type: ServiceType::ClusterIP,
-            cluster_ips: vec![ip.parse().unwrap()],
+            vec![ip.parse().unwrap()],
             port,
-            protocol: proto,
-            node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            session_affinity_timeout: None,
-            health_check_node_port: None,
-        }
+        )
     }
 
     fn ep(ip: &str, ready: bool, serving: bool) -> SliceEndpoint {

@@ -218,6 +218,28 @@ pub struct ServicePort {
     pub health_check_node_port: Option<u16>,
 }
 
+impl ServicePort {
+    /// A plain ClusterIP service port (every other field at its API default): the starting point that tests,
+    /// benchmarks and sources adjust.
+    pub fn cluster_ip(name: ServicePortName, cluster_ips: Vec<IpAddr>, port: u16) -> ServicePort {
+        ServicePort {
+            protocol: name.protocol,
+            name,
+            service_type: ServiceType::ClusterIP,
+            cluster_ips,
+            port,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            external_traffic_policy: TrafficPolicy::Cluster,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            session_affinity_timeout: None,
+            health_check_node_port: None,
+        }
+    }
+}
+
 /// One endpoint of one service port, from an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Endpoint {

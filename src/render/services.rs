@@ -315,21 +315,7 @@ mod tests {
             port: "p".into(),
             protocol: proto,
         };
-        let sp = ServicePort {
-            name: spn.clone(),
-            service_type: ServiceType::ClusterIP,
-            cluster_ips: vec![ip.parse().unwrap()],
-            port,
-            protocol: proto,
-            node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            session_affinity_timeout: None,
-            health_check_node_port: None,
-        };
+        let sp = ServicePort::cluster_ip(spn.clone(), vec![ip.parse().unwrap()], port);
         (spn, sp)
     }
 

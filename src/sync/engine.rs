@@ -270,25 +270,15 @@ mod tests {
     use crate::render::{all_pieces, render, service_pieces, skeleton, RenderConfig};
 
     fn port(name: &str, ip: &str, proto: Protocol) -> ServicePort {
-        ServicePort {
-            name: ServicePortName {
+        ServicePort::cluster_ip(
+            ServicePortName {
                 service: NamespacedName::new("ns", name),
                 port: proto.as_str().into(),
                 protocol: proto,
             },
-            service_type: ServiceType::ClusterIP,
-            cluster_ips: ip.split(',').map(|i| i.parse().unwrap()).collect(),
-            port: 80,
-            protocol: proto,
-            node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            external_traffic_policy: TrafficPolicy::Cluster,
-            internal_traffic_policy: TrafficPolicy::Cluster,
-            session_affinity_timeout: None,
-            health_check_node_port: None,
-        }
+            ip.split(',').map(|i| i.parse().unwrap()).collect(),
+            80,
+        )
     }
 
     fn eps(ips: &[&str]) -> Vec<Endpoint> {
