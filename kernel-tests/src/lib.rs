@@ -259,12 +259,17 @@ pub struct TimedOut;
 /// The arguments `Agent::start` gives `nftkube`: `proxy --manifests DIR` with the sandbox's node name and cluster
 /// CIDRs, a short debounce, then `extra`.
 pub fn proxy_args(manifests: &Path, extra: &[&str]) -> Vec<std::ffi::OsString> {
+    proxy_args_from(&["--manifests".into(), manifests.into()], extra)
+}
+
+/// The same for any source: `source` is e.g. `--manifests DIR` or `--master URL`.
+pub fn proxy_args_from(source: &[std::ffi::OsString], extra: &[&str]) -> Vec<std::ffi::OsString> {
     let cidrs = format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6);
-    let mut args: Vec<std::ffi::OsString> = ["--log-level", "debug", "proxy", "--manifests"]
+    let mut args: Vec<std::ffi::OsString> = ["--log-level", "debug", "proxy"]
         .iter()
         .map(Into::into)
         .collect();
-    args.push(manifests.into());
+    args.extend(source.iter().cloned());
     for a in [
         "--hostname-override",
         "node-1",

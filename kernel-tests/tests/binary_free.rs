@@ -377,21 +377,8 @@ fn the_static_binary_follows_the_api_server_from_an_empty_root() {
     );
 
     let root = RootDir::new();
-    let cidrs = format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6);
     let mut cmd = in_empty_root(sb.node(), &bin, None, &root);
-    cmd.args([
-        "--log-level",
-        "debug",
-        "proxy",
-        "--master",
-        &api.url(),
-        "--hostname-override",
-        "node-1",
-        "--cluster-cidr",
-        &cidrs,
-        "--min-sync-period",
-        "0.2",
-    ]);
+    cmd.args(proxy_args_from(&["--master".into(), api.url().into()], &[]));
     let mut agent = Agent::spawn(cmd);
     let pid = agent.pid().unwrap();
     wait_reachable(sb.client(), echo_v4(), || agent.log());

@@ -86,22 +86,11 @@ fn slice(name: &str, service: &str, pods: &[usize], node: &str) -> Value {
 
 /// `nftkube proxy --master URL` in `ns` as node-1 with the sandbox's cluster CIDRs, then `extra`.
 fn start_agent(ns: &NetNs, api: &FakeApi, extra: &[&str]) -> Agent {
-    let cidrs = format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6);
     let mut cmd = command_in(ns, nftkube_bin());
-    cmd.args([
-        "--log-level",
-        "debug",
-        "proxy",
-        "--master",
-        &api.url(),
-        "--hostname-override",
-        "node-1",
-        "--cluster-cidr",
-        &cidrs,
-        "--min-sync-period",
-        "0.2",
-    ]);
-    cmd.args(extra);
+    cmd.args(proxy_args_from(
+        &["--master".into(), api.url().into()],
+        extra,
+    ));
     Agent::spawn(cmd)
 }
 
