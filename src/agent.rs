@@ -224,10 +224,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             observer.sync_started();
             if engine.needs_full_sync() {
                 // Node addresses can change; full syncs pick that up for NodePorts.
-                cfg.nodeport_addresses = nodeport_addresses(&opts.nodeport_cidrs);
-                cfg.node_ips = crate::node::addresses()
-                    .map(|a| a.into_iter().map(|a| a.ip).collect())
-                    .unwrap_or_default();
+                refresh_node_addresses(&mut cfg, &opts.nodeport_cidrs);
             }
             match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
                 Ok(report) => {
@@ -365,17 +362,21 @@ pub fn cleanup() -> anyhow::Result<usize> {
     )?)
 }
 
-/// Where NodePorts are served, from `--nodeport-addresses` and the addresses of the calling thread's
-/// namespace. If the addresses cannot be read, NodePorts are not served (and that is logged).
-pub fn nodeport_addresses(cidrs: &[Cidr]) -> crate::node::NodePortAddresses {
+/// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from
+/// them: where NodePorts are served (from `--nodeport-addresses`) and the node's own IPs. If the addresses
+/// cannot be read, NodePorts are not served (and that is logged).
+pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport_cidrs: &[Cidr]) {
     let read = crate::node::addresses().and_then(|a| Ok((a, crate::node::default_route_links()?)));
     match read {
         Ok((addresses, primary)) => {
-            crate::node::resolve_nodeport_addresses(cidrs, &addresses, &primary)
+            cfg.nodeport_addresses =
+                crate::node::resolve_nodeport_addresses(nodeport_cidrs, &addresses, &primary);
+            cfg.node_ips = addresses.iter().map(|a| a.ip).collect();
         }
         Err(e) => {
             tracing::error!("reading the node's addresses: {e}; NodePorts are not served");
-            crate::node::NodePortAddresses::None
+            cfg.nodeport_addresses = crate::node::NodePortAddresses::None;
+            cfg.node_ips.clear();
         }
     }
 }

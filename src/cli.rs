@@ -103,21 +103,22 @@ impl RenderArgs {
                 self.drop_bit
             ));
         }
-        Ok(RenderConfig {
+        let mut cfg = RenderConfig {
             node_name: self.hostname_override.clone(),
             cluster_cidrs: self.cluster_cidr.clone(),
             masquerade_all: self.masquerade_all,
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
-            nodeport_addresses: agent::nodeport_addresses(&self.nodeport_addresses),
+            nodeport_addresses: crate::node::NodePortAddresses::None,
             drop_bit: 1 << self.drop_bit,
             service_cidrs: self.service_cidr.clone(),
-            node_ips: crate::node::addresses()
-                .map(|a| a.into_iter().map(|a| a.ip).collect())
-                .unwrap_or_default(),
+            node_ips: Vec::new(),
             local_detector,
             node_zone: self.node_zone.clone(),
-        })
+        };
+        // Where NodePorts are served and the node's own IPs, from this namespace's addresses.
+        agent::refresh_node_addresses(&mut cfg, &self.nodeport_addresses);
+        Ok(cfg)
     }
 }
 
