@@ -93,8 +93,9 @@ struct Snapshot {
 pub struct ClusterState {
     services: ServiceMap,
     slices: BTreeMap<NamespacedName, SliceInfo>,
-    /// Service → names of the slices (same namespace) whose service label names it.
-    slices_by_service: HashMap<NamespacedName, BTreeSet<String>>,
+    /// Service → names of the slices (same namespace) whose service label names it, sorted. A sorted vector,
+    /// not a BTreeSet: a service has a slice or two, and a BTreeSet's first node costs ~300 bytes.
+    slices_by_service: HashMap<NamespacedName, Vec<String>>,
     /// Cluster IP → number of UDP service ports using it.
     udp_cluster_ip_refs: HashMap<IpAddr, usize>,
     /// Services touched since the last `take_changes`, with their state at that time.
@@ -149,10 +150,10 @@ impl ClusterState {
             }
         }
         self.touch(&new_service);
-        self.slices_by_service
-            .entry(new_service)
-            .or_default()
-            .insert(key.name.clone());
+        let names = self.slices_by_service.entry(new_service).or_default();
+        if let Err(at) = names.binary_search(&key.name) {
+            names.insert(at, key.name.clone());
+        }
         self.slices.insert(key, slice);
     }
 
@@ -365,9 +366,9 @@ impl ClusterState {
     }
 
     fn unindex_slice(&mut self, service: &NamespacedName, slice_name: &str) {
-        if let Some(set) = self.slices_by_service.get_mut(service) {
-            set.remove(slice_name);
-            if set.is_empty() {
+        if let Some(names) = self.slices_by_service.get_mut(service) {
+            names.retain(|n| n != slice_name);
+            if names.is_empty() {
                 self.slices_by_service.remove(service);
             }
         }

@@ -3,10 +3,12 @@
 mod base;
 mod chains;
 mod common;
+mod desired;
 pub mod names;
 mod services;
 
 pub use chains::{lb_chain_state, LbKind, LOCAL_SLOTS};
+pub use desired::{Desired, DesiredSet};
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
@@ -78,43 +80,15 @@ pub fn all_pieces(
         .collect()
 }
 
-/// The skeleton with the pieces added: the complete desired tables.
+/// The skeleton with the pieces added: the complete desired tables, owned.
 pub fn assemble<'a>(
-    mut tables: Vec<TableState>,
+    skeleton: Vec<TableState>,
     pieces: impl IntoIterator<Item = &'a Piece>,
 ) -> Vec<TableState> {
-    for p in pieces {
-        let family = match p {
-            Piece::Element { family, .. } | Piece::Chain { family, .. } => *family,
-        };
-        let Some(t) = tables.iter_mut().find(|t| t.family == family) else {
-            continue;
-        };
-        match p {
-            Piece::Element { set, element, .. } => {
-                // One value per key: when two service ports claim the same frontend, the first (in name
-                // order) keeps it, as the sync engine's index does.
-                let elements = &mut t.set_mut(set).elements;
-                let probe = Element {
-                    key: element.key.clone(),
-                    value: None,
-                };
-                let taken = elements
-                    .range(probe..)
-                    .next()
-                    .is_some_and(|e| e.key == element.key);
-                if !taken {
-                    elements.insert(element.clone());
-                }
-            }
-            Piece::Chain { chain, .. } => {
-                t.chains
-                    .entry(chain.chain.name.clone())
-                    .or_insert_with(|| ChainState::clone(chain));
-            }
-        }
-    }
-    tables
+    Desired::assemble(&skeleton, pieces)
+        .iter()
+        .map(Desired::to_table)
+        .collect()
 }
 
 /// The complete desired tables for a model.

@@ -11,47 +11,81 @@ use crate::nft::tx::{Change, Op, Transaction};
 pub const MAX_ELEMENTS_PER_TRANSACTION: usize = 25_000;
 
 /// Splits `tx` into transactions of at most `max` elements each (other objects count one), in order.
-pub fn split(tx: Transaction, max: usize) -> Vec<Transaction> {
-    let max = max.max(1);
-    let mut out = Vec::new();
-    let mut current = Transaction::default();
-    let mut load = 0;
-    for Change { family, table, op } in tx.changes {
-        let (set, mut rest, add) = match op {
-            Op::AddElements { set, elements } => (set, elements, true),
-            Op::DeleteElements { set, elements } => (set, elements, false),
-            op => {
-                load += 1;
-                current.changes.push(Change { family, table, op });
+///
+/// Lazy: each part is built (its elements moved, never copied, into a vector of exactly its size) only when
+/// the caller asks for it, so a caller that commits and drops each part before the next holds one part's
+/// worth of elements beside the rest of `tx`, not a second copy of everything.
+pub fn split(tx: Transaction, max: usize) -> Split {
+    Split {
+        changes: tx.changes.into_iter(),
+        pending: None,
+        max: max.max(1),
+    }
+}
+
+/// The parts of a split transaction, in order (see [`split`]).
+pub struct Split {
+    changes: std::vec::IntoIter<Change>,
+    /// An element operation cut part-way: what is left of it goes first into the next part.
+    pending: Option<Pending>,
+    max: usize,
+}
+
+struct Pending {
+    family: crate::nft::ir::Family,
+    table: String,
+    set: String,
+    add: bool,
+    elements: std::iter::Peekable<std::vec::IntoIter<Element>>,
+}
+
+impl Iterator for Split {
+    type Item = Transaction;
+
+    fn next(&mut self) -> Option<Transaction> {
+        let mut part = Transaction::default();
+        let mut load = 0;
+        while load < self.max {
+            let Some(p) = &mut self.pending else {
+                let Some(Change { family, table, op }) = self.changes.next() else {
+                    break;
+                };
+                let (set, elements, add) = match op {
+                    Op::AddElements { set, elements } => (set, elements, true),
+                    Op::DeleteElements { set, elements } => (set, elements, false),
+                    op => {
+                        load += 1;
+                        part.push(family, &table, op);
+                        continue;
+                    }
+                };
+                let elements = elements.into_iter().peekable();
+                self.pending = Some(Pending {
+                    family,
+                    table,
+                    set,
+                    add,
+                    elements,
+                });
                 continue;
-            }
-        };
-        while !rest.is_empty() {
-            if load >= max {
-                out.push(std::mem::take(&mut current));
-                load = 0;
-            }
-            let tail = rest.split_off((max - load).min(rest.len()));
-            let part: Vec<Element> = std::mem::replace(&mut rest, tail);
-            load += part.len();
-            let op = if add {
-                Op::AddElements {
-                    set: set.clone(),
-                    elements: part,
-                }
-            } else {
-                Op::DeleteElements {
-                    set: set.clone(),
-                    elements: part,
-                }
             };
-            current.push(family, &table, op);
+            let elements: Vec<Element> = p.elements.by_ref().take(self.max - load).collect();
+            load += elements.len();
+            if !elements.is_empty() {
+                let set = p.set.clone();
+                let op = if p.add {
+                    Op::AddElements { set, elements }
+                } else {
+                    Op::DeleteElements { set, elements }
+                };
+                part.push(p.family, &p.table, op);
+            }
+            if p.elements.peek().is_none() {
+                self.pending = None;
+            }
         }
+        (!part.is_empty()).then_some(part)
     }
-    if !current.is_empty() {
-        out.push(current);
-    }
-    out
 }
 
 #[cfg(test)]
@@ -89,8 +123,8 @@ mod tests {
                 elements: elements(7),
             },
         );
-        assert_eq!(split(tx.clone(), 1000).len(), 1);
-        let parts = split(tx.clone(), 10);
+        assert_eq!(split(tx.clone(), 1000).count(), 1);
+        let parts: Vec<Transaction> = split(tx.clone(), 10).collect();
         assert!(parts.iter().all(|p| p
             .changes
             .iter()

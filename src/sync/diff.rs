@@ -4,13 +4,14 @@
 
 use crate::nft::ir::*;
 use crate::nft::tx::{Op, Transaction};
+use crate::render::{Desired, DesiredSet};
 
 /// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`. Returns the stale
 /// chains it left in place because something in `old` still pointed at them: kernels before 6.2 can answer
 /// EBUSY when a chain is deleted in the transaction that removes the last reference to it, so such chains
 /// are deleted by the next sync instead (as upstream kube-proxy does).
-pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableState) -> Vec<String> {
-    let (fam, name) = (new.family, new.name.as_str());
+pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &Desired) -> Vec<String> {
+    let (fam, name) = (new.family, new.name);
     let old = match old {
         Some(o) if compatible(o, new) => o,
         Some(_) => {
@@ -27,7 +28,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
     };
 
     for (n, s) in &new.sets {
-        if !old.sets.contains_key(n) {
+        if !old.sets.contains_key(*n) {
             tx.push(fam, name, Op::AddSet(s.set.clone()));
         }
     }
@@ -36,6 +37,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
         .chains
         .values()
         .filter(|c| !old.chains.contains_key(&c.chain.name))
+        .copied()
         .collect();
     for c in &fresh {
         tx.push(fam, name, Op::AddChain(c.chain.clone()));
@@ -46,48 +48,61 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
     // Dispatch (verdict maps) is withdrawn first and published last, so that even when a big transaction is
     // committed in chunks no packet reaches a service whose other elements are not all in place.
-    let mut order: Vec<&String> = new.sets.keys().collect();
-    order.sort_by_key(|n| (!new.sets[*n].set.is_verdict_map(), *n));
-    // Dynamic sets (affinity) are filled by the packet path: their elements are the kernel's, never diffed.
-    order.retain(|n| !new.sets[*n].set.dynamic);
-    for n in &order {
-        let s = &new.sets[*n];
+    let mut order: Vec<(&str, &DesiredSet)> = new
+        .sets
+        .iter()
+        // Dynamic sets (affinity) are filled by the packet path: their elements are the kernel's, never
+        // diffed.
+        .filter(|(_, s)| !s.set.dynamic)
+        .map(|(n, s)| (*n, s))
+        .collect();
+    order.sort_by_key(|(n, s)| (!s.set.is_verdict_map(), *n));
+    for (n, s) in &order {
         let Some(o) = old.sets.get(*n) else { continue };
-        let gone: Vec<Element> = o.elements.difference(&s.elements).cloned().collect();
+        let gone: Vec<Element> = o
+            .elements
+            .iter()
+            .filter(|e| !s.elements.contains(e))
+            .cloned()
+            .collect();
         if !gone.is_empty() {
             tx.push(
                 fam,
                 name,
                 Op::DeleteElements {
-                    set: (*n).clone(),
+                    set: n.to_string(),
                     elements: gone,
                 },
             );
         }
     }
-    for n in order.iter().rev() {
-        let s = &new.sets[*n];
+    for (n, s) in order.iter().rev() {
         let added: Vec<Element> = match old.sets.get(*n) {
-            Some(o) => s.elements.difference(&o.elements).cloned().collect(),
-            None => s.elements.iter().cloned().collect(),
+            Some(o) => s
+                .elements
+                .iter()
+                .filter(|e| !o.elements.contains(e))
+                .map(|e| (*e).clone())
+                .collect(),
+            None => s.elements.iter().map(|e| (*e).clone()).collect(),
         };
         if !added.is_empty() {
             tx.push(
                 fam,
                 name,
                 Op::AddElements {
-                    set: (*n).clone(),
+                    set: n.to_string(),
                     elements: added,
                 },
             );
         }
     }
     for (n, c) in &new.chains {
-        match old.chains.get(n) {
+        match old.chains.get(*n) {
             Some(o) if o.rules == c.rules => {}
             Some(o) => {
                 if !o.rules.is_empty() {
-                    tx.push(fam, name, Op::FlushChain(n.clone()));
+                    tx.push(fam, name, Op::FlushChain(n.to_string()));
                 }
                 add_rules(tx, fam, name, c);
             }
@@ -99,7 +114,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
     let (deferred, stale): (Vec<&ChainState>, Vec<&ChainState>) = old
         .chains
         .values()
-        .filter(|c| !new.chains.contains_key(&c.chain.name))
+        .filter(|c| !new.chains.contains_key(c.chain.name.as_str()))
         .partition(|c| referenced(old, &c.chain.name));
     for c in &stale {
         if !c.rules.is_empty() {
@@ -110,7 +125,7 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &TableSta
         tx.push(fam, name, Op::DeleteChain(c.chain.name.clone()));
     }
     for n in old.sets.keys() {
-        if !new.sets.contains_key(n) {
+        if !new.sets.contains_key(n.as_str()) {
             tx.push(fam, name, Op::DeleteSet(n.clone()));
         }
     }
@@ -136,18 +151,18 @@ fn referenced(t: &TableState, chain: &str) -> bool {
 
 /// Whether `old` can be turned into `new` object by object: every set both have is the same definition and
 /// every chain both have attaches the same way.
-fn compatible(old: &TableState, new: &TableState) -> bool {
+fn compatible(old: &TableState, new: &Desired) -> bool {
     new.sets
         .iter()
-        .all(|(n, s)| old.sets.get(n).is_none_or(|o| o.set == s.set))
+        .all(|(n, s)| old.sets.get(*n).is_none_or(|o| o.set == *s.set))
         && new
             .chains
             .iter()
-            .all(|(n, c)| old.chains.get(n).is_none_or(|o| o.chain == c.chain))
+            .all(|(n, c)| old.chains.get(*n).is_none_or(|o| o.chain == c.chain))
 }
 
-fn create_table(tx: &mut Transaction, t: &TableState) {
-    let (fam, name) = (t.family, t.name.as_str());
+fn create_table(tx: &mut Transaction, t: &Desired) {
+    let (fam, name) = (t.family, t.name);
     tx.push(fam, name, Op::AddTable);
     for s in t.sets.values() {
         tx.push(fam, name, Op::AddSet(s.set.clone()));
@@ -159,8 +174,8 @@ fn create_table(tx: &mut Transaction, t: &TableState) {
         add_rules(tx, fam, name, c);
     }
     // Dispatch elements last (see diff_table).
-    let mut sets: Vec<&SetState> = t.sets.values().collect();
-    sets.sort_by_key(|s| (s.set.is_verdict_map(), s.set.name.clone()));
+    let mut sets: Vec<&DesiredSet> = t.sets.values().collect();
+    sets.sort_by_key(|s| (s.set.is_verdict_map(), &s.set.name));
     for s in sets {
         if !s.elements.is_empty() {
             tx.push(
@@ -168,7 +183,7 @@ fn create_table(tx: &mut Transaction, t: &TableState) {
                 name,
                 Op::AddElements {
                     set: s.set.name.clone(),
-                    elements: s.elements.iter().cloned().collect(),
+                    elements: s.elements.iter().map(|e| (*e).clone()).collect(),
                 },
             );
         }

@@ -10,7 +10,7 @@ use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
 use crate::render::names::{MAP_SERVICE_IPS, TABLE};
-use crate::render::Piece;
+use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -102,19 +102,20 @@ impl<B: Backend> SyncEngine<B> {
     ) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
         self.index = None;
-        let desired = crate::render::assemble(skeleton, pieces.values().flatten());
+        // The index takes the pieces and the desired tables borrow from it, so that the only copy of every
+        // element is the transaction's, and the commit drops each chunk of that once it is sent.
+        let index = Index::build(pieces);
         let mut tx = Transaction::default();
         let mut deferred = BTreeSet::new();
-        for t in &desired {
-            let current = self.backend.read_table(t.family, &t.name)?;
-            for chain in diff_table(&mut tx, current.as_ref(), t) {
+        for t in Desired::assemble(&skeleton, index.pieces()) {
+            let current = self.backend.read_table(t.family, t.name)?;
+            for chain in diff_table(&mut tx, current.as_ref(), &t) {
                 deferred.insert((t.family, chain));
             }
         }
-        drop(desired);
         let changes = tx.changes.len();
         let (bytes, commit_time) = self.commit(tx)?;
-        self.index = Some(Index::build(pieces));
+        self.index = Some(index);
         self.unused_chains = deferred;
         Ok(SyncReport {
             full: true,

@@ -10,6 +10,7 @@ use crate::nft::ir::{ChainState, Element, Family};
 use crate::render::names::{SET_CLUSTER_IPS, SET_HAIRPIN};
 use crate::render::Piece;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::Arc;
 
 /// Whether elements of this set may be wanted by more than one service port.
@@ -36,33 +37,58 @@ impl Delta {
     }
 }
 
-/// A key of a per-service set: (family, set, key bytes).
-type HolderKey = (Family, &'static str, Box<[u8]>);
+/// A 128-bit fingerprint of an element's identity (family, set, key or whole element), standing in for the
+/// element itself in the index's maps. At 50k services the maps hold ~300k keys; storing the bytes cost ~80
+/// MB, fingerprints ~20 MB. Two different elements share a fingerprint with probability ~n²/2¹²⁹ (≈1e-28 at
+/// 300k), and the hash keys are random per process, so nobody can craft a collision.
+type Fingerprint = u128;
+
+/// Two independently keyed SipHashes make one 128-bit fingerprint.
+#[derive(Debug, Default, Clone)]
+struct Fingerprinter {
+    high: RandomState,
+    low: RandomState,
+}
+
+impl Fingerprinter {
+    fn of(&self, value: &impl Hash) -> Fingerprint {
+        let high = self.high.hash_one(value) as u128;
+        let low = self.low.hash_one(value) as u128;
+        high << 64 | low
+    }
+}
 
 #[derive(Debug, Default, Clone)]
 pub struct Index {
     pieces: BTreeMap<ServicePortName, Vec<Piece>>,
-    shared_elements: HashMap<(Family, &'static str, Element), u32>,
-    /// Which service port holds each key of the per-service sets. Two ports claiming one frontend (two
-    /// Services given the same ClusterIP and port) must not make the kernel refuse the batch (EEXIST): the
-    /// first keeps it, the other is logged and waits (a full sync, or its next change, re-renders it).
-    holders: HashMap<HolderKey, Arc<ServicePortName>>,
+    /// How many service ports want each element of a shared set (by fingerprint of family, set, element).
+    shared_elements: HashMap<Fingerprint, u32>,
+    /// Which service port holds each key of the per-service sets (by fingerprint of family, set, key). Two
+    /// ports claiming one frontend (two Services given the same ClusterIP and port) must not make the kernel
+    /// refuse the batch (EEXIST): the first keeps it, the other is logged and waits (a full sync, or its next
+    /// change, re-renders it).
+    holders: HashMap<Fingerprint, Arc<ServicePortName>>,
     chains: HashMap<(Family, String), u32>,
+    fingerprints: Fingerprinter,
 }
 
 impl Index {
     /// The index of a complete state.
     pub fn build(pieces: BTreeMap<ServicePortName, Vec<Piece>>) -> Index {
         let mut index = Index::default();
-        let mut ignore = Delta::default();
         for (spn, list) in &pieces {
             let holder = Arc::new(spn.clone());
             for p in list {
-                index.acquire(&holder, p, &mut ignore);
+                index.acquire(&holder, p, None);
             }
         }
         index.pieces = pieces;
         index
+    }
+
+    /// Every piece of every service port.
+    pub fn pieces(&self) -> impl Iterator<Item = &Piece> {
+        self.pieces.values().flatten()
     }
 
     /// Service ports of a service currently committed.
@@ -96,7 +122,7 @@ impl Index {
                 self.release(&holder, p, &mut delta);
             }
             for p in new.iter().filter(|p| !old_set.contains(p)) {
-                self.acquire(&holder, p, &mut delta);
+                self.acquire(&holder, p, Some(&mut delta));
             }
             if !new.is_empty() {
                 self.pieces.insert(spn, new);
@@ -119,7 +145,9 @@ impl Index {
         delta
     }
 
-    fn acquire(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: &mut Delta) {
+    /// Counts `p` as needed by `holder`; records in `delta` what that adds to the kernel (None: building an
+    /// index of what is already there, where recording would copy every element for nothing).
+    fn acquire(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: Option<&mut Delta>) {
         match p {
             Piece::Element {
                 family,
@@ -129,14 +157,14 @@ impl Index {
                 if shared_set(set) {
                     let n = self
                         .shared_elements
-                        .entry((*family, *set, element.clone()))
+                        .entry(self.fingerprints.of(&(family, set, element)))
                         .or_insert(0);
                     *n += 1;
                     if *n > 1 {
                         return;
                     }
                 } else {
-                    let key = (*family, *set, element.key.clone().into_boxed_slice());
+                    let key = self.fingerprints.of(&(family, set, &element.key));
                     match self.holders.get(&key) {
                         Some(other) if **other != **holder => {
                             tracing::warn!(
@@ -150,11 +178,13 @@ impl Index {
                         }
                     }
                 }
-                delta
-                    .elements_added
-                    .entry((*family, *set))
-                    .or_default()
-                    .push(element.clone());
+                if let Some(delta) = delta {
+                    delta
+                        .elements_added
+                        .entry((*family, *set))
+                        .or_default()
+                        .push(element.clone());
+                }
             }
             Piece::Chain { family, chain } => {
                 let n = self
@@ -162,7 +192,7 @@ impl Index {
                     .entry((*family, chain.chain.name.clone()))
                     .or_insert(0);
                 *n += 1;
-                if *n == 1 {
+                if let (1, Some(delta)) = (*n, delta) {
                     delta.chains_added.push((*family, chain.clone()));
                 }
             }
@@ -177,7 +207,7 @@ impl Index {
                 element,
             } => {
                 if !shared_set(set) {
-                    let key = (*family, *set, element.key.clone().into_boxed_slice());
+                    let key = self.fingerprints.of(&(family, set, &element.key));
                     match self.holders.get(&key) {
                         Some(h) if **h == **holder => {
                             self.holders.remove(&key);
@@ -187,7 +217,7 @@ impl Index {
                     }
                 }
                 if shared_set(set) {
-                    let key = (*family, *set, element.clone());
+                    let key = self.fingerprints.of(&(family, set, element));
                     match self.shared_elements.get_mut(&key) {
                         Some(n) if *n > 1 => {
                             *n -= 1;
