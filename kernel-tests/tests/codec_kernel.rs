@@ -69,22 +69,22 @@ fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32) -> Chain {
 
 fn key(k: Vec<u8>) -> Element {
     Element {
-        key: k,
+        key: k.into(),
         value: None,
     }
 }
 
 fn verdict_el(k: Vec<u8>, v: Verdict) -> Element {
     Element {
-        key: k,
+        key: k.into(),
         value: Some(ElementValue::Verdict(v)),
     }
 }
 
 fn data_el(k: Vec<u8>, d: Vec<u8>) -> Element {
     Element {
-        key: k,
-        value: Some(ElementValue::Data(d)),
+        key: k.into(),
+        value: Some(ElementValue::Data(d.into())),
     }
 }
 

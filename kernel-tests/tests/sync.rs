@@ -168,7 +168,7 @@ fn a_rejected_batch_leaves_the_old_rules_carrying_traffic() {
                 Op::AddElements {
                     set: "cluster-ips".into(),
                     elements: vec![Element {
-                        key: vec![1, 2, 3],
+                        key: vec![1, 2, 3].into(),
                         value: None,
                     }],
                 },

@@ -4,6 +4,7 @@
 //! translation and a rule read back from the kernel compares equal to the rule we rendered. Human-readable nft
 //! syntax is produced from this data by `text.rs`; it is never parsed.
 
+pub use super::bytes::ElementBytes;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// nf_tables address family of a table (`NFPROTO_*`).
@@ -266,14 +267,14 @@ pub const SET_F_EVAL: u32 = 0x20;
 /// One element: its key bytes (components padded to 4 bytes when concatenated) and, in maps, its value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Element {
-    pub key: Vec<u8>,
+    pub key: ElementBytes,
     pub value: Option<ElementValue>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ElementValue {
     Verdict(Verdict),
-    Data(Vec<u8>),
+    Data(ElementBytes),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

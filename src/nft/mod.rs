@@ -1,6 +1,7 @@
 //! nf_tables: the typed IR, its text rendering, the netlink codec and transport.
 pub mod backend;
 pub mod build;
+pub mod bytes;
 pub mod fake;
 pub mod ir;
 pub mod monitor;

@@ -81,7 +81,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             let set = t.add_set(plain_set(SET_NODEPORT_IPS, vec![a], vec![]));
             for ip in ips.iter().filter(|ip| IpFamily::of(ip) == f) {
                 set.elements.insert(Element {
-                    key: ip_bytes(ip),
+                    key: ip_bytes(ip).into(),
                     value: None,
                 });
             }

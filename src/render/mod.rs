@@ -65,7 +65,11 @@ pub fn service_pieces(
     endpoints: Option<&Vec<crate::model::Endpoint>>,
     cfg: &RenderConfig,
 ) -> Vec<Piece> {
-    services::service_pieces(svc, endpoints.map(Vec::as_slice).unwrap_or(&[]), cfg)
+    let mut pieces =
+        services::service_pieces(svc, endpoints.map(Vec::as_slice).unwrap_or(&[]), cfg);
+    // Kept for as long as the service is committed: the vector's growth slack would be ~20% of it.
+    pieces.shrink_to_fit();
+    pieces
 }
 
 /// Pieces of every service port.

@@ -114,7 +114,10 @@ pub(super) fn service_pieces(
             |set: &'static str, key: Vec<u8>, value: Option<ElementValue>| Piece::Element {
                 family,
                 set,
-                element: Element { key, value },
+                element: Element {
+                    key: key.into(),
+                    value,
+                },
             };
         let proto = vec![svc.protocol.number()];
         let frontend =
@@ -133,10 +136,9 @@ pub(super) fn service_pieces(
                 out.push(element(
                     set,
                     concat_key(&full),
-                    Some(ElementValue::Data(concat_key(&[
-                        ip_bytes(&ep.ip),
-                        ep.port.to_be_bytes().to_vec(),
-                    ]))),
+                    Some(ElementValue::Data(
+                        concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]).into(),
+                    )),
                 ));
             }
         };

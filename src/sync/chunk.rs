@@ -1,45 +1,160 @@
-//! Cutting a big transaction into several smaller ones, so that no single commit holds the kernel's
-//! nf_tables mutex for long (a 50k-service first sync would otherwise be one multi-second batch; see
-//! KERNEL-NOTES on soft lockups). Cuts fall only inside or between element operations, never between a chain
-//! flush and its new rules, and the diff removes dispatch elements first and adds them last, so every chunk
-//! leaves each service either fully programmed or not yet reachable.
+//! What a sync will commit, and its cutting into several transactions, so that no single commit holds the
+//! kernel's nf_tables mutex for long (a 50k-service first sync would otherwise be one multi-second batch;
+//! see KERNEL-NOTES on soft lockups). Cuts fall only inside or between element operations, never between a
+//! chain flush and its new rules, and the diff removes dispatch elements first and adds them last, so every
+//! chunk leaves each service either fully programmed or not yet reachable.
+//!
+//! Element operations borrow their elements from wherever they already live (the index's pieces, the table
+//! as read back, a partial sync's delta); each part copies only its own elements, when it is built, and is
+//! dropped once committed. At 50k services a whole owned transaction was ~40 MB.
 
-use crate::nft::ir::Element;
+use crate::nft::ir::{Element, Family};
 use crate::nft::tx::{Change, Op, Transaction};
+use std::fmt;
 
 /// Elements per transaction above which a transaction is cut.
 pub const MAX_ELEMENTS_PER_TRANSACTION: usize = 25_000;
 
-/// Splits `tx` into transactions of at most `max` elements each (other objects count one), in order.
-///
-/// Lazy: each part is built (its elements moved, never copied, into a vector of exactly its size) only when
-/// the caller asks for it, so a caller that commits and drops each part before the next holds one part's
-/// worth of elements beside the rest of `tx`, not a second copy of everything.
-pub fn split(tx: Transaction, max: usize) -> Split {
-    Split {
-        changes: tx.changes.into_iter(),
-        pending: None,
-        max: max.max(1),
+/// The ordered changes of one sync, before they are cut into transactions.
+#[derive(Debug, Default)]
+pub struct Plan<'a> {
+    changes: Vec<Planned<'a>>,
+}
+
+#[derive(Debug)]
+enum Planned<'a> {
+    Object(Change),
+    Elements {
+        family: Family,
+        table: String,
+        set: String,
+        add: bool,
+        elements: Vec<&'a Element>,
+    },
+}
+
+impl<'a> Plan<'a> {
+    /// An object change (anything but elements: see `add_elements` / `delete_elements`).
+    pub fn push(&mut self, family: Family, table: &str, op: Op) {
+        debug_assert!(
+            !matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. }),
+            "element operations borrow their elements"
+        );
+        self.changes.push(Planned::Object(Change {
+            family,
+            table: table.to_owned(),
+            op,
+        }));
+    }
+
+    pub fn add_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        elements: Vec<&'a Element>,
+    ) {
+        self.push_elements(family, table, set, true, elements);
+    }
+
+    pub fn delete_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        elements: Vec<&'a Element>,
+    ) {
+        self.push_elements(family, table, set, false, elements);
+    }
+
+    fn push_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        add: bool,
+        elements: Vec<&'a Element>,
+    ) {
+        if elements.is_empty() {
+            return;
+        }
+        self.changes.push(Planned::Elements {
+            family,
+            table: table.to_owned(),
+            set: set.to_owned(),
+            add,
+            elements,
+        });
+    }
+
+    /// Number of planned changes (an element operation counts one).
+    pub fn len(&self) -> usize {
+        self.changes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.changes.is_empty()
+    }
+
+    /// One line per change, for trace logs.
+    pub fn describe(&self) -> impl Iterator<Item = String> + '_ {
+        self.changes.iter().map(|c| c.to_string())
+    }
+
+    /// The plan as transactions of at most `max` elements each (other objects count one), in order. Lazy:
+    /// each part's elements are copied only when the part is asked for.
+    pub fn parts(self, max: usize) -> Parts<'a> {
+        Parts {
+            changes: self.changes.into_iter(),
+            pending: None,
+            max: max.max(1),
+        }
     }
 }
 
-/// The parts of a split transaction, in order (see [`split`]).
-pub struct Split {
-    changes: std::vec::IntoIter<Change>,
+impl fmt::Display for Planned<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Planned::Object(c) => c.fmt(f),
+            Planned::Elements {
+                family,
+                table,
+                set,
+                add,
+                elements,
+            } => {
+                let (verb, prep) = if *add {
+                    ("add", "to")
+                } else {
+                    ("delete", "from")
+                };
+                let (n, fam) = (elements.len(), family.as_str());
+                write!(
+                    f,
+                    "{verb} {n} elements {prep} set {set} of table {fam} {table}"
+                )
+            }
+        }
+    }
+}
+
+/// The parts of a plan, in order (see [`Plan::parts`]).
+pub struct Parts<'a> {
+    changes: std::vec::IntoIter<Planned<'a>>,
     /// An element operation cut part-way: what is left of it goes first into the next part.
-    pending: Option<Pending>,
+    pending: Option<Pending<'a>>,
     max: usize,
 }
 
-struct Pending {
-    family: crate::nft::ir::Family,
+struct Pending<'a> {
+    family: Family,
     table: String,
     set: String,
     add: bool,
-    elements: std::iter::Peekable<std::vec::IntoIter<Element>>,
+    elements: std::vec::IntoIter<&'a Element>,
 }
 
-impl Iterator for Split {
+impl Iterator for Parts<'_> {
     type Item = Transaction;
 
     fn next(&mut self) -> Option<Transaction> {
@@ -47,40 +162,42 @@ impl Iterator for Split {
         let mut load = 0;
         while load < self.max {
             let Some(p) = &mut self.pending else {
-                let Some(Change { family, table, op }) = self.changes.next() else {
-                    break;
-                };
-                let (set, elements, add) = match op {
-                    Op::AddElements { set, elements } => (set, elements, true),
-                    Op::DeleteElements { set, elements } => (set, elements, false),
-                    op => {
+                match self.changes.next() {
+                    None => break,
+                    Some(Planned::Object(Change { family, table, op })) => {
                         load += 1;
                         part.push(family, &table, op);
-                        continue;
                     }
-                };
-                let elements = elements.into_iter().peekable();
-                self.pending = Some(Pending {
-                    family,
-                    table,
-                    set,
-                    add,
-                    elements,
-                });
+                    Some(Planned::Elements {
+                        family,
+                        table,
+                        set,
+                        add,
+                        elements,
+                    }) => {
+                        let elements = elements.into_iter();
+                        self.pending = Some(Pending {
+                            family,
+                            table,
+                            set,
+                            add,
+                            elements,
+                        });
+                    }
+                }
                 continue;
             };
-            let elements: Vec<Element> = p.elements.by_ref().take(self.max - load).collect();
+            let elements: Vec<Element> =
+                p.elements.by_ref().take(self.max - load).cloned().collect();
             load += elements.len();
-            if !elements.is_empty() {
-                let set = p.set.clone();
-                let op = if p.add {
-                    Op::AddElements { set, elements }
-                } else {
-                    Op::DeleteElements { set, elements }
-                };
-                part.push(p.family, &p.table, op);
-            }
-            if p.elements.peek().is_none() {
+            let set = p.set.clone();
+            let op = if p.add {
+                Op::AddElements { set, elements }
+            } else {
+                Op::DeleteElements { set, elements }
+            };
+            part.push(p.family, &p.table, op);
+            if p.elements.len() == 0 {
                 self.pending = None;
             }
         }
@@ -91,40 +208,32 @@ impl Iterator for Split {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft::ir::Family;
 
     fn elements(n: usize) -> Vec<Element> {
         (0..n)
             .map(|i| Element {
-                key: (i as u32).to_be_bytes().to_vec(),
+                key: (i as u32).to_be_bytes().into(),
                 value: None,
             })
             .collect()
     }
 
     #[test]
-    fn small_transactions_stay_whole_and_big_ones_are_cut_in_order() {
-        let mut tx = Transaction::default();
-        tx.push(Family::Ip, "t", Op::AddTable);
-        tx.push(Family::Ip, "t", Op::FlushChain("c".into()));
-        tx.push(
-            Family::Ip,
-            "t",
-            Op::AddElements {
-                set: "a".into(),
-                elements: elements(25),
-            },
-        );
-        tx.push(
-            Family::Ip,
-            "t",
-            Op::DeleteElements {
-                set: "b".into(),
-                elements: elements(7),
-            },
-        );
-        assert_eq!(split(tx.clone(), 1000).count(), 1);
-        let parts: Vec<Transaction> = split(tx.clone(), 10).collect();
+    fn small_plans_stay_whole_and_big_ones_are_cut_in_order() {
+        let (a, b) = (elements(25), elements(7));
+        let plan = || {
+            let mut plan = Plan::default();
+            plan.push(Family::Ip, "t", Op::AddTable);
+            plan.push(Family::Ip, "t", Op::FlushChain("c".into()));
+            plan.add_elements(Family::Ip, "t", "a", a.iter().collect());
+            plan.delete_elements(Family::Ip, "t", "b", b.iter().collect());
+            plan.add_elements(Family::Ip, "t", "empty", vec![]);
+            plan
+        };
+        assert_eq!(plan().len(), 4, "an empty element operation is no change");
+        assert_eq!(plan().parts(1000).count(), 1);
+        let parts: Vec<Transaction> = plan().parts(10).collect();
+        assert_eq!(parts.len(), 4, "2 objects + 32 elements in parts of 10");
         assert!(parts.iter().all(|p| p
             .changes
             .iter()
@@ -137,7 +246,7 @@ mod tests {
             <= 10));
         // Nothing lost, nothing reordered.
         let flat: Vec<Change> = parts.into_iter().flat_map(|p| p.changes).collect();
-        let count = |set: &str, add: bool| -> Vec<Element> {
+        let collect = |set: &str, add: bool| -> Vec<Element> {
             flat.iter()
                 .filter_map(|c| match &c.op {
                     Op::AddElements { set: s, elements } if add && s == set => {
@@ -151,9 +260,25 @@ mod tests {
                 .flatten()
                 .collect()
         };
-        assert_eq!(count("a", true), elements(25));
-        assert_eq!(count("b", false), elements(7));
+        assert_eq!(collect("a", true), a);
+        assert_eq!(collect("b", false), b);
         assert!(matches!(flat[0].op, Op::AddTable));
         assert!(matches!(flat[1].op, Op::FlushChain(_)));
+    }
+
+    #[test]
+    fn plans_describe_their_changes() {
+        let a = elements(3);
+        let mut plan = Plan::default();
+        plan.push(Family::Ip6, "nftkube", Op::AddTable);
+        plan.delete_elements(Family::Ip6, "nftkube", "s", a.iter().collect());
+        let lines: Vec<String> = plan.describe().collect();
+        assert_eq!(
+            lines,
+            [
+                "add table ip6 nftkube",
+                "delete 3 elements from set s of table ip6 nftkube"
+            ]
+        );
     }
 }

@@ -2,15 +2,20 @@
 //! differs. Order inside the batch respects the kernel's references: sets and chains exist before the
 //! rules and elements that name them; rules and elements that name a chain or set go before it is deleted.
 
+use super::chunk::Plan;
 use crate::nft::ir::*;
-use crate::nft::tx::{Op, Transaction};
+use crate::nft::tx::Op;
 use crate::render::{Desired, DesiredSet};
 
 /// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`. Returns the stale
 /// chains it left in place because something in `old` still pointed at them: kernels before 6.2 can answer
 /// EBUSY when a chain is deleted in the transaction that removes the last reference to it, so such chains
 /// are deleted by the next sync instead (as upstream kube-proxy does).
-pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &Desired) -> Vec<String> {
+pub fn diff_table<'a>(
+    tx: &mut Plan<'a>,
+    old: Option<&'a TableState>,
+    new: &Desired<'a>,
+) -> Vec<String> {
     let (fam, name) = (new.family, new.name);
     let old = match old {
         Some(o) if compatible(o, new) => o,
@@ -59,43 +64,24 @@ pub fn diff_table(tx: &mut Transaction, old: Option<&TableState>, new: &Desired)
     order.sort_by_key(|(n, s)| (!s.set.is_verdict_map(), *n));
     for (n, s) in &order {
         let Some(o) = old.sets.get(*n) else { continue };
-        let gone: Vec<Element> = o
+        let gone: Vec<&Element> = o
             .elements
             .iter()
             .filter(|e| !s.elements.contains(e))
-            .cloned()
             .collect();
-        if !gone.is_empty() {
-            tx.push(
-                fam,
-                name,
-                Op::DeleteElements {
-                    set: n.to_string(),
-                    elements: gone,
-                },
-            );
-        }
+        tx.delete_elements(fam, name, n, gone);
     }
     for (n, s) in order.iter().rev() {
-        let added: Vec<Element> = match old.sets.get(*n) {
+        let added: Vec<&Element> = match old.sets.get(*n) {
             Some(o) => s
                 .elements
                 .iter()
                 .filter(|e| !o.elements.contains(e))
-                .map(|e| (*e).clone())
+                .copied()
                 .collect(),
-            None => s.elements.iter().map(|e| (*e).clone()).collect(),
+            None => s.elements.iter().copied().collect(),
         };
-        if !added.is_empty() {
-            tx.push(
-                fam,
-                name,
-                Op::AddElements {
-                    set: n.to_string(),
-                    elements: added,
-                },
-            );
-        }
+        tx.add_elements(fam, name, n, added);
     }
     for (n, c) in &new.chains {
         match old.chains.get(*n) {
@@ -161,7 +147,7 @@ fn compatible(old: &TableState, new: &Desired) -> bool {
             .all(|(n, c)| old.chains.get(*n).is_none_or(|o| o.chain == c.chain))
 }
 
-fn create_table(tx: &mut Transaction, t: &Desired) {
+fn create_table<'a>(tx: &mut Plan<'a>, t: &Desired<'a>) {
     let (fam, name) = (t.family, t.name);
     tx.push(fam, name, Op::AddTable);
     for s in t.sets.values() {
@@ -177,20 +163,11 @@ fn create_table(tx: &mut Transaction, t: &Desired) {
     let mut sets: Vec<&DesiredSet> = t.sets.values().collect();
     sets.sort_by_key(|s| (s.set.is_verdict_map(), &s.set.name));
     for s in sets {
-        if !s.elements.is_empty() {
-            tx.push(
-                fam,
-                name,
-                Op::AddElements {
-                    set: s.set.name.clone(),
-                    elements: s.elements.iter().map(|e| (*e).clone()).collect(),
-                },
-            );
-        }
+        tx.add_elements(fam, name, &s.set.name, s.elements.iter().copied().collect());
     }
 }
 
-fn add_rules(tx: &mut Transaction, fam: Family, table: &str, c: &ChainState) {
+fn add_rules(tx: &mut Plan, fam: Family, table: &str, c: &ChainState) {
     for r in &c.rules {
         tx.push(
             fam,

@@ -1,7 +1,7 @@
 //! The sync engine: remembers what it committed, commits differences in one atomic transaction, and re-reads
 //! the kernel when it cannot trust its memory (start, errors, periodic full syncs).
 
-use super::chunk::{self, MAX_ELEMENTS_PER_TRANSACTION};
+use super::chunk::{Plan, MAX_ELEMENTS_PER_TRANSACTION};
 use super::diff::diff_table;
 use super::index::Index;
 use crate::model::{NamespacedName, ServicePortName};
@@ -105,16 +105,22 @@ impl<B: Backend> SyncEngine<B> {
         // The index takes the pieces and the desired tables borrow from it, so that the only copy of every
         // element is the transaction's, and the commit drops each chunk of that once it is sent.
         let index = Index::build(pieces);
-        let mut tx = Transaction::default();
+        let mut current = Vec::new();
+        for t in &skeleton {
+            current.push(self.backend.read_table(t.family, &t.name)?);
+        }
+        let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
-        for t in Desired::assemble(&skeleton, index.pieces()) {
-            let current = self.backend.read_table(t.family, t.name)?;
-            for chain in diff_table(&mut tx, current.as_ref(), &t) {
+        for (t, current) in Desired::assemble(&skeleton, index.pieces())
+            .iter()
+            .zip(&current)
+        {
+            for chain in diff_table(&mut plan, current.as_ref(), t) {
                 deferred.insert((t.family, chain));
             }
         }
-        let changes = tx.changes.len();
-        let (bytes, commit_time) = self.commit(tx)?;
+        let changes = plan.len();
+        let (bytes, commit_time) = self.commit(plan)?;
         self.index = Some(index);
         self.unused_chains = deferred;
         Ok(SyncReport {
@@ -137,7 +143,7 @@ impl<B: Backend> SyncEngine<B> {
         let start = Instant::now();
         let index = self.index.as_mut().ok_or(SyncError::NeedsFullSync)?;
         let delta = index.replace(updates);
-        let mut tx = Transaction::default();
+        let mut tx = Plan::default();
         let table = TABLE;
 
         for (family, chain) in &delta.chains_added {
@@ -163,29 +169,15 @@ impl<B: Backend> SyncEngine<B> {
         // Dispatch goes first and comes last, so no packet is sent to a service whose endpoints are
         // half-written (the batch is atomic anyway; this keeps chunked commits safe too).
         let dispatch_first = |k: &(Family, &'static str)| (k.1 != MAP_SERVICE_IPS, *k);
-        let mut removed: Vec<_> = delta.elements_removed.into_iter().collect();
+        let mut removed: Vec<_> = delta.elements_removed.iter().collect();
         removed.sort_by_key(|(k, _)| dispatch_first(k));
         for ((family, set), elements) in removed {
-            tx.push(
-                family,
-                table,
-                Op::DeleteElements {
-                    set: set.into(),
-                    elements,
-                },
-            );
+            tx.delete_elements(*family, table, set, elements.iter().collect());
         }
-        let mut added: Vec<_> = delta.elements_added.into_iter().collect();
+        let mut added: Vec<_> = delta.elements_added.iter().collect();
         added.sort_by_key(|(k, _)| std::cmp::Reverse(dispatch_first(k)));
         for ((family, set), elements) in added {
-            tx.push(
-                family,
-                table,
-                Op::AddElements {
-                    set: set.into(),
-                    elements,
-                },
-            );
+            tx.add_elements(*family, table, set, elements.iter().collect());
         }
         // Chains released by an earlier commit: nothing points at them any more.
         let index = self.index.as_ref().expect("checked above");
@@ -199,7 +191,7 @@ impl<B: Backend> SyncEngine<B> {
             tx.push(*family, table, Op::FlushChain(chain.clone()));
             tx.push(*family, table, Op::DeleteChain(chain.clone()));
         }
-        let changes = tx.changes.len();
+        let changes = tx.len();
         let (bytes, commit_time) = self.commit(tx)?;
         for c in ready {
             self.unused_chains.remove(&c);
@@ -216,19 +208,21 @@ impl<B: Backend> SyncEngine<B> {
         })
     }
 
-    /// Commits `tx`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent and
-    /// the total time spent committing; the longest single transaction is recorded for the report.
-    fn commit(&mut self, tx: Transaction) -> Result<(usize, Duration), SyncError> {
+    /// Commits `plan`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent
+    /// and the total time spent committing; the longest single transaction is recorded for the report.
+    fn commit(&mut self, plan: Plan) -> Result<(usize, Duration), SyncError> {
         self.longest_transaction = Duration::ZERO;
         self.transactions = 0;
-        if tx.is_empty() {
+        if plan.is_empty() {
             return Ok((0, Duration::ZERO));
         }
-        for c in &tx.changes {
-            tracing::trace!("{c}");
+        if tracing::enabled!(tracing::Level::TRACE) {
+            for c in plan.describe() {
+                tracing::trace!("{c}");
+            }
         }
         let (mut bytes, mut total) = (0, Duration::ZERO);
-        for part in chunk::split(tx, MAX_ELEMENTS_PER_TRANSACTION) {
+        for part in plan.parts(MAX_ELEMENTS_PER_TRANSACTION) {
             let start = Instant::now();
             match self.backend.commit(&part) {
                 Ok(b) => bytes += b,

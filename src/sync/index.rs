@@ -41,7 +41,8 @@ impl Delta {
 /// element itself in the index's maps. At 50k services the maps hold ~300k keys; storing the bytes cost ~80
 /// MB, fingerprints ~20 MB. Two different elements share a fingerprint with probability ~n²/2¹²⁹ (≈1e-28 at
 /// 300k), and the hash keys are random per process, so nobody can craft a collision.
-type Fingerprint = u128;
+/// Two u64 rather than a u128: a u128 is 16-byte aligned, which pads every map entry to 32 bytes.
+type Fingerprint = [u64; 2];
 
 /// Two independently keyed SipHashes make one 128-bit fingerprint.
 #[derive(Debug, Default, Clone)]
@@ -52,9 +53,7 @@ struct Fingerprinter {
 
 impl Fingerprinter {
     fn of(&self, value: &impl Hash) -> Fingerprint {
-        let high = self.high.hash_one(value) as u128;
-        let low = self.low.hash_one(value) as u128;
-        high << 64 | low
+        [self.high.hash_one(value), self.low.hash_one(value)]
     }
 }
 

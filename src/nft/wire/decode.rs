@@ -134,7 +134,10 @@ pub fn decode_elements(payload: &[u8]) -> Result<(String, String, Vec<Element>),
                     Some(decode_data(d).map_err(|r| err("set elements", format!("{set}: {r}")))?)
                 }
             };
-            out.push(Element { key, value });
+            out.push(Element {
+                key: key.into(),
+                value,
+            });
         }
     }
     Ok((table, set, out))
@@ -143,7 +146,7 @@ pub fn decode_elements(payload: &[u8]) -> Result<(String, String, Vec<Element>),
 fn decode_data(d: Attr<'_>) -> Result<ElementValue, String> {
     let inner = d.nested();
     if let Some(v) = inner.get(NFTA_DATA_VALUE) {
-        return Ok(ElementValue::Data(v.payload.to_vec()));
+        return Ok(ElementValue::Data(v.payload.into()));
     }
     if let Some(v) = inner.get(NFTA_DATA_VERDICT) {
         return decode_verdict(v).map(ElementValue::Verdict);
@@ -280,7 +283,10 @@ pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
             let data = a.get(NFTA_IMMEDIATE_DATA).ok_or("immediate data")?;
             match decode_data(data)? {
                 ElementValue::Verdict(v) => Expr::Verdict(v),
-                ElementValue::Data(d) => Expr::Immediate { dreg, data: d },
+                ElementValue::Data(d) => Expr::Immediate {
+                    dreg,
+                    data: d.to_vec(),
+                },
             }
         }
         "lookup" => Expr::Lookup {

@@ -155,7 +155,7 @@ fn aff() -> Set {
 
 fn svc_element() -> Element {
     Element {
-        key: concat_key(&[vec![10, 96, 0, 10], vec![6], 80u16.to_be_bytes().to_vec()]),
+        key: concat_key(&[vec![10, 96, 0, 10], vec![6], 80u16.to_be_bytes().to_vec()]).into(),
         value: Some(ElementValue::Verdict(Verdict::Goto("svc".into()))),
     }
 }
@@ -716,7 +716,7 @@ fn batch_framing_flags_and_sequence_numbers() {
 fn big_element_lists_are_split_and_map_back_to_their_change() {
     let elements: Vec<Element> = (0..10_000u32)
         .map(|i| Element {
-            key: concat_key(&[i.to_be_bytes().to_vec(), vec![6], vec![0, 80]]),
+            key: concat_key(&[i.to_be_bytes().to_vec(), vec![6], vec![0, 80]]).into(),
             value: Some(ElementValue::Verdict(Verdict::Goto(format!("service-{i}")))),
         })
         .collect();
@@ -1235,7 +1235,7 @@ fn elements_round_trip() {
             .into_iter()
             .enumerate()
             .map(|(i, v)| Element {
-                key: vec![i as u8],
+                key: vec![i as u8].into(),
                 value: Some(ElementValue::Verdict(v)),
             })
             .collect(),
@@ -1243,26 +1243,25 @@ fn elements_round_trip() {
         (
             "v6",
             vec![Element {
-                key: ip_bytes(&"fd00::1".parse().unwrap()),
+                key: ip_bytes(&"fd00::1".parse().unwrap()).into(),
                 value: None,
             }],
         ),
         (
             "eps",
             vec![Element {
-                key: concat_key(&[vec![10, 96, 0, 1], vec![0, 53]]),
-                value: Some(ElementValue::Data(concat_key(&[
-                    vec![10, 244, 0, 5],
-                    vec![0x1f, 0x90],
-                ]))),
+                key: concat_key(&[vec![10, 96, 0, 1], vec![0, 53]]).into(),
+                value: Some(ElementValue::Data(
+                    concat_key(&[vec![10, 244, 0, 5], vec![0x1f, 0x90]]).into(),
+                )),
             }],
         ),
         (
             "slots",
             (0..3u32)
                 .map(|i| Element {
-                    key: i.to_ne_bytes().to_vec(),
-                    value: Some(ElementValue::Data(vec![10, 244, 0, i as u8])),
+                    key: i.to_ne_bytes().into(),
+                    value: Some(ElementValue::Data([10, 244, 0, i as u8].into())),
                 })
                 .collect(),
         ),
