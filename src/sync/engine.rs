@@ -352,6 +352,26 @@ mod tests {
     }
 
     #[test]
+    fn committed_ports_are_exactly_the_services_own() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        // Neighbours in name order on both sides, and a name that is a prefix of another.
+        w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        let b_udp = w.set(port("b", "10.96.0.2", Protocol::Udp), eps(&["10.0.0.2"]));
+        let b_tcp = w.set(port("b", "10.96.0.2", Protocol::Tcp), eps(&["10.0.0.2"]));
+        w.set(port("bb", "10.96.0.3", Protocol::Tcp), eps(&["10.0.0.3"]));
+        w.full(&mut e);
+        let b = NamespacedName::new("ns", "b");
+        assert_eq!(e.committed_ports(&b), [b_tcp.clone(), b_udp]);
+        w.remove(&b_tcp);
+        w.partial(&mut e, &[&b_tcp]);
+        assert_eq!(e.committed_ports(&b).len(), 1);
+        assert!(e
+            .committed_ports(&NamespacedName::new("ns", "c"))
+            .is_empty());
+    }
+
+    #[test]
     fn full_then_partial_syncs_touch_only_what_changed() {
         let mut e = SyncEngine::new(FakeKernel::default());
         let mut w = World::default();

@@ -59,7 +59,8 @@ impl Fingerprinter {
 
 #[derive(Debug, Default, Clone)]
 pub struct Index {
-    pieces: BTreeMap<ServicePortName, Vec<Piece>>,
+    /// Keyed by the same `Arc` that the holders map points at: one copy of each name.
+    pieces: BTreeMap<Arc<ServicePortName>, Vec<Piece>>,
     /// How many service ports want each element of a shared set (by fingerprint of family, set, element).
     shared_elements: HashMap<Fingerprint, u32>,
     /// Which service port holds each key of the per-service sets (by fingerprint of family, set, key). Two
@@ -75,13 +76,13 @@ impl Index {
     /// The index of a complete state.
     pub fn build(pieces: BTreeMap<ServicePortName, Vec<Piece>>) -> Index {
         let mut index = Index::default();
-        for (spn, list) in &pieces {
-            let holder = Arc::new(spn.clone());
-            for p in list {
+        for (spn, list) in pieces {
+            let holder = Arc::new(spn);
+            for p in &list {
                 index.acquire(&holder, p, None);
             }
+            index.pieces.insert(holder, list);
         }
-        index.pieces = pieces;
         index
     }
 
@@ -90,12 +91,17 @@ impl Index {
         self.pieces.values().flatten()
     }
 
-    /// Service ports of a service currently committed.
+    /// Service ports of a service currently committed (a range of the name-ordered map: O(log n)).
     pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
+        let first = ServicePortName {
+            service: service.clone(),
+            port: String::new(),
+            protocol: crate::model::Protocol::Tcp,
+        };
         self.pieces
-            .keys()
-            .filter(|spn| &spn.service == service)
-            .cloned()
+            .range::<ServicePortName, _>(&first..)
+            .take_while(|(spn, _)| &spn.service == service)
+            .map(|(spn, _)| ServicePortName::clone(spn))
             .collect()
     }
 
@@ -113,10 +119,12 @@ impl Index {
     pub fn replace(&mut self, updates: Vec<(ServicePortName, Vec<Piece>)>) -> Delta {
         let mut delta = Delta::default();
         for (spn, new) in updates {
-            let old = self.pieces.remove(&spn).unwrap_or_default();
+            let (holder, old) = match self.pieces.remove_entry(&spn) {
+                Some(entry) => entry,
+                None => (Arc::new(spn), Vec::new()),
+            };
             let old_set: HashSet<&Piece> = old.iter().collect();
             let new_set: HashSet<&Piece> = new.iter().collect();
-            let holder = Arc::new(spn.clone());
             for p in old.iter().filter(|p| !new_set.contains(p)) {
                 self.release(&holder, p, &mut delta);
             }
@@ -124,7 +132,7 @@ impl Index {
                 self.acquire(&holder, p, Some(&mut delta));
             }
             if !new.is_empty() {
-                self.pieces.insert(spn, new);
+                self.pieces.insert(holder, new);
             }
         }
         // A chain released and needed again within this delta stays as it is in the kernel. This relies on a
