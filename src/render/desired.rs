@@ -4,7 +4,7 @@
 
 use super::Piece;
 use crate::nft::ir::{ChainState, Element, Family, Set, SetState, TableState};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// One table as it should be.
 #[derive(Debug)]
@@ -18,7 +18,32 @@ pub struct Desired<'a> {
 #[derive(Debug)]
 pub struct DesiredSet<'a> {
     pub set: &'a Set,
-    pub elements: BTreeSet<&'a Element>,
+    /// Sorted by element, one per key (a sorted vector: a third of a BTreeSet's memory).
+    elements: Vec<&'a Element>,
+}
+
+impl<'a> DesiredSet<'a> {
+    /// The elements in order.
+    pub fn elements(&self) -> impl ExactSizeIterator<Item = &'a Element> + '_ {
+        self.elements.iter().copied()
+    }
+
+    pub fn contains(&self, e: &Element) -> bool {
+        self.elements.binary_search(&e).is_ok()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.elements.is_empty()
+    }
+
+    /// Orders the elements and keeps one per key: the first pushed (see `Desired::assemble`).
+    fn seal(&mut self) {
+        // Stable: among elements with one key, the first pushed stays first and survives the dedup.
+        self.elements.sort_by(|a, b| a.key.cmp(&b.key));
+        self.elements
+            .dedup_by(|later, first| later.key == first.key);
+        self.elements.shrink_to_fit();
+    }
 }
 
 impl<'a> Desired<'a> {
@@ -38,27 +63,19 @@ impl<'a> Desired<'a> {
             };
             match p {
                 Piece::Element { set, element, .. } => {
-                    let elements = &mut t
-                        .sets
+                    t.sets
                         .get_mut(set)
                         .unwrap_or_else(|| panic!("set {set} not declared"))
-                        .elements;
-                    let probe = Element {
-                        key: element.key.clone(),
-                        value: None,
-                    };
-                    let taken = elements
-                        .range::<&Element, _>(&probe..)
-                        .next()
-                        .is_some_and(|e| e.key == element.key);
-                    if !taken {
-                        elements.insert(element);
-                    }
+                        .elements
+                        .push(element);
                 }
                 Piece::Chain { chain, .. } => {
                     t.chains.entry(&chain.chain.name).or_insert(chain);
                 }
             }
+        }
+        for t in &mut tables {
+            t.sets.values_mut().for_each(DesiredSet::seal);
         }
         tables
     }
@@ -74,6 +91,7 @@ impl<'a> Desired<'a> {
                 .map(|(n, s)| {
                     let set = DesiredSet {
                         set: &s.set,
+                        // A BTreeSet iterates in order, and an owned table has one value per key.
                         elements: s.elements.iter().collect(),
                     };
                     (n.as_str(), set)

@@ -53,7 +53,7 @@ pub fn diff_table<'a>(
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
     // Dispatch (verdict maps) is withdrawn first and published last, so that even when a big transaction is
     // committed in chunks no packet reaches a service whose other elements are not all in place.
-    let mut order: Vec<(&str, &DesiredSet)> = new
+    let mut order: Vec<(&str, &DesiredSet<'a>)> = new
         .sets
         .iter()
         // Dynamic sets (affinity) are filled by the packet path: their elements are the kernel's, never
@@ -64,22 +64,13 @@ pub fn diff_table<'a>(
     order.sort_by_key(|(n, s)| (!s.set.is_verdict_map(), *n));
     for (n, s) in &order {
         let Some(o) = old.sets.get(*n) else { continue };
-        let gone: Vec<&Element> = o
-            .elements
-            .iter()
-            .filter(|e| !s.elements.contains(e))
-            .collect();
+        let gone: Vec<&Element> = o.elements.iter().filter(|e| !s.contains(e)).collect();
         tx.delete_elements(fam, name, n, gone);
     }
     for (n, s) in order.iter().rev() {
         let added: Vec<&Element> = match old.sets.get(*n) {
-            Some(o) => s
-                .elements
-                .iter()
-                .filter(|e| !o.elements.contains(e))
-                .copied()
-                .collect(),
-            None => s.elements.iter().copied().collect(),
+            Some(o) => s.elements().filter(|e| !o.elements.contains(*e)).collect(),
+            None => s.elements().collect(),
         };
         tx.add_elements(fam, name, n, added);
     }
@@ -163,7 +154,7 @@ fn create_table<'a>(tx: &mut Plan<'a>, t: &Desired<'a>) {
     let mut sets: Vec<&DesiredSet> = t.sets.values().collect();
     sets.sort_by_key(|s| (s.set.is_verdict_map(), &s.set.name));
     for s in sets {
-        tx.add_elements(fam, name, &s.set.name, s.elements.iter().copied().collect());
+        tx.add_elements(fam, name, &s.set.name, s.elements().collect());
     }
 }
 
