@@ -64,7 +64,7 @@ impl<'a> Desired<'a> {
             match p {
                 Piece::Element { set, element, .. } => {
                     t.sets
-                        .get_mut(set)
+                        .get_mut(set.name())
                         .unwrap_or_else(|| panic!("set {set} not declared"))
                         .elements
                         .push(element);

@@ -40,7 +40,7 @@ pub fn lb_chain(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> Arc
 pub enum Piece {
     Element {
         family: Family,
-        set: &'static str,
+        set: names::PieceSet,
         element: Element,
     },
     Chain {

@@ -32,6 +32,44 @@ pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 /// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
 pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 
+/// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
+/// services), where a 16-byte `&str` cost ~10 MB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PieceSet(u8);
+
+/// Every set a service piece may name; a `PieceSet` is an index into this list.
+const PIECE_SETS: [&str; 8] = [
+    SET_CLUSTER_IPS,
+    MAP_SERVICE_IPS,
+    MAP_SERVICE_ENDPOINTS,
+    SET_HAIRPIN,
+    MAP_SERVICE_NODEPORTS,
+    MAP_NODEPORT_ENDPOINTS,
+    MAP_NO_ENDPOINT_NODEPORTS,
+    MAP_NO_ENDPOINT_SERVICES,
+];
+
+impl PieceSet {
+    /// The set of this name. Panics for a set pieces never use (a programming error caught by every test).
+    pub fn named(name: &str) -> PieceSet {
+        let at = PIECE_SETS
+            .iter()
+            .position(|n| *n == name)
+            .unwrap_or_else(|| panic!("set {name} is not a piece set"));
+        PieceSet(at as u8)
+    }
+
+    pub fn name(self) -> &'static str {
+        PIECE_SETS[self.0 as usize]
+    }
+}
+
+impl std::fmt::Display for PieceSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Prefix of the load-balancing chains, one per endpoint count in use.
 pub const LB_CHAIN_PREFIX: &str = "lb-";
 

@@ -113,7 +113,7 @@ pub(super) fn service_pieces(
         let element =
             |set: &'static str, key: Vec<u8>, value: Option<ElementValue>| Piece::Element {
                 family,
-                set,
+                set: PieceSet::named(set),
                 element: Element {
                     key: key.into(),
                     value,

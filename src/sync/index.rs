@@ -7,15 +7,15 @@
 
 use crate::model::{NamespacedName, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family};
-use crate::render::names::{SET_CLUSTER_IPS, SET_HAIRPIN};
+use crate::render::names::{PieceSet, SET_CLUSTER_IPS, SET_HAIRPIN};
 use crate::render::Piece;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::Arc;
 
 /// Whether elements of this set may be wanted by more than one service port.
-fn shared_set(set: &str) -> bool {
-    set == SET_CLUSTER_IPS || set == SET_HAIRPIN
+fn shared_set(set: &PieceSet) -> bool {
+    [SET_CLUSTER_IPS, SET_HAIRPIN].contains(&set.name())
 }
 
 /// The kernel-level effect of replacing some services' pieces.
@@ -175,7 +175,7 @@ impl Index {
                     match self.holders.get(&key) {
                         Some(other) if **other != **holder => {
                             tracing::warn!(
-                                service = %holder, holder = %other, set = *set,
+                                service = %holder, holder = %other, set = set.name(),
                                 "another service port already uses this address and port; ignored"
                             );
                             return;
@@ -188,7 +188,7 @@ impl Index {
                 if let Some(delta) = delta {
                     delta
                         .elements_added
-                        .entry((*family, *set))
+                        .entry((*family, set.name()))
                         .or_default()
                         .push(element.clone());
                 }
@@ -237,7 +237,7 @@ impl Index {
                 }
                 delta
                     .elements_removed
-                    .entry((*family, *set))
+                    .entry((*family, set.name()))
                     .or_default()
                     .push(element.clone());
             }
