@@ -13,9 +13,10 @@
 //! - A file that disappears from a directory is a deletion of its objects.
 //! - The same object defined twice: the first definition (in file order) wins, the other is an error.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Service;
@@ -24,7 +25,7 @@ use serde_json::Value;
 
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::Event;
-use crate::model::{NamespacedName, ServicePort, SliceInfo};
+use crate::model::{NamespacedName, ServicePort, SharedValues, SliceInfo};
 
 /// A problem with one file or one document of a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,10 +53,26 @@ impl fmt::Display for SourceError {
 
 impl std::error::Error for SourceError {}
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum ObjectKey {
-    Service(NamespacedName),
-    Slice(NamespacedName),
+/// Services sort before EndpointSlices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum ObjectKind {
+    Service,
+    Slice,
+}
+
+/// An object's identity, ordered by kind, namespace, name. The strings are shared: a namespace by every
+/// object of a read, a slice's name with the slice itself (and so with the store that keeps it).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct ObjectKey {
+    kind: ObjectKind,
+    namespace: Arc<str>,
+    name: Arc<str>,
+}
+
+impl ObjectKey {
+    fn namespaced_name(&self) -> NamespacedName {
+        NamespacedName::new(&*self.namespace, &*self.name)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -65,11 +82,19 @@ enum Object {
 }
 
 /// Where an object was loaded from. The path is shared by every object of its file (one allocation per
-/// file, not per object: at 50k services that is ~10 MB).
+/// file, not per object: at 50k services that is ~10 MB); a thin pointer, as every emitted object keeps one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Origin {
-    path: std::sync::Arc<Path>,
+    path: Arc<PathBuf>,
     document: usize,
+}
+
+/// What was emitted for one object: a fingerprint of it, and the file it came from (a failure in that file
+/// protects it from deletion).
+#[derive(Debug)]
+struct Emitted {
+    print: u64,
+    path: Arc<PathBuf>,
 }
 
 /// Identity of a file's content as far as the filesystem tells: re-read when it changes.
@@ -94,6 +119,9 @@ struct Snapshot {
     tainted: BTreeSet<PathBuf>,
     /// The path itself could not be read: keep everything.
     unreadable: bool,
+    /// Namespaces, port names and endpoint topologies of this read, one copy each. Per read, not kept:
+    /// the store keeps its own, and two long-lived sets would keep each other's unused values alive.
+    shared: SharedValues,
 }
 
 /// Reads Services and EndpointSlices from files and reports them as [`Event`]s.
@@ -103,8 +131,8 @@ pub struct ManifestSource {
     fingerprint: Option<Fingerprint>,
     /// A fingerprint of what we last emitted for each object, and where it came from. Only a hash: the
     /// consumer holds the objects, and keeping a second copy of a 10k-service cluster here would double the
-    /// agent's memory.
-    emitted: BTreeMap<ObjectKey, (u64, Origin)>,
+    /// agent's memory. A hash map: nothing iterates it in an order that matters (events are sorted).
+    emitted: HashMap<ObjectKey, Emitted>,
 }
 
 impl ManifestSource {
@@ -113,7 +141,7 @@ impl ManifestSource {
         ManifestSource {
             path,
             fingerprint: None,
-            emitted: BTreeMap::new(),
+            emitted: HashMap::new(),
         }
     }
 
@@ -134,8 +162,11 @@ impl ManifestSource {
         let snap = self.read();
         let mut events = Vec::with_capacity(snap.objects.len() + 1);
         for (key, (object, origin)) in snap.objects {
-            self.emitted
-                .insert(key.clone(), (fingerprint_of(&object), origin));
+            let emitted = Emitted {
+                print: fingerprint_of(&object),
+                path: origin.path,
+            };
+            self.emitted.insert(key.clone(), emitted);
             events.push(applied(key, object));
         }
         events.push(Event::Synced);
@@ -156,21 +187,21 @@ impl ManifestSource {
         let gone: Vec<ObjectKey> = self
             .emitted
             .iter()
-            .filter(|(key, (_, origin))| {
+            .filter(|(key, emitted)| {
                 !snap.objects.contains_key(*key)
                     && !snap.keep.contains(*key)
-                    && !snap.tainted.contains(&*origin.path)
+                    && !snap.tainted.contains(&*emitted.path)
                     && !snap.unreadable
             })
             .map(|(key, _)| key.clone())
             .collect();
         for key in gone {
             self.emitted.remove(&key);
-            let ev = match &key {
-                ObjectKey::Service(n) => Event::ServiceDeleted(n.clone()),
-                ObjectKey::Slice(n) => Event::SliceDeleted {
-                    namespace: n.namespace.clone(),
-                    name: n.name.clone(),
+            let ev = match key.kind {
+                ObjectKind::Service => Event::ServiceDeleted(key.namespaced_name()),
+                ObjectKind::Slice => Event::SliceDeleted {
+                    namespace: key.namespace.to_string(),
+                    name: key.name.to_string(),
                 },
             };
             events.insert(key, ev);
@@ -178,10 +209,20 @@ impl ManifestSource {
         // Applied: new or different.
         for (key, (object, origin)) in snap.objects {
             let print = fingerprint_of(&object);
-            let changed = self.emitted.get(&key).map(|(h, _)| *h) != Some(print);
-            self.emitted.insert(key.clone(), (print, origin));
-            if changed {
-                events.insert(key.clone(), applied(key, object));
+            match self.emitted.get_mut(&key) {
+                // Unchanged: the store keeps its version, and the key keeps pointing at its strings.
+                Some(e) if e.print == print => e.path = origin.path,
+                _ => {
+                    // Changed: the key is replaced too (a map keeps an existing key on insert), so that
+                    // it shares its strings with the version the store gets now.
+                    self.emitted.remove(&key);
+                    let emitted = Emitted {
+                        print,
+                        path: origin.path,
+                    };
+                    self.emitted.insert(key.clone(), emitted);
+                    events.insert(key.clone(), applied(key, object));
+                }
             }
         }
         (events.into_values().collect(), snap.errors)
@@ -275,11 +316,14 @@ fn fingerprint_of(object: &Object) -> u64 {
 
 fn applied(key: ObjectKey, object: Object) -> Event {
     match (key, object) {
-        (ObjectKey::Service(n), Object::Service(ports)) => Event::ServiceApplied { key: n, ports },
-        (_, Object::Slice(s)) => Event::SliceApplied(s),
-        (ObjectKey::Slice(_), Object::Service(_)) => {
-            unreachable!("slice key with a service object")
+        (key, Object::Service(ports)) => {
+            debug_assert_eq!(key.kind, ObjectKind::Service);
+            Event::ServiceApplied {
+                key: key.namespaced_name(),
+                ports,
+            }
         }
+        (_, Object::Slice(s)) => Event::SliceApplied(s),
     }
 }
 
@@ -309,7 +353,7 @@ fn read_file(path: &Path, snap: &mut Snapshot) {
         }
     };
     let is_json = path.extension().is_some_and(|e| e == "json");
-    let shared_path: std::sync::Arc<Path> = path.into();
+    let shared_path = Arc::new(path.to_path_buf());
     let documents = if is_json {
         vec![text]
     } else {
@@ -375,7 +419,7 @@ fn split_documents(text: &str) -> Vec<String> {
 }
 
 struct DocContext<'a> {
-    path: &'a std::sync::Arc<Path>,
+    path: &'a Arc<PathBuf>,
     document: usize,
     snap: &'a mut Snapshot,
 }
@@ -458,15 +502,27 @@ impl DocContext<'_> {
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty())
             .unwrap_or("default");
-        let nn = NamespacedName::new(namespace, name);
-        let object_name = nn.to_string();
-        let key = if kind == "Service" {
-            ObjectKey::Service(nn)
-        } else {
-            ObjectKey::Slice(nn)
+        let object_name = format!("{namespace}/{name}");
+        let key = ObjectKey {
+            kind: if kind == "Service" {
+                ObjectKind::Service
+            } else {
+                ObjectKind::Slice
+            },
+            namespace: self.snap.shared.string(namespace),
+            name: name.into(),
         };
-        match convert_object(kind, api_version, value) {
-            Ok(Some(object)) => {
+        match convert_object(kind, api_version, value, &mut self.snap.shared) {
+            Ok(Some(mut object)) => {
+                if let Object::Slice(info) = &mut object {
+                    // The same strings, shared with the key.
+                    debug_assert_eq!(
+                        (&*info.namespace, &*info.name),
+                        (&*key.namespace, &*key.name)
+                    );
+                    info.namespace = key.namespace.clone();
+                    info.name = key.name.clone();
+                }
                 if let Some((_, first)) = self.snap.objects.get(&key) {
                     let reason = format!(
                         "duplicate {kind}, already defined in {} document {}; ignoring this one",
@@ -499,7 +555,12 @@ fn with_item(item: Option<usize>, reason: String) -> String {
 }
 
 /// Ok(None) for an object that converts to nothing (an FQDN slice).
-fn convert_object(kind: &str, api_version: &str, value: Value) -> Result<Option<Object>, String> {
+fn convert_object(
+    kind: &str,
+    api_version: &str,
+    value: Value,
+    shared: &mut SharedValues,
+) -> Result<Option<Object>, String> {
     if kind == "Service" {
         if api_version != "v1" {
             return Err(format!(
@@ -523,7 +584,7 @@ fn convert_object(kind: &str, api_version: &str, value: Value) -> Result<Option<
         }
         let slice: EndpointSlice =
             serde_json::from_value(value).map_err(|e| format!("invalid EndpointSlice: {e}"))?;
-        match convert::endpoint_slice(&slice).map_err(|e| e.reason)? {
+        match convert::endpoint_slice_sharing(&slice, shared).map_err(|e| e.reason)? {
             SliceConversion::Slice(info) => Ok(Some(Object::Slice(info))),
             SliceConversion::Skipped(reason) => {
                 tracing::debug!(slice = ?slice.metadata.name, reason, "EndpointSlice ignored");
