@@ -194,6 +194,8 @@ pub struct ClusterState {
     udp_cluster_ip_refs: HashMap<IpAddr, usize>,
     /// Services touched since the last `take_changes`, with their state at that time.
     pending: BTreeMap<NamespacedName, Snapshot>,
+    /// Smallest size of `services` since its last rebuild (see `compact_services`).
+    services_low: usize,
 }
 
 impl ClusterState {
@@ -358,45 +360,51 @@ impl ClusterState {
 
     /// What changed since the previous call, comparing each touched service with its snapshot.
     pub fn take_changes(&mut self) -> Changes {
+        self.compact_services();
         let pending = std::mem::take(&mut self.pending);
         let mut changes = Changes::default();
+        let mut changed = Vec::new();
+        let mut newly_active = Vec::new();
         for (key, before) in pending {
             let after = self.snapshot(&key);
             if before == after {
                 continue;
             }
-            changes.changed_services.insert(key.clone());
+            self.deleted_udp_ips(&before, &after, &mut changes.deleted_udp_cluster_ips);
+            stale_endpoints(&before, &after, &mut changes.stale_endpoints);
+            newly_active_ports(&before, &after, &mut newly_active);
+            changed.push(key);
+        }
+        // Built from the collected (already sorted) names in one go: a B-tree set grown by inserts in
+        // order leaves its nodes about half empty, one built at once packs them.
+        changes.changed_services = changed.into_iter().collect();
+        changes.newly_active_services = newly_active.into_iter().collect();
+        changes
+    }
 
-            for old in before.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
-                let new = after.ports.iter().find(|p| p.name == old.name);
-                for ip in &old.cluster_ips {
-                    let removed = new.is_none_or(|n| !n.cluster_ips.contains(ip));
-                    if removed && !self.udp_cluster_ip_refs.contains_key(ip) {
-                        changes.deleted_udp_cluster_ips.insert(*ip);
-                    }
-                }
-            }
-
-            for (name, old_eps) in &before.endpoints {
-                let new_eps = after.endpoints.get(name);
-                for ep in old_eps.iter().filter(|e| e.serving) {
-                    let still_serving = new_eps
-                        .and_then(|n| n.iter().find(|e| e.ip == ep.ip && e.port == ep.port))
-                        .is_some_and(|e| e.serving);
-                    if !still_serving {
-                        changes.stale_endpoints.push((name.clone(), ep.clone()));
-                    }
-                }
-            }
-
-            for (name, new_eps) in &after.endpoints {
-                let serving = |eps: &Vec<Endpoint>| eps.iter().any(|e| e.serving);
-                if serving(new_eps) && !before.endpoints.get(name).is_some_and(serving) {
-                    changes.newly_active_services.insert(name.clone());
+    /// Cluster IPs of the UDP ports a service no longer has on that IP that no UDP port uses any more.
+    fn deleted_udp_ips(&self, before: &Snapshot, after: &Snapshot, out: &mut BTreeSet<IpAddr>) {
+        for old in before.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
+            let new = after.ports.iter().find(|p| p.name == old.name);
+            for ip in &old.cluster_ips {
+                let removed = new.is_none_or(|n| !n.cluster_ips.contains(ip));
+                if removed && !self.udp_cluster_ip_refs.contains_key(ip) {
+                    out.insert(*ip);
                 }
             }
         }
-        changes
+    }
+
+    /// Rebuilds the service map once it has grown to twice its smallest size since the last rebuild (so
+    /// at least half of it was inserted since): a full load inserts ports in name order, and a B-tree grown
+    /// that way leaves its nodes about half empty, where a map built at once packs them. Amortised O(1)
+    /// per insertion; the rebuild needs one extra copy of the entries for its duration, before a sync.
+    fn compact_services(&mut self) {
+        self.services_low = self.services_low.min(self.services.len());
+        if self.services.len() >= (2 * self.services_low).max(COMPACT_FLOOR) {
+            self.services = std::mem::take(&mut self.services).into_iter().collect();
+            self.services_low = self.services.len();
+        }
     }
 
     fn ports_of<'a>(&'a self, key: &NamespacedName) -> impl Iterator<Item = &'a ServicePort> + 'a {
@@ -447,6 +455,38 @@ impl ClusterState {
                     self.udp_cluster_ip_refs.remove(ip);
                 }
             }
+        }
+    }
+}
+
+/// Below this many service ports a rebuild of the map saves too little to bother.
+const COMPACT_FLOOR: usize = 1024;
+
+/// Endpoints that were serving before and are gone or no longer serving after.
+fn stale_endpoints(
+    before: &Snapshot,
+    after: &Snapshot,
+    out: &mut Vec<(ServicePortName, Endpoint)>,
+) {
+    for (name, old_eps) in &before.endpoints {
+        let new_eps = after.endpoints.get(name);
+        for ep in old_eps.iter().filter(|e| e.serving) {
+            let still_serving = new_eps
+                .and_then(|n| n.iter().find(|e| e.ip == ep.ip && e.port == ep.port))
+                .is_some_and(|e| e.serving);
+            if !still_serving {
+                out.push((name.clone(), ep.clone()));
+            }
+        }
+    }
+}
+
+/// Ports with a serving endpoint after and none before, in name order.
+fn newly_active_ports(before: &Snapshot, after: &Snapshot, out: &mut Vec<ServicePortName>) {
+    let serving = |eps: &Vec<Endpoint>| eps.iter().any(|e| e.serving);
+    for (name, new_eps) in &after.endpoints {
+        if serving(new_eps) && !before.endpoints.get(name).is_some_and(serving) {
+            out.push(name.clone());
         }
     }
 }
@@ -586,6 +626,44 @@ mod tests {
         // Deleting an unknown service changes nothing.
         st.delete_service(&key("nope"));
         assert!(st.take_changes().is_empty());
+    }
+
+    #[test]
+    fn service_map_is_rebuilt_after_growth_and_stays_consistent() {
+        let mut st = ClusterState::new();
+        let name = |i: usize| format!("s{i:04}");
+        let ip = |i: usize| format!("10.96.{}.{}", i / 256, i % 256);
+        for i in 0..3 * COMPACT_FLOOR {
+            let port = svc_port("ns", &name(i), "", Protocol::Udp, 53, &ip(i));
+            st.apply_service(key(&name(i)), vec![port]);
+        }
+        let ch = st.take_changes();
+        assert_eq!(ch.changed_services.len(), 3 * COMPACT_FLOOR);
+        assert_eq!(st.services_low, 3 * COMPACT_FLOOR, "rebuilt");
+        let names: Vec<String> = st
+            .service_map()
+            .keys()
+            .map(|n| n.service.name.clone())
+            .collect();
+        assert_eq!(names, (0..3 * COMPACT_FLOOR).map(name).collect::<Vec<_>>());
+        // The rebuilt map keeps working: lookups, deletions, UDP references.
+        st.delete_service(&key(&name(1)));
+        st.apply_service(
+            key("zz"),
+            vec![svc_port("ns", "zz", "", Protocol::Tcp, 80, "10.97.0.1")],
+        );
+        assert!(st.service_ports(&key(&name(1))).is_empty());
+        assert_eq!(st.service_ports(&key(&name(2))).len(), 1);
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.changed_services,
+            [key(&name(1)), key("zz")].into_iter().collect()
+        );
+        assert_eq!(
+            ch.deleted_udp_cluster_ips,
+            [ip(1).parse().unwrap()].into_iter().collect()
+        );
+        assert_eq!(st.services_low, 3 * COMPACT_FLOOR, "no second rebuild");
     }
 
     #[test]

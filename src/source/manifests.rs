@@ -13,7 +13,8 @@
 //! - A file that disappears from a directory is a deletion of its objects.
 //! - The same object defined twice: the first definition (in file order) wins, the other is an error.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -97,6 +98,67 @@ struct Emitted {
     path: Arc<PathBuf>,
 }
 
+impl Emitted {
+    fn of(object: &Object, origin: Origin) -> Emitted {
+        Emitted {
+            print: fingerprint_of(object),
+            path: origin.path,
+        }
+    }
+}
+
+/// One poll's walk over what was emitted and what was read, both in key order: the events between them
+/// (in key order) and what is emitted afterwards (in key order again).
+struct Reconcile<'a> {
+    snap: &'a Snapshot,
+    emitted: Vec<(ObjectKey, Emitted)>,
+    events: Vec<Event>,
+}
+
+impl Reconcile<'_> {
+    /// One key: emitted before (`old`), read now (`new`), or both.
+    fn object(
+        &mut self,
+        old: Option<(ObjectKey, Emitted)>,
+        new: Option<(ObjectKey, (Object, Origin))>,
+    ) {
+        match (old, new) {
+            (Some((key, e)), None) => self.gone(key, e),
+            // Unchanged: the store keeps its version, and the key keeps pointing at its strings.
+            (Some((key, e)), Some((_, (object, origin)))) if e.print == fingerprint_of(&object) => {
+                let e = Emitted {
+                    path: origin.path,
+                    ..e
+                };
+                self.emitted.push((key, e));
+            }
+            // New or changed: the new key shares its strings with the version the store gets now.
+            (_, Some((key, (object, origin)))) => {
+                self.emitted
+                    .push((key.clone(), Emitted::of(&object, origin)));
+                self.events.push(applied(key, object));
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// Emitted before, absent now: deleted, unless a failure may be hiding it.
+    fn gone(&mut self, key: ObjectKey, e: Emitted) {
+        let snap = self.snap;
+        if snap.keep.contains(&key) || snap.tainted.contains(&*e.path) || snap.unreadable {
+            self.emitted.push((key, e));
+            return;
+        }
+        self.events.push(match key.kind {
+            ObjectKind::Service => Event::ServiceDeleted(key.namespaced_name()),
+            ObjectKind::Slice => Event::SliceDeleted {
+                namespace: key.namespace.to_string(),
+                name: key.name.to_string(),
+            },
+        });
+    }
+}
+
 /// Identity of a file's content as far as the filesystem tells: re-read when it changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct FileStamp {
@@ -129,10 +191,11 @@ struct Snapshot {
 pub struct ManifestSource {
     path: PathBuf,
     fingerprint: Option<Fingerprint>,
-    /// A fingerprint of what we last emitted for each object, and where it came from. Only a hash: the
-    /// consumer holds the objects, and keeping a second copy of a 10k-service cluster here would double the
-    /// agent's memory. A hash map: nothing iterates it in an order that matters (events are sorted).
-    emitted: HashMap<ObjectKey, Emitted>,
+    /// A fingerprint of what we last emitted for each object, and where it came from, in key order. Only a
+    /// hash: the consumer holds the objects, and keeping a second copy of a 10k-service cluster here would
+    /// double the agent's memory. A sorted vector, not a map: a poll re-reads everything and walks it in
+    /// order anyway, and a vector has no per-entry overhead.
+    emitted: Vec<(ObjectKey, Emitted)>,
 }
 
 impl ManifestSource {
@@ -141,7 +204,7 @@ impl ManifestSource {
         ManifestSource {
             path,
             fingerprint: None,
-            emitted: HashMap::new(),
+            emitted: Vec::new(),
         }
     }
 
@@ -157,18 +220,15 @@ impl ManifestSource {
     /// A complete snapshot (Applied for every object) followed by `Event::Synced`. Forgets anything
     /// emitted before.
     pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
-        self.emitted.clear();
         self.fingerprint = Some(self.fingerprint());
         let snap = self.read();
         let mut events = Vec::with_capacity(snap.objects.len() + 1);
+        let mut emitted = Vec::with_capacity(snap.objects.len());
         for (key, (object, origin)) in snap.objects {
-            let emitted = Emitted {
-                print: fingerprint_of(&object),
-                path: origin.path,
-            };
-            self.emitted.insert(key.clone(), emitted);
+            emitted.push((key.clone(), Emitted::of(&object, origin)));
             events.push(applied(key, object));
         }
+        self.emitted = emitted;
         events.push(Event::Synced);
         (events, snap.errors)
     }
@@ -181,51 +241,30 @@ impl ManifestSource {
             return (Vec::new(), Vec::new());
         }
         self.fingerprint = Some(fingerprint);
-        let snap = self.read();
-        let mut events = BTreeMap::new();
-        // Deleted: emitted before, absent now, and not protected by a failure that may hide it.
-        let gone: Vec<ObjectKey> = self
-            .emitted
-            .iter()
-            .filter(|(key, emitted)| {
-                !snap.objects.contains_key(*key)
-                    && !snap.keep.contains(*key)
-                    && !snap.tainted.contains(&*emitted.path)
-                    && !snap.unreadable
-            })
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in gone {
-            self.emitted.remove(&key);
-            let ev = match key.kind {
-                ObjectKind::Service => Event::ServiceDeleted(key.namespaced_name()),
-                ObjectKind::Slice => Event::SliceDeleted {
-                    namespace: key.namespace.to_string(),
-                    name: key.name.to_string(),
-                },
+        let mut snap = self.read();
+        let objects = std::mem::take(&mut snap.objects);
+        let mut r = Reconcile {
+            snap: &snap,
+            emitted: Vec::with_capacity(objects.len()),
+            events: Vec::new(),
+        };
+        // Both sides are in key order: walk them together.
+        let mut old = std::mem::take(&mut self.emitted).into_iter().peekable();
+        let mut new = objects.into_iter().peekable();
+        loop {
+            let order = match (old.peek(), new.peek()) {
+                (None, None) => break,
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (Some((a, _)), Some((b, _))) => a.cmp(b),
             };
-            events.insert(key, ev);
+            let before = (order != Ordering::Greater).then(|| old.next()).flatten();
+            let now = (order != Ordering::Less).then(|| new.next()).flatten();
+            r.object(before, now);
         }
-        // Applied: new or different.
-        for (key, (object, origin)) in snap.objects {
-            let print = fingerprint_of(&object);
-            match self.emitted.get_mut(&key) {
-                // Unchanged: the store keeps its version, and the key keeps pointing at its strings.
-                Some(e) if e.print == print => e.path = origin.path,
-                _ => {
-                    // Changed: the key is replaced too (a map keeps an existing key on insert), so that
-                    // it shares its strings with the version the store gets now.
-                    self.emitted.remove(&key);
-                    let emitted = Emitted {
-                        print,
-                        path: origin.path,
-                    };
-                    self.emitted.insert(key.clone(), emitted);
-                    events.insert(key.clone(), applied(key, object));
-                }
-            }
-        }
-        (events.into_values().collect(), snap.errors)
+        r.emitted.shrink_to_fit();
+        self.emitted = r.emitted;
+        (r.events, snap.errors)
     }
 
     fn files(&self) -> Result<Vec<PathBuf>, String> {
@@ -762,6 +801,45 @@ mod tests {
             "{}",
             errors[3]
         );
+    }
+
+    #[test]
+    fn reread_events_come_in_object_order() {
+        let dir = TempDir::new("order");
+        let services = |names: &[(&str, &str)]| {
+            names
+                .iter()
+                .map(|(n, ip)| service(n, ip))
+                .collect::<Vec<_>>()
+                .join("---\n")
+        };
+        let (a, c, d) = (("a", "10.96.0.1"), ("c", "10.96.0.3"), ("d", "10.96.0.4"));
+        let (b, c2, e) = (("b", "10.96.0.2"), ("c", "10.96.0.33"), ("e", "10.96.0.5"));
+        dir.write("svc.yaml", &services(&[a, c, d]));
+        dir.write("eps.yaml", &slice("a-1", "a", &["10.244.1.2"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        // Deletions, changes and additions of both kinds, interleaved by name.
+        dir.write("svc.yaml", &services(&[b, c2, e]));
+        dir.write("eps.yaml", &slice("b-1", "b", &["10.244.1.3"]));
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            names(&events),
+            [
+                "svc- demo/a",
+                "svc+ demo/b (1 ports)",
+                "svc+ demo/c (1 ports)",
+                "svc- demo/d",
+                "svc+ demo/e (1 ports)",
+                "slice- demo/a-1",
+                "slice+ demo/b-1 (1 eps)"
+            ]
+        );
+        // What was emitted is remembered: the same content again is no change.
+        dir.write("svc.yaml", &services(&[b, c2, e]));
+        let (events, _) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
     }
 
     #[test]
