@@ -191,16 +191,7 @@ mod tests {
     }
 
     fn ep(ip: &str, node: &str, ready: bool) -> SliceEndpoint {
-        SliceEndpoint {
-            addresses: vec![ip.parse().unwrap()],
-            ready,
-            serving: ready,
-            terminating: !ready,
-            node_name: Some(node.into()),
-            zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
-        }
+        SliceEndpoint::new(ip.parse().unwrap(), ready, ready, !ready).on_node(node)
     }
 
     fn state(etp: TrafficPolicy, eps: Vec<SliceEndpoint>) -> ClusterState {

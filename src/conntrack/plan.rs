@@ -378,7 +378,7 @@ mod tests {
     fn slice(svc: &str, eps: &[(&str, bool)]) -> SliceInfo {
         SliceInfo {
             namespace: "ns".into(),
-            name: format!("{svc}-a"),
+            name: format!("{svc}-a").into(),
             service: svc.into(),
             address_type: IpFamily::V4,
             ports: vec![
@@ -395,15 +395,8 @@ mod tests {
             ],
             endpoints: eps
                 .iter()
-                .map(|(ip, serving)| SliceEndpoint {
-                    addresses: vec![ip.parse().unwrap()],
-                    ready: *serving,
-                    serving: *serving,
-                    terminating: false,
-                    node_name: None,
-                    zone: None,
-                    zone_hints: vec![],
-                    node_hints: vec![],
+                .map(|(ip, serving)| {
+                    SliceEndpoint::new(ip.parse().unwrap(), *serving, *serving, false)
                 })
                 .collect(),
         }

@@ -8,40 +8,98 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
+use super::intern::{NameKey, SharedName, SharedValues, Topology};
 use super::types::*;
 
 /// One port of an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SlicePort {
-    /// The port's name ("" if unnamed); matched against the service port's name.
-    pub name: String,
+    /// The port's name ("" if unnamed); matched against the service port's name. Shared: most slices
+    /// use the same few names.
+    pub name: Arc<str>,
     pub port: u16,
     pub protocol: Protocol,
 }
 
 /// One endpoint of an EndpointSlice, with its conditions already defaulted the way the API says
 /// (ready unknown → ready; serving unknown → ready; terminating unknown → false).
+///
+/// 32 bytes: a cluster has millions of these.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SliceEndpoint {
-    /// All addresses; consumers use the first one (the API says they are fungible).
-    pub addresses: Vec<IpAddr>,
+    /// The endpoint's first address, the only one consumers use (the API says an endpoint's addresses
+    /// are fungible, and kube-proxy programs the first). The converter still validates all of them.
+    pub address: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
-    pub zone_hints: Vec<String>,
-    pub node_hints: Vec<String>,
+    /// Node, zone and hints; None when the endpoint has none of them. Shared between endpoints.
+    pub topology: Option<Arc<Topology>>,
 }
 
-/// An EndpointSlice, converted (see `source::convert::endpoint_slice`). No kube types.
+impl SliceEndpoint {
+    /// An endpoint without node, zone or hints.
+    pub fn new(address: IpAddr, ready: bool, serving: bool, terminating: bool) -> Self {
+        SliceEndpoint {
+            address,
+            ready,
+            serving,
+            terminating,
+            topology: None,
+        }
+    }
+
+    /// The same endpoint on `node` (tests and sources build endpoints this way).
+    pub fn on_node(mut self, node: &str) -> Self {
+        let mut t = self.topology.as_deref().cloned().unwrap_or_default();
+        t.node_name = Some(node.into());
+        self.topology = Some(Arc::new(t));
+        self
+    }
+
+    pub fn node_name(&self) -> Option<&str> {
+        self.topology.as_deref()?.node_name.as_deref()
+    }
+
+    pub fn zone(&self) -> Option<&str> {
+        self.topology.as_deref()?.zone.as_deref()
+    }
+
+    pub fn zone_hints(&self) -> &[String] {
+        self.topology.as_deref().map_or(&[], |t| &t.zone_hints)
+    }
+
+    pub fn node_hints(&self) -> &[String] {
+        self.topology.as_deref().map_or(&[], |t| &t.node_hints)
+    }
+
+    /// The model endpoint for a service port whose slice port resolved to `port`.
+    fn to_endpoint(&self, port: u16) -> Endpoint {
+        let t = self.topology.as_deref();
+        Endpoint {
+            ip: self.address,
+            port,
+            ready: self.ready,
+            serving: self.serving,
+            terminating: self.terminating,
+            node_name: t.and_then(|t| t.node_name.clone()),
+            zone: t.and_then(|t| t.zone.clone()),
+            zone_hints: t.map(|t| t.zone_hints.clone()).unwrap_or_default(),
+            node_hints: t.map(|t| t.node_hints.clone()).unwrap_or_default(),
+        }
+    }
+}
+
+/// An EndpointSlice, converted (see `source::convert::endpoint_slice`). No kube types. The strings are
+/// shared: the store, and the source that produced the slice, point at one copy.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SliceInfo {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
     /// Name of the owning service (label `kubernetes.io/service-name`), in the same namespace.
-    pub service: String,
+    pub service: Arc<str>,
     pub address_type: IpFamily,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<SliceEndpoint>,
@@ -50,11 +108,42 @@ pub struct SliceInfo {
 impl SliceInfo {
     /// "namespace/slice-name".
     pub fn key(&self) -> NamespacedName {
-        NamespacedName::new(self.namespace.clone(), self.name.clone())
+        NamespacedName::new(&*self.namespace, &*self.name)
     }
     /// "namespace/service-name" of the owning service.
     pub fn service_key(&self) -> NamespacedName {
-        NamespacedName::new(self.namespace.clone(), self.service.clone())
+        NamespacedName::new(&*self.namespace, &*self.service)
+    }
+
+    /// (namespace, slice name), shared.
+    fn shared_key(&self) -> SharedName {
+        SharedName {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
+    }
+
+    /// (namespace, service name), shared.
+    fn shared_service_key(&self) -> SharedName {
+        SharedName {
+            namespace: self.namespace.clone(),
+            name: self.service.clone(),
+        }
+    }
+
+    /// Points every repeated value at the store's copy and drops spare capacity.
+    fn share_values(&mut self, shared: &mut SharedValues) {
+        self.namespace = shared.strings.share(&self.namespace);
+        for p in &mut self.ports {
+            p.name = shared.strings.share(&p.name);
+        }
+        for ep in &mut self.endpoints {
+            if let Some(t) = &ep.topology {
+                ep.topology = Some(shared.topologies.share(t));
+            }
+        }
+        self.ports.shrink_to_fit();
+        self.endpoints.shrink_to_fit();
     }
 }
 
@@ -92,14 +181,21 @@ struct Snapshot {
 #[derive(Debug, Default)]
 pub struct ClusterState {
     services: ServiceMap,
-    slices: BTreeMap<NamespacedName, SliceInfo>,
-    /// Service → names of the slices (same namespace) whose service label names it, sorted. A sorted vector,
-    /// not a BTreeSet: a service has a slice or two, and a BTreeSet's first node costs ~300 bytes.
-    slices_by_service: HashMap<NamespacedName, Vec<String>>,
+    /// (namespace, service) → the EndpointSlices whose service label names it, sorted by slice name (the
+    /// merge's tie-break order). Grouped by service because that is how they are read; the service name
+    /// in the key is the slices' own copy.
+    slices: HashMap<SharedName, Vec<SliceInfo>>,
+    /// (namespace, slice name) → the service the slice belongs to: finds a slice on update and delete.
+    /// Both strings are the slice's own copies.
+    slice_owners: HashMap<SharedName, Arc<str>>,
+    /// Namespaces, port names and endpoint topologies, one copy each.
+    shared: SharedValues,
     /// Cluster IP → number of UDP service ports using it.
     udp_cluster_ip_refs: HashMap<IpAddr, usize>,
     /// Services touched since the last `take_changes`, with their state at that time.
     pending: BTreeMap<NamespacedName, Snapshot>,
+    /// Smallest size of `services` since its last rebuild (see `compact_services`).
+    services_low: usize,
 }
 
 impl ClusterState {
@@ -136,36 +232,29 @@ impl ClusterState {
     }
 
     /// Adds or replaces an EndpointSlice (keyed by namespace and slice name).
-    pub fn apply_slice(&mut self, slice: SliceInfo) {
-        let key = slice.key();
-        let new_service = slice.service_key();
-        if let Some(old) = self.slices.get(&key) {
+    pub fn apply_slice(&mut self, mut slice: SliceInfo) {
+        slice.share_values(&mut self.shared);
+        if let Some(old) = self.slice(&slice.namespace, &slice.name) {
             if *old == slice {
                 return;
             }
-            let old_service = old.service_key();
-            if old_service != new_service {
+            if old.service != slice.service {
+                let old_service = old.service_key();
                 self.touch(&old_service);
-                self.unindex_slice(&old_service, &key.name);
+                self.remove_slice(&slice.namespace, &slice.name);
             }
         }
-        self.touch(&new_service);
-        let names = self.slices_by_service.entry(new_service).or_default();
-        if let Err(at) = names.binary_search(&key.name) {
-            names.insert(at, key.name.clone());
-        }
-        self.slices.insert(key, slice);
+        self.touch(&slice.service_key());
+        self.insert_slice(slice);
     }
 
     pub fn delete_slice(&mut self, namespace: &str, name: &str) {
-        let key = NamespacedName::new(namespace, name);
-        let Some(old) = self.slices.get(&key) else {
+        let Some(old) = self.slice(namespace, name) else {
             return;
         };
         let service = old.service_key();
         self.touch(&service);
-        self.unindex_slice(&service, name);
-        self.slices.remove(&key);
+        self.remove_slice(namespace, name);
     }
 
     /// All service ports.
@@ -184,11 +273,17 @@ impl ClusterState {
     }
 
     pub fn slice(&self, namespace: &str, name: &str) -> Option<&SliceInfo> {
-        self.slices.get(&NamespacedName::new(namespace, name))
+        let service = self.slice_owners.get::<dyn NameKey>(&(namespace, name))?;
+        let group = self.slices.get::<dyn NameKey>(&(namespace, &**service))?;
+        let at = find_slice(group, name).ok()?;
+        Some(&group[at])
     }
 
+    /// Every EndpointSlice, in (namespace, name) order.
     pub fn slices(&self) -> impl Iterator<Item = &SliceInfo> {
-        self.slices.values()
+        let mut all: Vec<&SliceInfo> = self.slices.values().flatten().collect();
+        all.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        all.into_iter()
     }
 
     /// Endpoints of every service port that has at least one (built on demand: O(cluster)).
@@ -210,54 +305,11 @@ impl ClusterState {
         key: &NamespacedName,
     ) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
         let mut out = BTreeMap::new();
-        let Some(slice_names) = self.slices_by_service.get(key) else {
+        let Some(slices) = self.slices.get::<dyn NameKey>(key) else {
             return out;
         };
-        let slices: Vec<&SliceInfo> = slice_names
-            .iter()
-            .filter_map(|n| {
-                self.slices
-                    .get(&NamespacedName::new(key.namespace.clone(), n.clone()))
-            })
-            .collect();
         for sp in self.ports_of(key) {
-            let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
-            for slice in &slices {
-                let Some(port) = slice
-                    .ports
-                    .iter()
-                    .find(|p| p.name == sp.name.port && p.protocol == sp.protocol)
-                else {
-                    continue;
-                };
-                for ep in &slice.endpoints {
-                    let Some(ip) = ep.addresses.first() else {
-                        continue;
-                    };
-                    let candidate = Endpoint {
-                        ip: *ip,
-                        port: port.port,
-                        ready: ep.ready,
-                        serving: ep.serving,
-                        terminating: ep.terminating,
-                        node_name: ep.node_name.clone(),
-                        zone: ep.zone.clone(),
-                        zone_hints: ep.zone_hints.clone(),
-                        node_hints: ep.node_hints.clone(),
-                    };
-                    match best.entry((*ip, port.port)) {
-                        std::collections::btree_map::Entry::Vacant(v) => {
-                            v.insert(candidate);
-                        }
-                        std::collections::btree_map::Entry::Occupied(mut o) => {
-                            let rank = |e: &Endpoint| (e.ready, e.serving);
-                            if rank(&candidate) > rank(o.get()) {
-                                o.insert(candidate);
-                            }
-                        }
-                    }
-                }
-            }
+            let best = merge_port_endpoints(slices, sp);
             if !best.is_empty() {
                 out.insert(sp.name.clone(), best.into_values().collect());
             }
@@ -265,6 +317,41 @@ impl ClusterState {
         out
     }
 
+    /// Puts a slice into its service's group (replacing one of the same name) and the owner index.
+    fn insert_slice(&mut self, mut slice: SliceInfo) {
+        let service_key = slice.shared_service_key();
+        let group = self.slices.entry(service_key).or_default();
+        // The group's key holds the service name: the slice and the owner index point at that copy.
+        if let Some(first) = group.first() {
+            slice.service = first.service.clone();
+        }
+        self.slice_owners
+            .insert(slice.shared_key(), slice.service.clone());
+        match find_slice(group, &slice.name) {
+            Ok(at) => group[at] = slice,
+            Err(at) => {
+                // One more, not a doubling: most services have a single slice.
+                group.reserve_exact(1);
+                group.insert(at, slice);
+            }
+        }
+    }
+
+    /// Takes a slice out of its group and the owner index (the caller has touched its service).
+    fn remove_slice(&mut self, namespace: &str, name: &str) -> Option<SliceInfo> {
+        let service = self
+            .slice_owners
+            .remove::<dyn NameKey>(&(namespace, name))?;
+        let group_key: &dyn NameKey = &(namespace, &*service);
+        let group = self.slices.get_mut(group_key)?;
+        let removed = find_slice(group, name).ok().map(|at| group.remove(at));
+        if group.is_empty() {
+            self.slices.remove(group_key);
+        } else {
+            group.shrink_to_fit();
+        }
+        removed
+    }
     /// True if something was mutated since the last `take_changes` (the result may still be empty if
     /// the mutations cancelled out).
     pub fn has_pending(&self) -> bool {
@@ -273,45 +360,51 @@ impl ClusterState {
 
     /// What changed since the previous call, comparing each touched service with its snapshot.
     pub fn take_changes(&mut self) -> Changes {
+        self.compact_services();
         let pending = std::mem::take(&mut self.pending);
         let mut changes = Changes::default();
+        let mut changed = Vec::new();
+        let mut newly_active = Vec::new();
         for (key, before) in pending {
             let after = self.snapshot(&key);
             if before == after {
                 continue;
             }
-            changes.changed_services.insert(key.clone());
+            self.deleted_udp_ips(&before, &after, &mut changes.deleted_udp_cluster_ips);
+            stale_endpoints(&before, &after, &mut changes.stale_endpoints);
+            newly_active_ports(&before, &after, &mut newly_active);
+            changed.push(key);
+        }
+        // Built from the collected (already sorted) names in one go: a B-tree set grown by inserts in
+        // order leaves its nodes about half empty, one built at once packs them.
+        changes.changed_services = changed.into_iter().collect();
+        changes.newly_active_services = newly_active.into_iter().collect();
+        changes
+    }
 
-            for old in before.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
-                let new = after.ports.iter().find(|p| p.name == old.name);
-                for ip in &old.cluster_ips {
-                    let removed = new.is_none_or(|n| !n.cluster_ips.contains(ip));
-                    if removed && !self.udp_cluster_ip_refs.contains_key(ip) {
-                        changes.deleted_udp_cluster_ips.insert(*ip);
-                    }
-                }
-            }
-
-            for (name, old_eps) in &before.endpoints {
-                let new_eps = after.endpoints.get(name);
-                for ep in old_eps.iter().filter(|e| e.serving) {
-                    let still_serving = new_eps
-                        .and_then(|n| n.iter().find(|e| e.ip == ep.ip && e.port == ep.port))
-                        .is_some_and(|e| e.serving);
-                    if !still_serving {
-                        changes.stale_endpoints.push((name.clone(), ep.clone()));
-                    }
-                }
-            }
-
-            for (name, new_eps) in &after.endpoints {
-                let serving = |eps: &Vec<Endpoint>| eps.iter().any(|e| e.serving);
-                if serving(new_eps) && !before.endpoints.get(name).is_some_and(serving) {
-                    changes.newly_active_services.insert(name.clone());
+    /// Cluster IPs of the UDP ports a service no longer has on that IP that no UDP port uses any more.
+    fn deleted_udp_ips(&self, before: &Snapshot, after: &Snapshot, out: &mut BTreeSet<IpAddr>) {
+        for old in before.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
+            let new = after.ports.iter().find(|p| p.name == old.name);
+            for ip in &old.cluster_ips {
+                let removed = new.is_none_or(|n| !n.cluster_ips.contains(ip));
+                if removed && !self.udp_cluster_ip_refs.contains_key(ip) {
+                    out.insert(*ip);
                 }
             }
         }
-        changes
+    }
+
+    /// Rebuilds the service map once it has grown to twice its smallest size since the last rebuild (so
+    /// at least half of it was inserted since): a full load inserts ports in name order, and a B-tree grown
+    /// that way leaves its nodes about half empty, where a map built at once packs them. Amortised O(1)
+    /// per insertion; the rebuild needs one extra copy of the entries for its duration, before a sync.
+    fn compact_services(&mut self) {
+        self.services_low = self.services_low.min(self.services.len());
+        if self.services.len() >= (2 * self.services_low).max(COMPACT_FLOOR) {
+            self.services = std::mem::take(&mut self.services).into_iter().collect();
+            self.services_low = self.services.len();
+        }
     }
 
     fn ports_of<'a>(&'a self, key: &NamespacedName) -> impl Iterator<Item = &'a ServicePort> + 'a {
@@ -364,15 +457,74 @@ impl ClusterState {
             }
         }
     }
+}
 
-    fn unindex_slice(&mut self, service: &NamespacedName, slice_name: &str) {
-        if let Some(names) = self.slices_by_service.get_mut(service) {
-            names.retain(|n| n != slice_name);
-            if names.is_empty() {
-                self.slices_by_service.remove(service);
+/// Below this many service ports a rebuild of the map saves too little to bother.
+const COMPACT_FLOOR: usize = 1024;
+
+/// Endpoints that were serving before and are gone or no longer serving after.
+fn stale_endpoints(
+    before: &Snapshot,
+    after: &Snapshot,
+    out: &mut Vec<(ServicePortName, Endpoint)>,
+) {
+    for (name, old_eps) in &before.endpoints {
+        let new_eps = after.endpoints.get(name);
+        for ep in old_eps.iter().filter(|e| e.serving) {
+            let still_serving = new_eps
+                .and_then(|n| n.iter().find(|e| e.ip == ep.ip && e.port == ep.port))
+                .is_some_and(|e| e.serving);
+            if !still_serving {
+                out.push((name.clone(), ep.clone()));
             }
         }
     }
+}
+
+/// Ports with a serving endpoint after and none before, in name order.
+fn newly_active_ports(before: &Snapshot, after: &Snapshot, out: &mut Vec<ServicePortName>) {
+    let serving = |eps: &Vec<Endpoint>| eps.iter().any(|e| e.serving);
+    for (name, new_eps) in &after.endpoints {
+        if serving(new_eps) && !before.endpoints.get(name).is_some_and(serving) {
+            out.push(name.clone());
+        }
+    }
+}
+
+/// Where a slice of that name is (Ok) or would go (Err) in a group sorted by name.
+fn find_slice(group: &[SliceInfo], name: &str) -> Result<usize, usize> {
+    group.binary_search_by(|s| (*s.name).cmp(name))
+}
+
+/// The endpoints of one service port from the slices of its service, deduplicated by (ip, port): a ready
+/// one wins, then a serving one, then the first in slice name order.
+fn merge_port_endpoints(
+    slices: &[SliceInfo],
+    sp: &ServicePort,
+) -> BTreeMap<(IpAddr, u16), Endpoint> {
+    let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
+    for slice in slices {
+        let Some(port) = slice
+            .ports
+            .iter()
+            .find(|p| *p.name == sp.name.port && p.protocol == sp.protocol)
+        else {
+            continue;
+        };
+        for ep in &slice.endpoints {
+            match best.entry((ep.address, port.port)) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(ep.to_endpoint(port.port));
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    if (ep.ready, ep.serving) > (o.get().ready, o.get().serving) {
+                        o.insert(ep.to_endpoint(port.port));
+                    }
+                }
+            }
+        }
+    }
+    best
 }
 
 #[cfg(test)]
@@ -399,16 +551,7 @@ mod tests {
     }
 
     fn ep(ip: &str, ready: bool, serving: bool) -> SliceEndpoint {
-        SliceEndpoint {
-            addresses: vec![ip.parse().unwrap()],
-            ready,
-            serving,
-            terminating: !ready,
-            node_name: Some("node-1".into()),
-            zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
-        }
+        SliceEndpoint::new(ip.parse().unwrap(), ready, serving, !ready).on_node("node-1")
     }
 
     fn slice(
@@ -425,7 +568,7 @@ mod tests {
             ports: ports
                 .iter()
                 .map(|(n, p, proto)| SlicePort {
-                    name: n.to_string(),
+                    name: (*n).into(),
                     port: *p,
                     protocol: *proto,
                 })
@@ -483,6 +626,44 @@ mod tests {
         // Deleting an unknown service changes nothing.
         st.delete_service(&key("nope"));
         assert!(st.take_changes().is_empty());
+    }
+
+    #[test]
+    fn service_map_is_rebuilt_after_growth_and_stays_consistent() {
+        let mut st = ClusterState::new();
+        let name = |i: usize| format!("s{i:04}");
+        let ip = |i: usize| format!("10.96.{}.{}", i / 256, i % 256);
+        for i in 0..3 * COMPACT_FLOOR {
+            let port = svc_port("ns", &name(i), "", Protocol::Udp, 53, &ip(i));
+            st.apply_service(key(&name(i)), vec![port]);
+        }
+        let ch = st.take_changes();
+        assert_eq!(ch.changed_services.len(), 3 * COMPACT_FLOOR);
+        assert_eq!(st.services_low, 3 * COMPACT_FLOOR, "rebuilt");
+        let names: Vec<String> = st
+            .service_map()
+            .keys()
+            .map(|n| n.service.name.clone())
+            .collect();
+        assert_eq!(names, (0..3 * COMPACT_FLOOR).map(name).collect::<Vec<_>>());
+        // The rebuilt map keeps working: lookups, deletions, UDP references.
+        st.delete_service(&key(&name(1)));
+        st.apply_service(
+            key("zz"),
+            vec![svc_port("ns", "zz", "", Protocol::Tcp, 80, "10.97.0.1")],
+        );
+        assert!(st.service_ports(&key(&name(1))).is_empty());
+        assert_eq!(st.service_ports(&key(&name(2))).len(), 1);
+        let ch = st.take_changes();
+        assert_eq!(
+            ch.changed_services,
+            [key(&name(1)), key("zz")].into_iter().collect()
+        );
+        assert_eq!(
+            ch.deleted_udp_cluster_ips,
+            [ip(1).parse().unwrap()].into_iter().collect()
+        );
+        assert_eq!(st.services_low, 3 * COMPACT_FLOOR, "no second rebuild");
     }
 
     #[test]
@@ -620,29 +801,137 @@ mod tests {
     }
 
     #[test]
-    fn first_address_only_and_all_families_kept() {
+    fn all_families_kept() {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
-        let mut e = ep("10.244.1.2", true, true);
-        e.addresses.push("10.244.1.3".parse().unwrap());
         let mut s6 = slice(
             "echo-6",
             "echo",
             ECHO_SLICE_PORTS,
-            vec![ep("10.244.0.1", true, true)],
+            vec![ep("fd00::2", true, true)],
         );
         s6.address_type = IpFamily::V6;
-        s6.endpoints = vec![SliceEndpoint {
-            addresses: vec!["fd00::2".parse().unwrap()],
-            ..ep("10.0.0.1", true, true)
-        }];
-        st.apply_slice(slice("echo-a", "echo", ECHO_SLICE_PORTS, vec![e]));
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
         st.apply_slice(s6);
         let map = st.endpoints_map();
         assert_eq!(
             ips(&map[&spn("echo", "tcp", Protocol::Tcp)]),
             ["10.244.1.2:8080", "fd00::2:8080"]
         );
+    }
+
+    #[test]
+    fn endpoint_topology_reaches_the_model_endpoint() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        let mut e = ep("10.244.1.2", true, true);
+        e.topology = Some(Arc::new(Topology {
+            node_name: Some("node-1".into()),
+            zone: Some("z1".into()),
+            zone_hints: vec!["z1".into(), "z2".into()],
+            node_hints: vec!["node-1".into()],
+        }));
+        let bare = SliceEndpoint::new("10.244.2.2".parse().unwrap(), false, true, true);
+        st.apply_slice(slice("echo-a", "echo", ECHO_SLICE_PORTS, vec![e, bare]));
+        let map = st.endpoints_map();
+        let eps = &map[&spn("echo", "tcp", Protocol::Tcp)];
+        assert_eq!(
+            eps[0],
+            Endpoint {
+                ip: "10.244.1.2".parse().unwrap(),
+                port: 8080,
+                ready: true,
+                serving: true,
+                terminating: false,
+                node_name: Some("node-1".into()),
+                zone: Some("z1".into()),
+                zone_hints: vec!["z1".into(), "z2".into()],
+                node_hints: vec!["node-1".into()],
+            }
+        );
+        assert_eq!(
+            eps[1],
+            Endpoint {
+                ip: "10.244.2.2".parse().unwrap(),
+                port: 8080,
+                ready: false,
+                serving: true,
+                terminating: true,
+                node_name: None,
+                zone: None,
+                zone_hints: vec![],
+                node_hints: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn slices_share_repeated_values() {
+        let mut st = ClusterState::new();
+        st.apply_service(key("echo"), echo_ports());
+        // Two slices converted separately: equal values in separate allocations.
+        st.apply_slice(slice(
+            "echo-a",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        st.apply_slice(slice(
+            "echo-b",
+            "echo",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.2.2", true, true)],
+        ));
+        let a = st.slice("ns", "echo-a").unwrap();
+        let b = st.slice("ns", "echo-b").unwrap();
+        assert!(Arc::ptr_eq(&a.namespace, &b.namespace));
+        assert!(Arc::ptr_eq(&a.service, &b.service));
+        assert!(Arc::ptr_eq(&a.ports[0].name, &b.ports[0].name));
+        assert!(Arc::ptr_eq(
+            a.endpoints[0].topology.as_ref().unwrap(),
+            b.endpoints[0].topology.as_ref().unwrap()
+        ));
+        assert_eq!(a.endpoints[0].node_name(), Some("node-1"));
+    }
+
+    #[test]
+    fn slice_lookup_and_order() {
+        let mut st = ClusterState::new();
+        for (name, svc) in [("b-1", "b"), ("a-2", "a"), ("a-1", "a"), ("c-1", "b")] {
+            st.apply_slice(slice(
+                name,
+                svc,
+                ECHO_SLICE_PORTS,
+                vec![ep("10.244.1.2", true, true)],
+            ));
+        }
+        let names: Vec<String> = st.slices().map(|s| s.key().to_string()).collect();
+        assert_eq!(names, ["ns/a-1", "ns/a-2", "ns/b-1", "ns/c-1"]);
+        assert_eq!(st.slice("ns", "c-1").unwrap().service_key(), key("b"));
+        assert!(st.slice("ns", "d-1").is_none());
+        assert!(st.slice("other", "a-1").is_none());
+        // Moving a slice to another service and deleting slices keep the lookups consistent.
+        st.apply_slice(slice(
+            "c-1",
+            "a",
+            ECHO_SLICE_PORTS,
+            vec![ep("10.244.1.2", true, true)],
+        ));
+        assert_eq!(st.slice("ns", "c-1").unwrap().service_key(), key("a"));
+        st.delete_slice("ns", "b-1");
+        st.delete_slice("ns", "b-1");
+        let names: Vec<String> = st.slices().map(|s| s.key().to_string()).collect();
+        assert_eq!(names, ["ns/a-1", "ns/a-2", "ns/c-1"]);
+        assert!(
+            !st.slices.contains_key::<dyn NameKey>(&("ns", "b")),
+            "empty group removed"
+        );
+        assert_eq!(st.slice_owners.len(), 3);
     }
 
     #[test]

@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -15,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::model::{
     Cidr, IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, ServiceType,
-    SliceEndpoint, SliceInfo, SlicePort, TrafficPolicy,
+    SharedValues, SliceEndpoint, SliceInfo, SlicePort, Topology, TrafficPolicy,
 };
 
 /// Label of an EndpointSlice naming the service it belongs to.
@@ -261,23 +262,37 @@ fn convert_service(key: &NamespacedName, svc: &Service) -> Result<ServiceConvers
 
 /// Converts an EndpointSlice.
 pub fn endpoint_slice(slice: &EndpointSlice) -> Result<SliceConversion, ConvertError> {
+    endpoint_slice_sharing(slice, &mut SharedValues::default())
+}
+
+/// Converts an EndpointSlice, taking namespaces, port names and endpoint topologies from `shared`: the
+/// slices of one read then hold one copy of each before they reach the store.
+pub fn endpoint_slice_sharing(
+    slice: &EndpointSlice,
+    shared: &mut SharedValues,
+) -> Result<SliceConversion, ConvertError> {
     let key = object_key("EndpointSlice", &slice.metadata)?;
-    convert_slice(&key, slice).map_err(|reason| ConvertError {
+    convert_slice(&key, slice, shared).map_err(|reason| ConvertError {
         kind: "EndpointSlice",
         object: key.to_string(),
         reason,
     })
 }
 
-fn convert_slice(key: &NamespacedName, slice: &EndpointSlice) -> Result<SliceConversion, String> {
-    let service = slice
+fn convert_slice(
+    key: &NamespacedName,
+    slice: &EndpointSlice,
+    shared: &mut SharedValues,
+) -> Result<SliceConversion, String> {
+    let service: Arc<str> = slice
         .metadata
         .labels
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
         .filter(|s| !s.is_empty())
         .ok_or_else(|| format!("missing label {SERVICE_NAME_LABEL}"))?
-        .clone();
+        .as_str()
+        .into();
     let address_type = match slice.address_type.as_str() {
         "IPv4" => IpFamily::V4,
         "IPv6" => IpFamily::V6,
@@ -293,62 +308,78 @@ fn convert_slice(key: &NamespacedName, slice: &EndpointSlice) -> Result<SliceCon
             continue;
         };
         ports.push(SlicePort {
-            name: p.name.clone().unwrap_or_default(),
+            name: shared.string(p.name.as_deref().unwrap_or_default()),
             port: parse_port(&format!("ports[{i}]: port"), port)?,
             protocol: parse_protocol(p.protocol.as_deref())
                 .map_err(|e| format!("ports[{i}]: {e}"))?,
         });
     }
+    ports.shrink_to_fit();
 
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     for (i, ep) in slice.endpoints.iter().enumerate() {
-        if ep.addresses.is_empty() {
-            return Err(format!("endpoints[{i}]: no addresses"));
-        }
-        let mut addresses = Vec::with_capacity(ep.addresses.len());
-        for a in &ep.addresses {
-            let ip = parse_ip("endpoint address", a).map_err(|e| format!("endpoints[{i}]: {e}"))?;
-            if IpFamily::of(&ip) != address_type {
-                return Err(format!(
-                    "endpoints[{i}]: address {a:?} does not match addressType {}",
-                    slice.address_type
-                ));
-            }
-            addresses.push(ip);
-        }
+        let address = first_address(&ep.addresses, address_type, &slice.address_type)
+            .map_err(|e| format!("endpoints[{i}]: {e}"))?;
         let cond = ep.conditions.as_ref();
         // The API: a nil ready means unknown and consumers should interpret it as ready; a nil serving
         // is the same as ready; a nil terminating is false.
         let ready = cond.and_then(|c| c.ready).unwrap_or(true);
         let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
         let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-        let hints = ep.hints.as_ref();
         endpoints.push(SliceEndpoint {
-            addresses,
+            address,
             ready,
             serving,
             terminating,
-            node_name: ep.node_name.clone(),
-            zone: ep.zone.clone(),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default(),
+            topology: shared.topology(topology(ep)),
         });
     }
 
     Ok(SliceConversion::Slice(SliceInfo {
-        namespace: key.namespace.clone(),
-        name: key.name.clone(),
+        namespace: shared.string(&key.namespace),
+        name: key.name.as_str().into(),
         service,
         address_type,
         ports,
         endpoints,
     }))
+}
+
+/// Validates every address of an endpoint and returns the first: consumers use only that one (the API
+/// says they are fungible; kube-proxy programs the first), so only it is kept.
+fn first_address(
+    addresses: &[String],
+    family: IpFamily,
+    address_type: &str,
+) -> Result<IpAddr, String> {
+    let mut first = None;
+    for a in addresses {
+        let ip = parse_ip("endpoint address", a)?;
+        if IpFamily::of(&ip) != family {
+            return Err(format!(
+                "address {a:?} does not match addressType {address_type}"
+            ));
+        }
+        first.get_or_insert(ip);
+    }
+    first.ok_or_else(|| "no addresses".to_string())
+}
+
+/// Node, zone and topology hints of an endpoint.
+fn topology(ep: &k8s_openapi::api::discovery::v1::Endpoint) -> Topology {
+    let hints = ep.hints.as_ref();
+    Topology {
+        node_name: ep.node_name.clone(),
+        zone: ep.zone.clone(),
+        zone_hints: hints
+            .and_then(|h| h.for_zones.as_ref())
+            .map(|z| z.iter().map(|z| z.name.clone()).collect())
+            .unwrap_or_default(),
+        node_hints: hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .map(|n| n.iter().map(|n| n.name.clone()).collect())
+            .unwrap_or_default(),
+    }
 }
 
 #[cfg(test)]
@@ -600,9 +631,9 @@ mod tests {
         let SliceConversion::Slice(info) = endpoint_slice(&s).unwrap() else {
             panic!("skipped")
         };
-        assert_eq!(info.namespace, "demo");
-        assert_eq!(info.name, "echo-abc");
-        assert_eq!(info.service, "echo");
+        assert_eq!(&*info.namespace, "demo");
+        assert_eq!(&*info.name, "echo-abc");
+        assert_eq!(&*info.service, "echo");
         assert_eq!(info.address_type, IpFamily::V4);
         assert_eq!(
             info.ports,
@@ -621,20 +652,85 @@ mod tests {
         );
         let e = &info.endpoints;
         assert_eq!(e.len(), 4);
-        assert_eq!(
-            e[0].addresses,
-            vec!["10.244.1.2".parse::<IpAddr>().unwrap()]
-        );
+        assert_eq!(e[0].address, "10.244.1.2".parse::<IpAddr>().unwrap());
         assert!(e[0].ready && e[0].serving && !e[0].terminating);
-        assert_eq!(e[0].node_name.as_deref(), Some("node-1"));
-        assert_eq!(e[0].zone.as_deref(), Some("z1"));
-        assert_eq!(e[0].zone_hints, vec!["z1".to_string()]);
-        assert_eq!(e[0].node_hints, vec!["node-1".to_string()]);
+        assert_eq!(e[0].node_name(), Some("node-1"));
+        assert_eq!(e[0].zone(), Some("z1"));
+        assert_eq!(e[0].zone_hints(), ["z1".to_string()]);
+        assert_eq!(e[0].node_hints(), ["node-1".to_string()]);
+        // Nothing about the node or zone: no topology at all.
+        assert_eq!(e[1].topology, None);
+        assert_eq!(e[1].node_name(), None);
+        assert!(e[1].zone_hints().is_empty());
         // No conditions at all: ready and serving, not terminating.
         assert!(e[1].ready && e[1].serving && !e[1].terminating);
         assert!(!e[2].ready && e[2].serving && e[2].terminating);
         // serving unset follows ready.
         assert!(!e[3].ready && !e[3].serving && !e[3].terminating);
+    }
+
+    #[test]
+    fn endpoint_keeps_its_first_address_and_validates_all() {
+        let mk = |addrs: serde_json::Value| {
+            slice(serde_json::json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "svc"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "p", "port": 80}],
+                "endpoints": [{"addresses": addrs}],
+            }))
+        };
+        let SliceConversion::Slice(info) =
+            endpoint_slice(&mk(serde_json::json!(["10.0.0.2", "10.0.0.1"]))).unwrap()
+        else {
+            panic!("skipped")
+        };
+        assert_eq!(info.endpoints[0].address.to_string(), "10.0.0.2");
+        let e = endpoint_slice(&mk(serde_json::json!(["10.0.0.2", "10.0.0.x"]))).unwrap_err();
+        assert_eq!(
+            e.reason,
+            "endpoints[0]: invalid endpoint address \"10.0.0.x\""
+        );
+        let e = endpoint_slice(&mk(serde_json::json!(["10.0.0.2", "fd00::1"]))).unwrap_err();
+        assert_eq!(
+            e.reason,
+            "endpoints[0]: address \"fd00::1\" does not match addressType IPv4"
+        );
+        let e = endpoint_slice(&mk(serde_json::json!([]))).unwrap_err();
+        assert_eq!(e.reason, "endpoints[0]: no addresses");
+    }
+
+    #[test]
+    fn slices_converted_with_shared_values_share_them() {
+        let mk = |name: &str| {
+            slice(serde_json::json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": name, "namespace": "demo", "labels": {"kubernetes.io/service-name": "svc"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "p", "port": 80}],
+                "endpoints": [
+                    {"addresses": ["10.0.0.1"], "nodeName": "node-1", "zone": "z1"},
+                    {"addresses": ["10.0.0.2"], "nodeName": "node-1", "zone": "z1"},
+                ],
+            }))
+        };
+        let mut shared = SharedValues::default();
+        let convert =
+            |name: &str, shared: &mut SharedValues| match endpoint_slice_sharing(&mk(name), shared)
+                .unwrap()
+            {
+                SliceConversion::Slice(s) => s,
+                SliceConversion::Skipped(r) => panic!("skipped: {r}"),
+            };
+        let a = convert("a", &mut shared);
+        let b = convert("b", &mut shared);
+        assert!(Arc::ptr_eq(&a.namespace, &b.namespace));
+        assert!(Arc::ptr_eq(&a.ports[0].name, &b.ports[0].name));
+        let topo = |s: &SliceInfo, i: usize| s.endpoints[i].topology.clone().unwrap();
+        assert!(Arc::ptr_eq(&topo(&a, 0), &topo(&a, 1)));
+        assert!(Arc::ptr_eq(&topo(&a, 0), &topo(&b, 0)));
+        // Sharing does not change the result.
+        assert_eq!(endpoint_slice(&mk("a")).unwrap(), SliceConversion::Slice(a));
     }
 
     #[test]

@@ -37,7 +37,7 @@ use kube::runtime::WatchStreamExt;
 
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::{Event, NodeInfo};
-use crate::model::{Cidr, NamespacedName, ServicePort, SliceInfo};
+use crate::model::{Cidr, Interner, NameKey, NamespacedName, ServicePort, SharedName, SliceInfo};
 
 /// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -217,14 +217,17 @@ fn fingerprint(m: &Model) -> u64 {
 /// A relist in progress: which objects it has listed, and those that differ from what was emitted.
 #[derive(Default)]
 struct Relist {
-    seen: HashSet<NamespacedName>,
+    seen: HashSet<SharedName>,
     changed: BTreeMap<NamespacedName, (u64, Model, Option<SystemTime>)>,
 }
 
 /// Per-kind memory: a fingerprint of what was emitted for each object.
 struct Tracker {
     kind: Kind,
-    emitted: HashMap<NamespacedName, u64>,
+    /// Keyed by shared strings: a namespace is one copy for all its objects, a slice's name is the
+    /// slice's own copy (which the store keeps).
+    emitted: HashMap<SharedName, u64>,
+    namespaces: Interner<str>,
     relist: Option<Relist>,
     /// The first list completed.
     listed: bool,
@@ -235,9 +238,39 @@ impl Tracker {
         Tracker {
             kind,
             emitted: HashMap::new(),
+            namespaces: Interner::default(),
             relist: None,
             listed: false,
         }
+    }
+
+    fn emitted_print(&self, key: &NamespacedName) -> Option<u64> {
+        self.emitted.get::<dyn NameKey>(key).copied()
+    }
+
+    /// `key` with a shared namespace and, for a slice, the slice's own name.
+    fn shared_key(&mut self, key: &NamespacedName, model: Option<&Model>) -> SharedName {
+        let name = match model {
+            Some(Model::Slice(s)) if *s.name == key.name => s.name.clone(),
+            _ => key.name.as_str().into(),
+        };
+        SharedName {
+            namespace: self.namespaces.string(&key.namespace),
+            name,
+        }
+    }
+
+    /// Records what is emitted for `key` now. The old entry goes first: a map keeps an existing key on
+    /// insert, and the new key shares its strings with the version the store gets now.
+    fn remember(&mut self, key: &NamespacedName, model: &Model, print: u64) {
+        self.emitted.remove::<dyn NameKey>(key);
+        let shared = self.shared_key(key, Some(model));
+        self.emitted.insert(shared, print);
+    }
+
+    /// Forgets `key`; whether it had been emitted.
+    fn forget(&mut self, key: &NamespacedName) -> bool {
+        self.emitted.remove::<dyn NameKey>(key).is_some()
     }
 }
 
@@ -302,12 +335,14 @@ impl Coordinator {
                     );
                     return out;
                 };
+                let emitted = tracker.emitted_print(&key);
+                let seen = tracker.shared_key(&key, None);
                 let relist = tracker.relist.get_or_insert_with(Relist::default);
                 match obj.model {
                     Ok(Some(model)) => {
                         let print = fingerprint(&model);
-                        relist.seen.insert(key.clone());
-                        if tracker.emitted.get(&key) != Some(&print) {
+                        relist.seen.insert(seen);
+                        if emitted != Some(print) {
                             relist.changed.insert(key, (print, model, obj.trigger));
                         } else {
                             relist.changed.remove(&key);
@@ -315,14 +350,14 @@ impl Coordinator {
                     }
                     // Ignored by the proxy: absent for us, so not "seen" (deleted if it was emitted).
                     Ok(None) => {
-                        relist.seen.remove(&key);
+                        relist.seen.remove(&seen);
                         relist.changed.remove(&key);
                     }
                     Err(reason) => {
                         *skipped += 1;
                         warn_malformed(kind, &key, &reason);
                         // Keep the last good version: seen, unchanged.
-                        relist.seen.insert(key.clone());
+                        relist.seen.insert(seen);
                         relist.changed.remove(&key);
                     }
                 }
@@ -333,15 +368,15 @@ impl Coordinator {
                     .emitted
                     .keys()
                     .filter(|k| !relist.seen.contains(*k))
-                    .cloned()
+                    .map(SharedName::to_namespaced_name)
                     .collect();
                 deleted.sort();
                 for (key, (print, model, trigger)) in relist.changed {
-                    tracker.emitted.insert(key.clone(), print);
+                    tracker.remember(&key, &model, print);
                     emit_applied(&mut out, &key, model, trigger, started);
                 }
                 for key in deleted {
-                    tracker.emitted.remove(&key);
+                    tracker.forget(&key);
                     out.push(deleted_event(tracker.kind, key));
                 }
                 if !tracker.listed {
@@ -367,12 +402,13 @@ impl Coordinator {
                 match obj.model {
                     Ok(Some(model)) => {
                         let print = fingerprint(&model);
-                        if tracker.emitted.insert(key.clone(), print) != Some(print) {
+                        if tracker.emitted_print(&key) != Some(print) {
+                            tracker.remember(&key, &model, print);
                             emit_applied(&mut out, &key, model, obj.trigger, started);
                         }
                     }
                     Ok(None) => {
-                        if tracker.emitted.remove(&key).is_some() {
+                        if tracker.forget(&key) {
                             out.push(deleted_event(kind, key));
                         }
                     }
@@ -384,7 +420,7 @@ impl Coordinator {
             }
             watcher::Event::Delete(obj) => {
                 if let Some(key) = obj.key {
-                    if tracker.emitted.remove(&key).is_some() {
+                    if tracker.forget(&key) {
                         out.push(deleted_event(kind, key));
                     }
                 }
@@ -644,6 +680,7 @@ mod tests {
     use super::*;
     use crate::model::{ClusterState, Protocol};
     use crate::source::apply_event;
+    use std::sync::Arc;
     use watcher::Event as W;
 
     fn svc(name: &str, ip: &str) -> Service {
@@ -691,6 +728,52 @@ mod tests {
                 Event::NodeDeleted => "node-".into(),
             })
             .collect()
+    }
+
+    #[test]
+    fn emitted_keys_share_strings_with_what_was_emitted() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        let slice_name = |out: &[Event]| match out.last() {
+            Some(Event::SliceApplied(s)) => s.name.clone(),
+            other => panic!("{other:?}"),
+        };
+        let key = |c: &Coordinator, name: &str| {
+            let (k, _) = c
+                .slices
+                .emitted
+                .get_key_value::<dyn NameKey>(&("ns", name))
+                .unwrap();
+            k.clone()
+        };
+        // From a list and from a watch event: the key is the emitted slice's name.
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        c.handle(
+            Kind::EndpointSlice,
+            e(W::InitApply(slice("a-1", "a", &["10.244.1.2"], None))),
+        );
+        let listed = slice_name(&c.handle(Kind::EndpointSlice, e(W::InitDone)));
+        assert!(Arc::ptr_eq(&key(&c, "a-1").name, &listed));
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice("a-1", "a", &["10.244.1.3"], None))),
+        );
+        let changed = slice_name(&out);
+        assert!(Arc::ptr_eq(&key(&c, "a-1").name, &changed), "key replaced");
+        c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice("b-1", "b", &["10.244.1.4"], None))),
+        );
+        assert!(Arc::ptr_eq(
+            &key(&c, "a-1").namespace,
+            &key(&c, "b-1").namespace
+        ));
+        // Deleting forgets the key.
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Delete(slice("a-1", "a", &[], None))),
+        );
+        assert_eq!(names(&out), ["slice- ns/a-1"]);
+        assert_eq!(c.slices.emitted.len(), 1);
     }
 
     #[test]

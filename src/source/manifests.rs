@@ -13,9 +13,11 @@
 //! - A file that disappears from a directory is a deletion of its objects.
 //! - The same object defined twice: the first definition (in file order) wins, the other is an error.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Service;
@@ -24,7 +26,7 @@ use serde_json::Value;
 
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::Event;
-use crate::model::{NamespacedName, ServicePort, SliceInfo};
+use crate::model::{NamespacedName, ServicePort, SharedValues, SliceInfo};
 
 /// A problem with one file or one document of a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,10 +54,26 @@ impl fmt::Display for SourceError {
 
 impl std::error::Error for SourceError {}
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum ObjectKey {
-    Service(NamespacedName),
-    Slice(NamespacedName),
+/// Services sort before EndpointSlices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum ObjectKind {
+    Service,
+    Slice,
+}
+
+/// An object's identity, ordered by kind, namespace, name. The strings are shared: a namespace by every
+/// object of a read, a slice's name with the slice itself (and so with the store that keeps it).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct ObjectKey {
+    kind: ObjectKind,
+    namespace: Arc<str>,
+    name: Arc<str>,
+}
+
+impl ObjectKey {
+    fn namespaced_name(&self) -> NamespacedName {
+        NamespacedName::new(&*self.namespace, &*self.name)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -65,11 +83,80 @@ enum Object {
 }
 
 /// Where an object was loaded from. The path is shared by every object of its file (one allocation per
-/// file, not per object: at 50k services that is ~10 MB).
+/// file, not per object: at 50k services that is ~10 MB); a thin pointer, as every emitted object keeps one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Origin {
-    path: std::sync::Arc<Path>,
+    path: Arc<PathBuf>,
     document: usize,
+}
+
+/// What was emitted for one object: a fingerprint of it, and the file it came from (a failure in that file
+/// protects it from deletion).
+#[derive(Debug)]
+struct Emitted {
+    print: u64,
+    path: Arc<PathBuf>,
+}
+
+impl Emitted {
+    fn of(object: &Object, origin: Origin) -> Emitted {
+        Emitted {
+            print: fingerprint_of(object),
+            path: origin.path,
+        }
+    }
+}
+
+/// One poll's walk over what was emitted and what was read, both in key order: the events between them
+/// (in key order) and what is emitted afterwards (in key order again).
+struct Reconcile<'a> {
+    snap: &'a Snapshot,
+    emitted: Vec<(ObjectKey, Emitted)>,
+    events: Vec<Event>,
+}
+
+impl Reconcile<'_> {
+    /// One key: emitted before (`old`), read now (`new`), or both.
+    fn object(
+        &mut self,
+        old: Option<(ObjectKey, Emitted)>,
+        new: Option<(ObjectKey, (Object, Origin))>,
+    ) {
+        match (old, new) {
+            (Some((key, e)), None) => self.gone(key, e),
+            // Unchanged: the store keeps its version, and the key keeps pointing at its strings.
+            (Some((key, e)), Some((_, (object, origin)))) if e.print == fingerprint_of(&object) => {
+                let e = Emitted {
+                    path: origin.path,
+                    ..e
+                };
+                self.emitted.push((key, e));
+            }
+            // New or changed: the new key shares its strings with the version the store gets now.
+            (_, Some((key, (object, origin)))) => {
+                self.emitted
+                    .push((key.clone(), Emitted::of(&object, origin)));
+                self.events.push(applied(key, object));
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// Emitted before, absent now: deleted, unless a failure may be hiding it.
+    fn gone(&mut self, key: ObjectKey, e: Emitted) {
+        let snap = self.snap;
+        if snap.keep.contains(&key) || snap.tainted.contains(&*e.path) || snap.unreadable {
+            self.emitted.push((key, e));
+            return;
+        }
+        self.events.push(match key.kind {
+            ObjectKind::Service => Event::ServiceDeleted(key.namespaced_name()),
+            ObjectKind::Slice => Event::SliceDeleted {
+                namespace: key.namespace.to_string(),
+                name: key.name.to_string(),
+            },
+        });
+    }
 }
 
 /// Identity of a file's content as far as the filesystem tells: re-read when it changes.
@@ -94,6 +181,9 @@ struct Snapshot {
     tainted: BTreeSet<PathBuf>,
     /// The path itself could not be read: keep everything.
     unreadable: bool,
+    /// Namespaces, port names and endpoint topologies of this read, one copy each. Per read, not kept:
+    /// the store keeps its own, and two long-lived sets would keep each other's unused values alive.
+    shared: SharedValues,
 }
 
 /// Reads Services and EndpointSlices from files and reports them as [`Event`]s.
@@ -101,10 +191,11 @@ struct Snapshot {
 pub struct ManifestSource {
     path: PathBuf,
     fingerprint: Option<Fingerprint>,
-    /// A fingerprint of what we last emitted for each object, and where it came from. Only a hash: the
-    /// consumer holds the objects, and keeping a second copy of a 10k-service cluster here would double the
-    /// agent's memory.
-    emitted: BTreeMap<ObjectKey, (u64, Origin)>,
+    /// A fingerprint of what we last emitted for each object, and where it came from, in key order. Only a
+    /// hash: the consumer holds the objects, and keeping a second copy of a 10k-service cluster here would
+    /// double the agent's memory. A sorted vector, not a map: a poll re-reads everything and walks it in
+    /// order anyway, and a vector has no per-entry overhead.
+    emitted: Vec<(ObjectKey, Emitted)>,
 }
 
 impl ManifestSource {
@@ -113,7 +204,7 @@ impl ManifestSource {
         ManifestSource {
             path,
             fingerprint: None,
-            emitted: BTreeMap::new(),
+            emitted: Vec::new(),
         }
     }
 
@@ -129,15 +220,15 @@ impl ManifestSource {
     /// A complete snapshot (Applied for every object) followed by `Event::Synced`. Forgets anything
     /// emitted before.
     pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
-        self.emitted.clear();
         self.fingerprint = Some(self.fingerprint());
         let snap = self.read();
         let mut events = Vec::with_capacity(snap.objects.len() + 1);
+        let mut emitted = Vec::with_capacity(snap.objects.len());
         for (key, (object, origin)) in snap.objects {
-            self.emitted
-                .insert(key.clone(), (fingerprint_of(&object), origin));
+            emitted.push((key.clone(), Emitted::of(&object, origin)));
             events.push(applied(key, object));
         }
+        self.emitted = emitted;
         events.push(Event::Synced);
         (events, snap.errors)
     }
@@ -150,41 +241,30 @@ impl ManifestSource {
             return (Vec::new(), Vec::new());
         }
         self.fingerprint = Some(fingerprint);
-        let snap = self.read();
-        let mut events = BTreeMap::new();
-        // Deleted: emitted before, absent now, and not protected by a failure that may hide it.
-        let gone: Vec<ObjectKey> = self
-            .emitted
-            .iter()
-            .filter(|(key, (_, origin))| {
-                !snap.objects.contains_key(*key)
-                    && !snap.keep.contains(*key)
-                    && !snap.tainted.contains(&*origin.path)
-                    && !snap.unreadable
-            })
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in gone {
-            self.emitted.remove(&key);
-            let ev = match &key {
-                ObjectKey::Service(n) => Event::ServiceDeleted(n.clone()),
-                ObjectKey::Slice(n) => Event::SliceDeleted {
-                    namespace: n.namespace.clone(),
-                    name: n.name.clone(),
-                },
+        let mut snap = self.read();
+        let objects = std::mem::take(&mut snap.objects);
+        let mut r = Reconcile {
+            snap: &snap,
+            emitted: Vec::with_capacity(objects.len()),
+            events: Vec::new(),
+        };
+        // Both sides are in key order: walk them together.
+        let mut old = std::mem::take(&mut self.emitted).into_iter().peekable();
+        let mut new = objects.into_iter().peekable();
+        loop {
+            let order = match (old.peek(), new.peek()) {
+                (None, None) => break,
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (Some((a, _)), Some((b, _))) => a.cmp(b),
             };
-            events.insert(key, ev);
+            let before = (order != Ordering::Greater).then(|| old.next()).flatten();
+            let now = (order != Ordering::Less).then(|| new.next()).flatten();
+            r.object(before, now);
         }
-        // Applied: new or different.
-        for (key, (object, origin)) in snap.objects {
-            let print = fingerprint_of(&object);
-            let changed = self.emitted.get(&key).map(|(h, _)| *h) != Some(print);
-            self.emitted.insert(key.clone(), (print, origin));
-            if changed {
-                events.insert(key.clone(), applied(key, object));
-            }
-        }
-        (events.into_values().collect(), snap.errors)
+        r.emitted.shrink_to_fit();
+        self.emitted = r.emitted;
+        (r.events, snap.errors)
     }
 
     fn files(&self) -> Result<Vec<PathBuf>, String> {
@@ -275,11 +355,14 @@ fn fingerprint_of(object: &Object) -> u64 {
 
 fn applied(key: ObjectKey, object: Object) -> Event {
     match (key, object) {
-        (ObjectKey::Service(n), Object::Service(ports)) => Event::ServiceApplied { key: n, ports },
-        (_, Object::Slice(s)) => Event::SliceApplied(s),
-        (ObjectKey::Slice(_), Object::Service(_)) => {
-            unreachable!("slice key with a service object")
+        (key, Object::Service(ports)) => {
+            debug_assert_eq!(key.kind, ObjectKind::Service);
+            Event::ServiceApplied {
+                key: key.namespaced_name(),
+                ports,
+            }
         }
+        (_, Object::Slice(s)) => Event::SliceApplied(s),
     }
 }
 
@@ -309,7 +392,7 @@ fn read_file(path: &Path, snap: &mut Snapshot) {
         }
     };
     let is_json = path.extension().is_some_and(|e| e == "json");
-    let shared_path: std::sync::Arc<Path> = path.into();
+    let shared_path = Arc::new(path.to_path_buf());
     let documents = if is_json {
         vec![text]
     } else {
@@ -375,7 +458,7 @@ fn split_documents(text: &str) -> Vec<String> {
 }
 
 struct DocContext<'a> {
-    path: &'a std::sync::Arc<Path>,
+    path: &'a Arc<PathBuf>,
     document: usize,
     snap: &'a mut Snapshot,
 }
@@ -458,15 +541,27 @@ impl DocContext<'_> {
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty())
             .unwrap_or("default");
-        let nn = NamespacedName::new(namespace, name);
-        let object_name = nn.to_string();
-        let key = if kind == "Service" {
-            ObjectKey::Service(nn)
-        } else {
-            ObjectKey::Slice(nn)
+        let object_name = format!("{namespace}/{name}");
+        let key = ObjectKey {
+            kind: if kind == "Service" {
+                ObjectKind::Service
+            } else {
+                ObjectKind::Slice
+            },
+            namespace: self.snap.shared.string(namespace),
+            name: name.into(),
         };
-        match convert_object(kind, api_version, value) {
-            Ok(Some(object)) => {
+        match convert_object(kind, api_version, value, &mut self.snap.shared) {
+            Ok(Some(mut object)) => {
+                if let Object::Slice(info) = &mut object {
+                    // The same strings, shared with the key.
+                    debug_assert_eq!(
+                        (&*info.namespace, &*info.name),
+                        (&*key.namespace, &*key.name)
+                    );
+                    info.namespace = key.namespace.clone();
+                    info.name = key.name.clone();
+                }
                 if let Some((_, first)) = self.snap.objects.get(&key) {
                     let reason = format!(
                         "duplicate {kind}, already defined in {} document {}; ignoring this one",
@@ -499,7 +594,12 @@ fn with_item(item: Option<usize>, reason: String) -> String {
 }
 
 /// Ok(None) for an object that converts to nothing (an FQDN slice).
-fn convert_object(kind: &str, api_version: &str, value: Value) -> Result<Option<Object>, String> {
+fn convert_object(
+    kind: &str,
+    api_version: &str,
+    value: Value,
+    shared: &mut SharedValues,
+) -> Result<Option<Object>, String> {
     if kind == "Service" {
         if api_version != "v1" {
             return Err(format!(
@@ -523,7 +623,7 @@ fn convert_object(kind: &str, api_version: &str, value: Value) -> Result<Option<
         }
         let slice: EndpointSlice =
             serde_json::from_value(value).map_err(|e| format!("invalid EndpointSlice: {e}"))?;
-        match convert::endpoint_slice(&slice).map_err(|e| e.reason)? {
+        match convert::endpoint_slice_sharing(&slice, shared).map_err(|e| e.reason)? {
             SliceConversion::Slice(info) => Ok(Some(Object::Slice(info))),
             SliceConversion::Skipped(reason) => {
                 tracing::debug!(slice = ?slice.metadata.name, reason, "EndpointSlice ignored");
@@ -701,6 +801,45 @@ mod tests {
             "{}",
             errors[3]
         );
+    }
+
+    #[test]
+    fn reread_events_come_in_object_order() {
+        let dir = TempDir::new("order");
+        let services = |names: &[(&str, &str)]| {
+            names
+                .iter()
+                .map(|(n, ip)| service(n, ip))
+                .collect::<Vec<_>>()
+                .join("---\n")
+        };
+        let (a, c, d) = (("a", "10.96.0.1"), ("c", "10.96.0.3"), ("d", "10.96.0.4"));
+        let (b, c2, e) = (("b", "10.96.0.2"), ("c", "10.96.0.33"), ("e", "10.96.0.5"));
+        dir.write("svc.yaml", &services(&[a, c, d]));
+        dir.write("eps.yaml", &slice("a-1", "a", &["10.244.1.2"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        // Deletions, changes and additions of both kinds, interleaved by name.
+        dir.write("svc.yaml", &services(&[b, c2, e]));
+        dir.write("eps.yaml", &slice("b-1", "b", &["10.244.1.3"]));
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            names(&events),
+            [
+                "svc- demo/a",
+                "svc+ demo/b (1 ports)",
+                "svc+ demo/c (1 ports)",
+                "svc- demo/d",
+                "svc+ demo/e (1 ports)",
+                "slice- demo/a-1",
+                "slice+ demo/b-1 (1 eps)"
+            ]
+        );
+        // What was emitted is remembered: the same content again is no change.
+        dir.write("svc.yaml", &services(&[b, c2, e]));
+        let (events, _) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
     }
 
     #[test]
