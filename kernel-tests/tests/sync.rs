@@ -223,7 +223,7 @@ fn a_big_first_sync_is_committed_in_chunks_and_is_complete() {
     let mut probes = Vec::new();
     for i in 0..n {
         let mut sp = template.clone();
-        sp.name.service.name = format!("svc{i}");
+        sp.name.service.name = format!("svc{i}").into();
         let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i);
         sp.cluster_ips = vec![ip.into()];
         // Every service gets the three real backends, so any of them can be probed.

@@ -61,7 +61,7 @@ pub fn health_check_of(
 /// The answer of one health check server.
 pub fn response(svc: &HcService, proxy_healthy: bool) -> Response {
     let body = serde_json::json!({
-        "service": {"namespace": svc.service.namespace, "name": svc.service.name},
+        "service": {"namespace": &*svc.service.namespace, "name": &*svc.service.name},
         "localEndpoints": svc.local_endpoints,
         "serviceProxyHealthy": proxy_healthy,
     });

@@ -205,12 +205,15 @@ impl ClusterState {
 
     /// Replaces all ports of a service (an empty list removes the service, e.g. one that became headless).
     /// Each port's `name.service` is forced to `key`.
-    pub fn apply_service(&mut self, key: NamespacedName, ports: Vec<ServicePort>) {
+    pub fn apply_service(&mut self, mut key: NamespacedName, ports: Vec<ServicePort>) {
+        // One copy of the namespace for the whole store, one of the name for all of the service's ports.
+        key.namespace = self.shared.strings.share(&key.namespace);
         self.touch(&key);
         self.remove_ports(&key);
         for mut port in ports {
             debug_assert_eq!(port.name.service, key, "service port of another service");
             port.name.service = key.clone();
+            port.name.port = self.shared.strings.share(&port.name.port);
             if port.protocol == Protocol::Udp {
                 for ip in &port.cluster_ips {
                     *self.udp_cluster_ip_refs.entry(*ip).or_default() += 1;
@@ -410,7 +413,7 @@ impl ClusterState {
     fn ports_of<'a>(&'a self, key: &NamespacedName) -> impl Iterator<Item = &'a ServicePort> + 'a {
         let start = ServicePortName {
             service: key.clone(),
-            port: String::new(),
+            port: "".into(),
             protocol: Protocol::Tcp,
         };
         let key = key.clone();
@@ -507,7 +510,7 @@ fn merge_port_endpoints(
         let Some(port) = slice
             .ports
             .iter()
-            .find(|p| *p.name == sp.name.port && p.protocol == sp.protocol)
+            .find(|p| p.name == sp.name.port && p.protocol == sp.protocol)
         else {
             continue;
         };
@@ -643,7 +646,7 @@ mod tests {
         let names: Vec<String> = st
             .service_map()
             .keys()
-            .map(|n| n.service.name.clone())
+            .map(|n| n.service.name.to_string())
             .collect();
         assert_eq!(names, (0..3 * COMPACT_FLOOR).map(name).collect::<Vec<_>>());
         // The rebuilt map keeps working: lookups, deletions, UDP references.

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::Arc;
 
 /// Layer-4 protocol of a service port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -67,15 +68,16 @@ impl IpFamily {
     }
 }
 
-/// A namespaced object name ("namespace/name").
+/// A namespaced object name ("namespace/name"). Shared strings: a name is copied into many maps (the model,
+/// the sync index, change sets), and at 50k services a `String` per copy cost tens of megabytes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NamespacedName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl NamespacedName {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         NamespacedName {
             namespace: namespace.into(),
             name: name.into(),
@@ -94,7 +96,7 @@ impl fmt::Display for NamespacedName {
 pub struct ServicePortName {
     pub service: NamespacedName,
     /// The port's name in the Service spec ("" for a single unnamed port).
-    pub port: String,
+    pub port: Arc<str>,
     pub protocol: Protocol,
 }
 

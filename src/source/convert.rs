@@ -239,7 +239,7 @@ fn convert_service(key: &NamespacedName, svc: &Service) -> Result<ServiceConvers
         ports.push(ServicePort {
             name: ServicePortName {
                 service: key.clone(),
-                port: name,
+                port: name.into(),
                 protocol,
             },
             service_type,
@@ -337,7 +337,7 @@ fn convert_slice(
 
     Ok(SliceConversion::Slice(SliceInfo {
         namespace: shared.string(&key.namespace),
-        name: key.name.as_str().into(),
+        name: key.name.clone(),
         service,
         address_type,
         ports,
@@ -441,7 +441,7 @@ mod tests {
         assert_eq!(p.len(), 2);
         let http = &p[0];
         assert_eq!(http.name.service, NamespacedName::new("default", "lb"));
-        assert_eq!(http.name.port, "http");
+        assert_eq!(&*http.name.port, "http");
         assert_eq!(http.name.protocol, Protocol::Tcp);
         assert_eq!(http.protocol, Protocol::Tcp);
         assert_eq!(http.service_type, ServiceType::LoadBalancer);
@@ -491,7 +491,7 @@ mod tests {
         assert_eq!(p.len(), 1);
         let p = &p[0];
         assert_eq!(p.name.to_string(), "demo/web");
-        assert_eq!(p.name.port, "");
+        assert_eq!(&*p.name.port, "");
         assert_eq!(p.protocol, Protocol::Tcp);
         assert_eq!(p.service_type, ServiceType::ClusterIP);
         assert_eq!(p.cluster_ips, vec!["10.96.0.7".parse::<IpAddr>().unwrap()]);

@@ -251,8 +251,8 @@ impl Tracker {
     /// `key` with a shared namespace and, for a slice, the slice's own name.
     fn shared_key(&mut self, key: &NamespacedName, model: Option<&Model>) -> SharedName {
         let name = match model {
-            Some(Model::Slice(s)) if *s.name == key.name => s.name.clone(),
-            _ => key.name.as_str().into(),
+            Some(Model::Slice(s)) if s.name == key.name => s.name.clone(),
+            _ => key.name.clone(),
         };
         SharedName {
             namespace: self.namespaces.string(&key.namespace),
@@ -444,7 +444,7 @@ fn warn_malformed(kind: Kind, key: &NamespacedName, reason: &str) {
 
 fn display_key(key: &NamespacedName) -> String {
     if key.namespace.is_empty() {
-        key.name.clone()
+        key.name.to_string()
     } else {
         key.to_string()
     }
@@ -479,8 +479,8 @@ fn deleted_event(kind: Kind, key: NamespacedName) -> Event {
     match kind {
         Kind::Service => Event::ServiceDeleted(key),
         Kind::EndpointSlice => Event::SliceDeleted {
-            namespace: key.namespace,
-            name: key.name,
+            namespace: key.namespace.to_string(),
+            name: key.name.to_string(),
         },
         Kind::Node => Event::NodeDeleted,
     }

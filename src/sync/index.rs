@@ -95,7 +95,7 @@ impl Index {
     pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
         let first = ServicePortName {
             service: service.clone(),
-            port: String::new(),
+            port: "".into(),
             protocol: crate::model::Protocol::Tcp,
         };
         self.pieces
