@@ -47,8 +47,8 @@ impl<'a> DesiredSet<'a> {
 }
 
 impl<'a> Desired<'a> {
-    /// The skeleton tables with the pieces added. One value per key: when two service ports claim the same
-    /// frontend, the first (in name order) keeps it, as the sync engine's index does.
+    /// The skeleton tables with the pieces added (pieces whose frontend another port holds are left out by
+    /// the caller, see `claims`). One element per key: the first given (shared sets repeat elements).
     pub fn assemble<'p: 'a>(
         skeleton: &'a [TableState],
         pieces: impl IntoIterator<Item = &'p Piece>,

@@ -2,6 +2,7 @@
 
 mod base;
 mod chains;
+pub mod claims;
 mod common;
 mod desired;
 pub mod names;
@@ -84,12 +85,28 @@ pub fn all_pieces(
         .collect()
 }
 
-/// The skeleton with the pieces added: the complete desired tables, owned.
-pub fn assemble<'a>(
+/// The skeleton with every service port's pieces added: the complete desired tables, owned. Where two ports
+/// claim one frontend, the first in name order keeps it (see `claims`), as the sync engine decides.
+pub fn assemble(
     skeleton: Vec<TableState>,
-    pieces: impl IntoIterator<Item = &'a Piece>,
+    pieces: &BTreeMap<ServicePortName, Vec<Piece>>,
 ) -> Vec<TableState> {
-    Desired::assemble(&skeleton, pieces)
+    let mut claims = claims::Claims::default();
+    let mut kept = Vec::new();
+    for (spn, list) in pieces {
+        let holder = Arc::new(spn.clone());
+        kept.extend(list.iter().filter(|p| match p {
+            Piece::Element {
+                family,
+                set,
+                element,
+            } if !claims::shared_set(*set) => {
+                claims.acquire(&holder, *family, *set, element).is_ok()
+            }
+            _ => true,
+        }));
+    }
+    Desired::assemble(&skeleton, kept)
         .iter()
         .map(Desired::to_table)
         .collect()
@@ -101,8 +118,7 @@ pub fn render(
     endpoints: &EndpointsMap,
     cfg: &RenderConfig,
 ) -> Vec<TableState> {
-    let pieces = all_pieces(services, endpoints, cfg);
-    assemble(skeleton(cfg), pieces.values().flatten())
+    assemble(skeleton(cfg), &all_pieces(services, endpoints, cfg))
 }
 
 /// The longest ClientIP affinity timeout the API allows (one day).

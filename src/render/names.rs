@@ -62,6 +62,11 @@ impl PieceSet {
     pub fn name(self) -> &'static str {
         PIECE_SETS[self.0 as usize]
     }
+
+    /// Whether the set's keys end with an endpoint slot (4 bytes) after the frontend they belong to.
+    pub fn has_slot_keys(self) -> bool {
+        [MAP_SERVICE_ENDPOINTS, MAP_NODEPORT_ENDPOINTS].contains(&self.name())
+    }
 }
 
 impl std::fmt::Display for PieceSet {

@@ -111,7 +111,7 @@ impl<B: Backend> SyncEngine<B> {
         }
         let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
-        for (t, current) in Desired::assemble(&skeleton, index.pieces())
+        for (t, current) in Desired::assemble(&skeleton, index.committed_pieces())
             .iter()
             .zip(&current)
         {
@@ -507,6 +507,9 @@ mod tests {
         let t = &e.backend.tables[&(Family::Ip, "nftkube".into())];
         let text = crate::nft::text::render_table(t);
         assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-1"), "{text}");
+        // None of b's slots goes in, not even the one a has no element at (the frontend is a's).
+        assert!(!text.contains("10.96.0.1 . tcp . 80 . 1 :"), "{text}");
+        kernel_matches(&e.backend, &w, &e.unused_chains);
         // A full sync resolves it the same way (first by name keeps it).
         w.full(&mut e);
         kernel_matches(&e.backend, &w, &e.unused_chains);

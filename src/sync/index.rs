@@ -7,16 +7,10 @@
 
 use crate::model::{NamespacedName, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family};
-use crate::render::names::{PieceSet, SET_CLUSTER_IPS, SET_HAIRPIN};
+use crate::render::claims::{shared_set, Claims, Fingerprint, Fingerprinter};
 use crate::render::Piece;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::Arc;
-
-/// Whether elements of this set may be wanted by more than one service port.
-fn shared_set(set: &PieceSet) -> bool {
-    [SET_CLUSTER_IPS, SET_HAIRPIN].contains(&set.name())
-}
 
 /// The kernel-level effect of replacing some services' pieces.
 #[derive(Debug, Default)]
@@ -37,37 +31,14 @@ impl Delta {
     }
 }
 
-/// A 128-bit fingerprint of an element's identity (family, set, key or whole element), standing in for the
-/// element itself in the index's maps. At 50k services the maps hold ~300k keys; storing the bytes cost ~80
-/// MB, fingerprints ~20 MB. Two different elements share a fingerprint with probability ~n²/2¹²⁹ (≈1e-28 at
-/// 300k), and the hash keys are random per process, so nobody can craft a collision.
-/// Two u64 rather than a u128: a u128 is 16-byte aligned, which pads every map entry to 32 bytes.
-type Fingerprint = [u64; 2];
-
-/// Two independently keyed SipHashes make one 128-bit fingerprint.
-#[derive(Debug, Default, Clone)]
-struct Fingerprinter {
-    high: RandomState,
-    low: RandomState,
-}
-
-impl Fingerprinter {
-    fn of(&self, value: &impl Hash) -> Fingerprint {
-        [self.high.hash_one(value), self.low.hash_one(value)]
-    }
-}
-
 #[derive(Debug, Default, Clone)]
 pub struct Index {
     /// Keyed by the same `Arc` that the holders map points at: one copy of each name.
     pieces: BTreeMap<Arc<ServicePortName>, Vec<Piece>>,
     /// How many service ports want each element of a shared set (by fingerprint of family, set, element).
     shared_elements: HashMap<Fingerprint, u32>,
-    /// Which service port holds each key of the per-service sets (by fingerprint of family, set, key). Two
-    /// ports claiming one frontend (two Services given the same ClusterIP and port) must not make the kernel
-    /// refuse the batch (EEXIST): the first keeps it, the other is logged and waits (a full sync, or its next
-    /// change, re-renders it).
-    holders: HashMap<Fingerprint, Arc<ServicePortName>>,
+    /// Which service port holds each frontend of the per-service sets.
+    claims: Claims,
     chains: HashMap<(Family, String), u32>,
     fingerprints: Fingerprinter,
 }
@@ -86,9 +57,18 @@ impl Index {
         index
     }
 
-    /// Every piece of every service port.
-    pub fn pieces(&self) -> impl Iterator<Item = &Piece> {
-        self.pieces.values().flatten()
+    /// Every piece that is in the kernel: all of them but those whose frontend another port holds.
+    pub fn committed_pieces(&self) -> impl Iterator<Item = &Piece> {
+        self.pieces.iter().flat_map(move |(spn, list)| {
+            list.iter().filter(move |p| match p {
+                Piece::Element {
+                    family,
+                    set,
+                    element,
+                } if !shared_set(*set) => self.claims.holds(spn, *family, *set, element),
+                _ => true,
+            })
+        })
     }
 
     /// Service ports of a service currently committed (a range of the name-ordered map: O(log n)).
@@ -161,7 +141,7 @@ impl Index {
                 set,
                 element,
             } => {
-                if shared_set(set) {
+                if shared_set(*set) {
                     let n = self
                         .shared_elements
                         .entry(self.fingerprints.of(&(family, set, element)))
@@ -170,20 +150,12 @@ impl Index {
                     if *n > 1 {
                         return;
                     }
-                } else {
-                    let key = self.fingerprints.of(&(family, set, &element.key));
-                    match self.holders.get(&key) {
-                        Some(other) if **other != **holder => {
-                            tracing::warn!(
-                                service = %holder, holder = %other, set = set.name(),
-                                "another service port already uses this address and port; ignored"
-                            );
-                            return;
-                        }
-                        _ => {
-                            self.holders.insert(key, holder.clone());
-                        }
-                    }
+                } else if let Err(other) = self.claims.acquire(holder, *family, *set, element) {
+                    tracing::warn!(
+                        service = %holder, holder = %other, set = set.name(),
+                        "another service port already uses this address and port; ignored"
+                    );
+                    return;
                 }
                 if let Some(delta) = delta {
                     delta
@@ -213,17 +185,11 @@ impl Index {
                 set,
                 element,
             } => {
-                if !shared_set(set) {
-                    let key = self.fingerprints.of(&(family, set, &element.key));
-                    match self.holders.get(&key) {
-                        Some(h) if **h == **holder => {
-                            self.holders.remove(&key);
-                        }
-                        // Never ours (we lost the claim): nothing of ours is in the kernel.
-                        _ => return,
-                    }
+                if !shared_set(*set) && !self.claims.release(holder, *family, *set, element) {
+                    // Never ours (we lost the claim): nothing of ours is in the kernel.
+                    return;
                 }
-                if shared_set(set) {
+                if shared_set(*set) {
                     let key = self.fingerprints.of(&(family, set, element));
                     match self.shared_elements.get_mut(&key) {
                         Some(n) if *n > 1 => {
