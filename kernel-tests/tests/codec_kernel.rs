@@ -1375,7 +1375,7 @@ fn large_sets_read_back_equal() {
             .map(|i| {
                 verdict_el(
                     concat_key(&[addr(0x0a60_0000, i), vec![6], port(80)]),
-                    Verdict::Goto(chains[i as usize % chains.len()].clone()),
+                    Verdict::Goto(chains[i as usize % chains.len()].as_str().into()),
                 )
             })
             .collect(),

@@ -6,6 +6,7 @@
 
 pub use super::bytes::ElementBytes;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// nf_tables address family of a table (`NFPROTO_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -283,8 +284,10 @@ pub enum Verdict {
     Drop,
     Continue,
     Return,
-    Jump(String),
-    Goto(String),
+    /// Chain names are shared: every service with n endpoints has a dispatch element naming `lb-<n>`, and a
+    /// shared name also keeps an element's value to 32 bytes (see `ElementBytes`).
+    Jump(Arc<str>),
+    Goto(Arc<str>),
 }
 
 impl Verdict {

@@ -167,8 +167,8 @@ fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
         0 => Verdict::Drop,
         1 => Verdict::Accept,
         -1 => Verdict::Continue,
-        -3 => Verdict::Jump(chain()?),
-        -4 => Verdict::Goto(chain()?),
+        -3 => Verdict::Jump(chain()?.into()),
+        -4 => Verdict::Goto(chain()?.into()),
         -5 => Verdict::Return,
         c => return Err(format!("verdict code {c}")),
     })

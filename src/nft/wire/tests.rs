@@ -717,7 +717,9 @@ fn big_element_lists_are_split_and_map_back_to_their_change() {
     let elements: Vec<Element> = (0..10_000u32)
         .map(|i| Element {
             key: concat_key(&[i.to_be_bytes().to_vec(), vec![6], vec![0, 80]]).into(),
-            value: Some(ElementValue::Verdict(Verdict::Goto(format!("service-{i}")))),
+            value: Some(ElementValue::Verdict(Verdict::Goto(
+                format!("service-{i}").into(),
+            ))),
         })
         .collect();
     let tx = tx_of(
@@ -1230,7 +1232,7 @@ fn elements_round_trip() {
                 Verdict::Continue,
                 Verdict::Return,
                 Verdict::Jump("j".into()),
-                Verdict::Goto("g".repeat(200)),
+                Verdict::Goto("g".repeat(200).into()),
             ]
             .into_iter()
             .enumerate()
