@@ -28,6 +28,11 @@ impl<'a> DesiredSet<'a> {
         self.elements.iter().copied()
     }
 
+    /// The elements in order, as a vector the caller keeps.
+    pub fn into_elements(self) -> Vec<&'a Element> {
+        self.elements
+    }
+
     pub fn contains(&self, e: &Element) -> bool {
         self.elements.binary_search(&e).is_ok()
     }

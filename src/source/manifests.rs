@@ -71,8 +71,9 @@ struct ObjectKey {
 }
 
 impl ObjectKey {
+    /// The same shared strings: the model's copy of the name is this one.
     fn namespaced_name(&self) -> NamespacedName {
-        NamespacedName::new(&*self.namespace, &*self.name)
+        NamespacedName::new(self.namespace.clone(), self.name.clone())
     }
 }
 

@@ -111,12 +111,11 @@ impl<B: Backend> SyncEngine<B> {
         }
         let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
-        for (t, current) in Desired::assemble(&skeleton, index.committed_pieces())
-            .iter()
-            .zip(&current)
-        {
+        let desired = Desired::assemble(&skeleton, index.committed_pieces());
+        for (t, current) in desired.into_iter().zip(&current) {
+            let family = t.family;
             for chain in diff_table(&mut plan, current.as_ref(), t) {
-                deferred.insert((t.family, chain));
+                deferred.insert((family, chain));
             }
         }
         let changes = plan.len();
