@@ -108,11 +108,11 @@ pub struct SliceInfo {
 impl SliceInfo {
     /// "namespace/slice-name".
     pub fn key(&self) -> NamespacedName {
-        NamespacedName::new(&*self.namespace, &*self.name)
+        NamespacedName::new(self.namespace.clone(), self.name.clone())
     }
     /// "namespace/service-name" of the owning service.
     pub fn service_key(&self) -> NamespacedName {
-        NamespacedName::new(&*self.namespace, &*self.service)
+        NamespacedName::new(self.namespace.clone(), self.service.clone())
     }
 
     /// (namespace, slice name), shared.
