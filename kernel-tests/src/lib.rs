@@ -352,6 +352,49 @@ impl Drop for Manifests {
     }
 }
 
+/// `ip:port`.
+pub fn addr(ip: &str, port: u16) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// (backends that answered, client addresses they saw); panics on any failure.
+pub fn tally(
+    answers: &[std::io::Result<String>],
+) -> (
+    std::collections::BTreeSet<usize>,
+    std::collections::BTreeSet<std::net::IpAddr>,
+) {
+    let mut pods = std::collections::BTreeSet::new();
+    let mut peers = std::collections::BTreeSet::new();
+    for a in answers {
+        let answer = a.as_ref().expect("request failed");
+        let (pod, peer) = sandbox::parse_answer(answer).expect("answer");
+        pods.insert(pod);
+        peers.insert(peer);
+    }
+    (pods, peers)
+}
+
+/// A slices manifest without the endpoint at `ip` (a partial sync: one service's endpoints change). Panics if
+/// no endpoint has that address (a test asking for a change that would not happen).
+pub fn without_endpoint(slices: &str, ip: &str) -> String {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for line in slices.lines() {
+        if line.starts_with("- addresses:") {
+            skip = line.contains(&format!("\"{ip}\""));
+        } else if !line.starts_with(' ') {
+            skip = false;
+        }
+        if !skip {
+            out.push(line);
+        }
+    }
+    let s = out.join("\n") + "\n";
+    assert_ne!(s, slices, "test bug: endpoint {ip} not in the slices");
+    s
+}
+
 /// Chi-square statistic of observed counts against a uniform expectation.
 pub fn chi_square(counts: &[usize]) -> f64 {
     let total: usize = counts.iter().sum();

@@ -56,23 +56,6 @@ fn backends_seen(sb: &sandbox::Sandbox, n: usize) -> BTreeSet<usize> {
         .collect()
 }
 
-/// The slices file without the endpoint at `ip` (a partial sync: one service's endpoints change).
-fn without_endpoint(slices: &str, ip: &str) -> String {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for line in slices.lines() {
-        if line.starts_with("- addresses:") {
-            skip = line.contains(&format!("\"{ip}\""));
-        } else if !line.starts_with(' ') {
-            skip = false;
-        }
-        if !skip {
-            out.push(line);
-        }
-    }
-    out.join("\n") + "\n"
-}
-
 // ------------------------------------------------------------------------------------------------------------
 // The static binary
 

@@ -16,12 +16,11 @@ const EMPTY_V4: &str = "10.96.0.20";
 const T: Duration = Duration::from_secs(2);
 const SYNC: Duration = Duration::from_secs(15);
 
-fn addr(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
 /// Counts answers per backend (index 1..=n) and collects the client addresses the backends saw.
-fn tally(answers: &[io::Result<String>], n: usize) -> (Vec<usize>, BTreeSet<IpAddr>, usize) {
+fn tally_per_pod(
+    answers: &[io::Result<String>],
+    n: usize,
+) -> (Vec<usize>, BTreeSet<IpAddr>, usize) {
     let mut counts = vec![0; n];
     let mut peers = BTreeSet::new();
     let mut failures = 0;
@@ -60,7 +59,7 @@ fn tcp_and_udp_reach_every_backend_uniformly() {
 
     let n = 300;
     let tcp = tcp_requests(sb.client(), addr(ECHO_V4, 80), n, T);
-    let (counts, peers, failures) = tally(&tcp, 3);
+    let (counts, peers, failures) = tally_per_pod(&tcp, 3);
     assert_eq!(failures, 0, "TCP failures: {tcp:?}");
     let chi = chi_square(&counts);
     assert!(
@@ -71,7 +70,7 @@ fn tcp_and_udp_reach_every_backend_uniformly() {
     assert_eq!(peers, BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]));
 
     let udp = udp_requests(sb.client(), addr(ECHO_V4, 53), n, T);
-    let (counts, peers, failures) = tally(&udp, 3);
+    let (counts, peers, failures) = tally_per_pod(&udp, 3);
     assert_eq!(failures, 0, "UDP failures: {udp:?}");
     let chi = chi_square(&counts);
     assert!(
@@ -82,12 +81,12 @@ fn tcp_and_udp_reach_every_backend_uniformly() {
 
     // IPv6: the same through the ip6 table.
     let tcp6 = tcp_requests(sb.client(), addr(ECHO_V6, 80), 90, T);
-    let (counts, peers, failures) = tally(&tcp6, 3);
+    let (counts, peers, failures) = tally_per_pod(&tcp6, 3);
     assert_eq!(failures, 0, "TCPv6 failures: {tcp6:?}");
     assert!(counts.iter().all(|&c| c > 0), "TCPv6 split {counts:?}");
     assert_eq!(peers, BTreeSet::from([IpAddr::from(sandbox::pod_ip_v6(0))]));
     let udp6 = udp_requests(sb.client(), addr(ECHO_V6, 53), 90, T);
-    let (counts, _, failures) = tally(&udp6, 3);
+    let (counts, _, failures) = tally_per_pod(&udp6, 3);
     assert_eq!(failures, 0, "UDPv6 failures: {udp6:?}");
     assert!(counts.iter().all(|&c| c > 0), "UDPv6 split {counts:?}");
 }
@@ -102,7 +101,7 @@ fn sources_outside_the_cluster_cidr_are_masqueraded_pods_are_not() {
     // The outside client (192.168.200.2) is not in the cluster CIDR: the backend sees the node's address on
     // the backend's link (10.244.i.1), never the client's.
     let answers = tcp_requests(sb.ext(), addr(ECHO_V4, 80), 30, T);
-    let (counts, peers, failures) = tally(&answers, 3);
+    let (counts, peers, failures) = tally_per_pod(&answers, 3);
     assert_eq!(failures, 0, "{answers:?}");
     assert!(counts.iter().all(|&c| c > 0), "{counts:?}");
     let node_side: BTreeSet<IpAddr> = (1..=3)
@@ -115,17 +114,17 @@ fn sources_outside_the_cluster_cidr_are_masqueraded_pods_are_not() {
 
     // Traffic from the node itself (nat output) is masqueraded the same way.
     let answers = tcp_requests(sb.node(), addr(ECHO_V4, 80), 15, T);
-    let (_, peers, failures) = tally(&answers, 3);
+    let (_, peers, failures) = tally_per_pod(&answers, 3);
     assert_eq!(failures, 0, "{answers:?}");
     assert!(peers.is_subset(&node_side), "node traffic: {peers:?}");
 
     // UDP from outside, and IPv6 from outside.
     let answers = udp_requests(sb.ext(), addr(ECHO_V4, 53), 15, T);
-    let (_, peers, failures) = tally(&answers, 3);
+    let (_, peers, failures) = tally_per_pod(&answers, 3);
     assert_eq!(failures, 0, "{answers:?}");
     assert!(peers.is_subset(&node_side), "{peers:?}");
     let answers = tcp_requests(sb.ext(), addr(ECHO_V6, 80), 15, T);
-    let (_, peers, failures) = tally(&answers, 3);
+    let (_, peers, failures) = tally_per_pod(&answers, 3);
     assert_eq!(failures, 0, "{answers:?}");
     let node_side6: BTreeSet<IpAddr> = (1..=3)
         .map(|i| IpAddr::from(sandbox::pod_gateway_v6(i)))
@@ -230,23 +229,6 @@ fn no_endpoints_and_wrong_ports_are_rejected_fast() {
     assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
     let e = udp_request(sb.client(), addr(ECHO_V6, 9999), T).unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
-}
-
-/// The examples' slices without one of the endpoints.
-fn without_endpoint(slices: &str, ip: &str) -> String {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for line in slices.lines() {
-        if line.starts_with("- addresses:") {
-            skip = line.contains(&format!("\"{ip}\""));
-        } else if !line.starts_with(' ') {
-            skip = false;
-        }
-        if !skip {
-            out.push(line);
-        }
-    }
-    out.join("\n") + "\n"
 }
 
 fn backends_seen(sb: &sandbox::Sandbox, n: usize) -> BTreeSet<usize> {
@@ -408,14 +390,15 @@ fn interface_name_prefix_tells_pods_apart() {
         ],
     );
     wait_reachable(sb.client(), addr(ECHO_V4, 80));
-    let (_, peers, failures) = tally(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
+    let (_, peers, failures) =
+        tally_per_pod(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
     assert_eq!(failures, 0);
     assert_eq!(
         peers,
         BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
         "pod traffic masqueraded"
     );
-    let (_, peers, failures) = tally(&tcp_requests(sb.ext(), addr(ECHO_V4, 80), 20, T), 3);
+    let (_, peers, failures) = tally_per_pod(&tcp_requests(sb.ext(), addr(ECHO_V4, 80), 20, T), 3);
     assert_eq!(failures, 0);
     let node_side: BTreeSet<IpAddr> = (1..=3)
         .map(|i| IpAddr::from(sandbox::pod_gateway_v4(i)))

@@ -49,24 +49,6 @@ fn set(name: &str, key: Vec<DataType>, data: Vec<DataType>) -> Set {
     }
 }
 
-fn regular(name: &str) -> Chain {
-    Chain {
-        name: name.into(),
-        base: None,
-    }
-}
-
-fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32) -> Chain {
-    Chain {
-        name: name.into(),
-        base: Some(BaseHook {
-            hook,
-            chain_type,
-            priority,
-        }),
-    }
-}
-
 fn key(k: Vec<u8>) -> Element {
     Element {
         key: k.into(),
@@ -323,7 +305,7 @@ fn ip_table() -> TableState {
     let tcp = || RuleBuilder::new().cmp(Field::L4Proto, CmpOp::Eq, vec![6]);
     rules(
         &mut t,
-        base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
+        Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
         vec![
             RuleBuilder::new()
                 .vmap(
@@ -445,7 +427,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        regular("svc-a"),
+        Chain::regular("svc-a"),
         vec![
             tcp()
                 .numgen_eq(2, 0)
@@ -473,7 +455,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        regular("svc-b"),
+        Chain::regular("svc-b"),
         vec![
             RuleBuilder::new()
                 .cmp(Field::L4Proto, CmpOp::Eq, vec![17])
@@ -484,7 +466,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        base("nat-output", ChainType::Nat, Hook::Output, -100),
+        Chain::base("nat-output", ChainType::Nat, Hook::Output, -100),
         vec![RuleBuilder::new()
             .in_set(&[Field::IpDaddr], "cluster-ips", false)
             .verdict(Verdict::Goto("svc-b".into()))
@@ -492,7 +474,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
+        Chain::base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
         vec![
             RuleBuilder::new()
                 .ct_has(CtKey::Status, CT_STATUS_DNAT)
@@ -548,7 +530,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        base("filter-forward", ChainType::Filter, Hook::Forward, -10),
+        Chain::base("filter-forward", ChainType::Filter, Hook::Forward, -10),
         vec![
             RuleBuilder::new()
                 .ct_has(CtKey::State, CT_STATE_INVALID)
@@ -612,7 +594,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        regular("reject-chain"),
+        Chain::regular("reject-chain"),
         vec![
             tcp().reject(RejectKind::TcpReset).build(),
             RuleBuilder::new()
@@ -626,7 +608,7 @@ fn ip_table() -> TableState {
     );
     rules(
         &mut t,
-        base("filter-output", ChainType::Filter, Hook::Output, -10),
+        Chain::base("filter-output", ChainType::Filter, Hook::Output, -10),
         vec![RuleBuilder::new()
             .in_set(&[Field::IpDaddr], "cluster-ips", false)
             .verdict(Verdict::Goto("reject-chain".into()))
@@ -702,7 +684,7 @@ fn ip6_table() -> TableState {
     let tcp = || RuleBuilder::new().cmp(Field::L4Proto, CmpOp::Eq, vec![6]);
     rules(
         &mut t,
-        base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
+        Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
         vec![
             RuleBuilder::new()
                 .vmap(
@@ -744,7 +726,7 @@ fn ip6_table() -> TableState {
     );
     rules(
         &mut t,
-        regular("svc"),
+        Chain::regular("svc"),
         vec![
             tcp().numgen_eq(2, 0).dnat(&ip("fd00:244::2"), 8080).build(),
             tcp().dnat(&ip("fd00:244::3"), 8080).build(),
@@ -752,7 +734,7 @@ fn ip6_table() -> TableState {
     );
     rules(
         &mut t,
-        base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
+        Chain::base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
         vec![
             RuleBuilder::new()
                 .ct_has(CtKey::Status, CT_STATUS_DNAT)
@@ -769,7 +751,7 @@ fn ip6_table() -> TableState {
     );
     rules(
         &mut t,
-        base("filter-forward", ChainType::Filter, Hook::Forward, -10),
+        Chain::base("filter-forward", ChainType::Filter, Hook::Forward, -10),
         vec![
             RuleBuilder::new()
                 .prefix(Field::Ip6Saddr, &ip("fd00:244::"), 56, true)
@@ -789,7 +771,7 @@ fn ip6_table() -> TableState {
     );
     rules(
         &mut t,
-        regular("reject-chain"),
+        Chain::regular("reject-chain"),
         vec![
             tcp().reject(RejectKind::TcpReset).build(),
             RuleBuilder::new()
@@ -815,7 +797,7 @@ fn inet_table() -> TableState {
     };
     rules(
         &mut t,
-        base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
+        Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
         vec![
             nfproto(2)
                 .in_set(&[Field::IpDaddr], "v4", false)
@@ -830,12 +812,12 @@ fn inet_table() -> TableState {
     );
     rules(
         &mut t,
-        base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
+        Chain::base("nat-postrouting", ChainType::Nat, Hook::Postrouting, 100),
         vec![RuleBuilder::new().masquerade(true).build()],
     );
     rules(
         &mut t,
-        base("filter-input", ChainType::Filter, Hook::Input, 0),
+        Chain::base("filter-input", ChainType::Filter, Hook::Input, 0),
         vec![
             RuleBuilder::new()
                 .cmp(Field::L4Proto, CmpOp::Eq, vec![6])
@@ -1231,7 +1213,7 @@ fn small_table() -> TableState {
     elements(&mut t, "cluster-ips", vec![key(ip4("10.96.0.10"))]);
     rules(
         &mut t,
-        base("filter-output", ChainType::Filter, Hook::Output, -10),
+        Chain::base("filter-output", ChainType::Filter, Hook::Output, -10),
         vec![RuleBuilder::new()
             .in_set(&[Field::IpDaddr], "cluster-ips", false)
             .expr(Expr::Counter)
@@ -1269,7 +1251,7 @@ fn reject_case(tag: &str, bad: Transaction) -> (String, Option<i32>) {
 fn with_valid_neighbours(bad: Op) -> Transaction {
     let mut tx = Transaction::default();
     tx.push(Family::Ip6, TABLE, Op::AddTable);
-    tx.push(Family::Ip, TABLE, Op::AddChain(regular("new-chain")));
+    tx.push(Family::Ip, TABLE, Op::AddChain(Chain::regular("new-chain")));
     tx.push(
         Family::Ip,
         TABLE,
@@ -1352,13 +1334,13 @@ fn large_sets_read_back_equal() {
     for c in &chains {
         rules(
             &mut t,
-            regular(c),
+            Chain::regular(c),
             vec![RuleBuilder::new().verdict(Verdict::Return).build()],
         );
     }
     rules(
         &mut t,
-        base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
+        Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100),
         vec![RuleBuilder::new()
             .vmap(
                 &[Field::IpDaddr, Field::L4Proto, Field::ThDport],

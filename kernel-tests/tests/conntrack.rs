@@ -23,10 +23,6 @@ const LATE_V4: &str = "10.96.0.30";
 const SYNC: Duration = Duration::from_secs(15);
 const T: Duration = Duration::from_secs(2);
 
-fn addr(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
 fn pod_udp(i: usize) -> SocketAddr {
     SocketAddr::new(sandbox::pod_ip_v4(i).into(), BACKEND_UDP_PORT)
 }
@@ -126,25 +122,6 @@ fn flow_to(
         }
     }
     panic!("no flow from ports {ports:?} landed on a wanted backend");
-}
-
-/// The examples' slices without one of the endpoints.
-fn without_endpoint(slices: &str, ip: &str) -> String {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for line in slices.lines() {
-        if line.starts_with("- addresses:") {
-            skip = line.contains(&format!("\"{ip}\""));
-        } else if !line.starts_with(' ') {
-            skip = false;
-        }
-        if !skip {
-            out.push(line);
-        }
-    }
-    let s = out.join("\n") + "\n";
-    assert_ne!(s, slices, "test bug: endpoint {ip} not in the slices");
-    s
 }
 
 fn slice_doc(service: &str, name: &str, pod: usize) -> String {

@@ -15,10 +15,6 @@ const LB_IP: &str = "192.168.250.20";
 const LB_PROXY_IP: &str = "192.168.250.30";
 const EMPTY_EXTERNAL_IP: &str = "192.168.250.40";
 
-fn addr(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
 /// A TCP+UDP service with an external IP and a LoadBalancer status (one ingress in ipMode Proxy, which is
 /// the load balancer's business and must be ignored), backed by the examples' echo endpoints; and a service
 /// without endpoints that has an external IP.
@@ -65,17 +61,6 @@ spec:
   ports:
   - {name: tcp, port: 80, protocol: TCP}
 "#;
-
-fn tally(answers: &[io::Result<String>]) -> (BTreeSet<usize>, BTreeSet<IpAddr>) {
-    let mut pods = BTreeSet::new();
-    let mut peers = BTreeSet::new();
-    for a in answers {
-        let (pod, peer) = parse_answer(a.as_ref().expect("request failed")).expect("answer");
-        pods.insert(pod);
-        peers.insert(peer);
-    }
-    (pods, peers)
-}
 
 #[test]
 fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_rejected_without_endpoints(

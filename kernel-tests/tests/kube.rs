@@ -21,10 +21,6 @@ const SYNC: Duration = Duration::from_secs(20);
 /// Long enough for the API watchers' backoff (0.8 s doubling, 30 s at most) after an outage.
 const RECOVER: Duration = Duration::from_secs(45);
 
-fn addr(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
 /// A fake API server listening on 127.0.0.1 inside `ns` (rebinds there after an outage, too).
 fn fake_api_in(ns: &NetNs) -> FakeApi {
     let name = ns.name().to_string();

@@ -3,9 +3,8 @@
 //! internalTrafficPolicy Local (ClusterIP traffic only to this node's endpoints; none → dropped).
 //! The agent runs as node-1; pod 1 is on node-1, pods 2 and 3 are said to be on node-2.
 
-use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests};
+use kernel_tests::sandbox::{self, tcp_request, tcp_requests};
 use kernel_tests::*;
-use std::collections::BTreeSet;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -85,22 +84,6 @@ ports: [{name: tcp, port: 8080, protocol: TCP}]
 endpoints:
 - {addresses: ["10.244.2.2"], nodeName: node-2}
 "#;
-
-fn addr(ip: &str, port: u16) -> SocketAddr {
-    SocketAddr::new(ip.parse().unwrap(), port)
-}
-
-/// (backends that answered, client addresses they saw); panics on any failure.
-fn tally(answers: &[io::Result<String>]) -> (BTreeSet<usize>, BTreeSet<IpAddr>) {
-    let mut pods = BTreeSet::new();
-    let mut peers = BTreeSet::new();
-    for a in answers {
-        let (pod, peer) = parse_answer(a.as_ref().expect("request failed")).expect("answer");
-        pods.insert(pod);
-        peers.insert(peer);
-    }
-    (pods, peers)
-}
 
 #[test]
 fn local_traffic_policies_choose_endpoints_and_keep_sources_as_kube_proxy_does() {

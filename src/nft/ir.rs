@@ -122,6 +122,28 @@ pub struct Chain {
     pub base: Option<BaseHook>,
 }
 
+impl Chain {
+    /// A chain attached to a hook.
+    pub fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32) -> Chain {
+        Chain {
+            name: name.into(),
+            base: Some(BaseHook {
+                hook,
+                chain_type,
+                priority,
+            }),
+        }
+    }
+
+    /// A chain reached only by jump, goto or verdict-map element.
+    pub fn regular(name: &str) -> Chain {
+        Chain {
+            name: name.into(),
+            base: None,
+        }
+    }
+}
+
 /// nft data types, used for set keys and values: they fix the byte length and how `nft` displays a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum DataType {

@@ -90,42 +90,42 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     };
 
     let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_NAT_PREROUTING,
         ChainType::Nat,
         Hook::Prerouting,
         PRIO_DSTNAT,
     ))
     .rules = vec![jump(CHAIN_SERVICES)];
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_NAT_OUTPUT,
         ChainType::Nat,
         Hook::Output,
         PRIO_DSTNAT,
     ))
     .rules = vec![jump(CHAIN_SERVICES)];
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_NAT_POSTROUTING,
         ChainType::Nat,
         Hook::Postrouting,
         PRIO_SRCNAT,
     ))
     .rules = vec![jump(CHAIN_MASQUERADING)];
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_FILTER_FORWARD,
         ChainType::Filter,
         Hook::Forward,
         PRIO_FILTER_EARLY,
     ))
     .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_FILTER_OUTPUT,
         ChainType::Filter,
         Hook::Output,
         PRIO_FILTER_EARLY,
     ))
     .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
-    t.add_chain(base(
+    t.add_chain(Chain::base(
         CHAIN_FILTER_INPUT,
         ChainType::Filter,
         Hook::Input,
@@ -153,7 +153,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
                 .build(),
         );
     }
-    t.add_chain(regular(CHAIN_FIREWALL)).rules = firewall;
+    t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall;
 
     let mut services = vec![RuleBuilder::new()
         .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
@@ -169,15 +169,15 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         t.chain_mut(CHAIN_FILTER_INPUT)
             .rules
             .push(jump(CHAIN_NODEPORTS_CHECK));
-        t.add_chain(regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
+        t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
             .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
             .build()];
     }
-    t.add_chain(regular(CHAIN_SERVICES)).rules = services;
+    t.add_chain(Chain::regular(CHAIN_SERVICES)).rules = services;
 
     let bit = cfg.masquerade_bit;
-    t.add_chain(regular(CHAIN_MASQUERADING)).rules = vec![
+    t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = vec![
         RuleBuilder::new()
             .ct_has(CtKey::Status, CT_STATUS_DNAT)
             .in_set(&[saddr(f), daddr(f)], SET_HAIRPIN, false)
@@ -194,7 +194,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .build(),
     ];
 
-    t.add_chain(regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
+    t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
         RuleBuilder::new()
             .vmap(
                 &[daddr(f), Field::L4Proto, Field::ThDport],
@@ -223,7 +223,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
         IpFamily::V6 => RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH),
     };
-    t.add_chain(regular(CHAIN_REJECT)).rules = vec![
+    t.add_chain(Chain::regular(CHAIN_REJECT)).rules = vec![
         RuleBuilder::new()
             .cmp(Field::L4Proto, CmpOp::Eq, vec![6])
             .reject(RejectKind::TcpReset)

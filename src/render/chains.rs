@@ -100,7 +100,7 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
                 .build()
         });
         return ChainState {
-            chain: regular(&name),
+            chain: Chain::regular(&name),
             rules,
         };
     }
@@ -136,7 +136,7 @@ pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) 
         _ => rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build()),
     }
     ChainState {
-        chain: regular(&name),
+        chain: Chain::regular(&name),
         rules,
     }
 }
@@ -199,7 +199,7 @@ pub(super) fn firewall_chain_state(
             .build(),
     );
     ChainState {
-        chain: regular(&firewall_chain(
+        chain: Chain::regular(&firewall_chain(
             &svc.name,
             family_name,
             &format!("{rules:?}"),

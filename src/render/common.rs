@@ -1,4 +1,4 @@
-//! Small vocabulary shared by the renderers: families, address fields, chain constructors, priorities.
+//! Small vocabulary shared by the renderers: families, address fields, priorities.
 
 use crate::model::IpFamily;
 use crate::nft::build::Field;
@@ -36,24 +36,6 @@ pub(super) fn daddr(f: IpFamily) -> Field {
     match f {
         IpFamily::V4 => Field::IpDaddr,
         IpFamily::V6 => Field::Ip6Daddr,
-    }
-}
-
-pub(super) fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32) -> Chain {
-    Chain {
-        name: name.into(),
-        base: Some(BaseHook {
-            hook,
-            chain_type,
-            priority,
-        }),
-    }
-}
-
-pub(super) fn regular(name: &str) -> Chain {
-    Chain {
-        name: name.into(),
-        base: None,
     }
 }
 
