@@ -6,64 +6,23 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// A histogram with kube-proxy's sync-duration buckets (1 ms doubling, 15 buckets), lock-free.
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS],
-    count: AtomicU64,
-    sum_us: AtomicU64,
+/// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
+const fn sync_bounds() -> [f64; 15] {
+    let mut b = [0.0; 15];
+    let mut i = 0;
+    while i < b.len() {
+        b[i] = 0.001 * (1u64 << i) as f64;
+        i += 1;
+    }
+    b
 }
 
-const BUCKETS: usize = 15;
-
-fn bound_seconds(i: usize) -> f64 {
-    0.001 * (1u64 << i) as f64
-}
+/// A sync-duration histogram.
+pub type Histogram = BoundedHistogram<15>;
 
 impl Histogram {
-    pub const fn new() -> Self {
-        Histogram {
-            counts: [const { AtomicU64::new(0) }; BUCKETS],
-            count: AtomicU64::new(0),
-            sum_us: AtomicU64::new(0),
-        }
-    }
-
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        for (i, c) in self.counts.iter().enumerate() {
-            if s <= bound_seconds(i) {
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_us
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (i, c) in self.counts.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{le=\"{}\"}} {}",
-                bound_seconds(i),
-                c.load(Ordering::Relaxed)
-            );
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum {}",
-            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count {count}");
-    }
-}
-
-impl Default for Histogram {
-    fn default() -> Self {
-        Self::new()
+    pub const fn sync_durations() -> Self {
+        BoundedHistogram::new(sync_bounds())
     }
 }
 
@@ -146,7 +105,7 @@ const fn network_programming_bounds() -> [f64; 80] {
 }
 
 /// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
-pub static SYNC_DURATION: Histogram = Histogram::new();
+pub static SYNC_DURATION: Histogram = Histogram::sync_durations();
 /// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
 /// programmed it.
 pub static NETWORK_PROGRAMMING: BoundedHistogram<80> =
@@ -173,8 +132,8 @@ pub fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-pub static SYNC_FULL_DURATION: Histogram = Histogram::new();
-pub static SYNC_PARTIAL_DURATION: Histogram = Histogram::new();
+pub static SYNC_FULL_DURATION: Histogram = Histogram::sync_durations();
+pub static SYNC_PARTIAL_DURATION: Histogram = Histogram::sync_durations();
 pub static SYNC_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// Full syncs started because someone changed our tables (the event monitor).
 pub static REPAIRS: AtomicU64 = AtomicU64::new(0);
@@ -313,7 +272,7 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let h = Histogram::new();
+        let h = Histogram::sync_durations();
         h.observe(Duration::from_micros(500));
         h.observe(Duration::from_millis(3));
         h.observe(Duration::from_secs(100));
