@@ -557,6 +557,11 @@ mod tests {
         SliceEndpoint::new(ip.parse().unwrap(), ready, serving, !ready).on_node("node-1")
     }
 
+    /// A slice of the "echo" service with the examples' two ports.
+    fn echo_slice(name: &str, eps: Vec<SliceEndpoint>) -> SliceInfo {
+        slice(name, "echo", ECHO_SLICE_PORTS, eps)
+    }
+
     fn slice(
         name: &str,
         svc: &str,
@@ -722,18 +727,11 @@ mod tests {
     fn multi_slice_merge_sorted() {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
-        st.apply_slice(slice(
+        st.apply_slice(echo_slice(
             "echo-b",
-            "echo",
-            ECHO_SLICE_PORTS,
             vec![ep("10.244.3.2", true, true), ep("10.244.2.2", true, true)],
         ));
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         // A slice of another service does not leak in.
         st.apply_slice(slice(
             "other-a",
@@ -763,28 +761,13 @@ mod tests {
     fn dedup_prefers_ready_then_serving() {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", false, false)],
-        ));
-        st.apply_slice(slice(
-            "echo-b",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", false, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", false, false)]));
+        st.apply_slice(echo_slice("echo-b", vec![ep("10.244.1.2", false, true)]));
         let map = st.endpoints_map();
         let eps = &map[&spn("echo", "tcp", Protocol::Tcp)];
         assert_eq!(eps.len(), 1);
         assert!(eps[0].serving && !eps[0].ready);
-        st.apply_slice(slice(
-            "echo-c",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-c", vec![ep("10.244.1.2", true, true)]));
         let map = st.endpoints_map();
         let eps = &map[&spn("echo", "tcp", Protocol::Tcp)];
         assert_eq!(eps.len(), 1);
@@ -807,19 +790,9 @@ mod tests {
     fn all_families_kept() {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
-        let mut s6 = slice(
-            "echo-6",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("fd00::2", true, true)],
-        );
+        let mut s6 = echo_slice("echo-6", vec![ep("fd00::2", true, true)]);
         s6.address_type = IpFamily::V6;
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         st.apply_slice(s6);
         let map = st.endpoints_map();
         assert_eq!(
@@ -878,18 +851,8 @@ mod tests {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
         // Two slices converted separately: equal values in separate allocations.
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
-        st.apply_slice(slice(
-            "echo-b",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.2.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
+        st.apply_slice(echo_slice("echo-b", vec![ep("10.244.2.2", true, true)]));
         let a = st.slice("ns", "echo-a").unwrap();
         let b = st.slice("ns", "echo-b").unwrap();
         assert!(Arc::ptr_eq(&a.namespace, &b.namespace));
@@ -944,21 +907,11 @@ mod tests {
         let ch = st.take_changes();
         assert!(ch.newly_active_services.is_empty());
         // Not serving endpoints do not make a service active.
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", false, false)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", false, false)]));
         let ch = st.take_changes();
         assert_eq!(ch.changed_services, [key("echo")].into_iter().collect());
         assert!(ch.newly_active_services.is_empty());
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         let ch = st.take_changes();
         assert_eq!(
             ch.newly_active_services,
@@ -970,10 +923,8 @@ mod tests {
             .collect()
         );
         // 1 → 2 is not newly active.
-        st.apply_slice(slice(
+        st.apply_slice(echo_slice(
             "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
             vec![ep("10.244.1.2", true, true), ep("10.244.2.2", true, true)],
         ));
         let ch = st.take_changes();
@@ -984,12 +935,7 @@ mod tests {
     #[test]
     fn new_service_with_existing_slice_is_newly_active() {
         let mut st = ClusterState::new();
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         st.take_changes();
         st.apply_service(key("echo"), echo_ports());
         let ch = st.take_changes();
@@ -1013,10 +959,8 @@ mod tests {
         ));
         st.take_changes();
         // .1 stays, .2 goes away, .3 is terminating but still serving, .4 was never serving and goes.
-        st.apply_slice(slice(
+        st.apply_slice(echo_slice(
             "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
             vec![ep("10.244.1.2", true, true), ep("10.244.3.2", false, true)],
         ));
         let ch = st.take_changes();
@@ -1033,10 +977,8 @@ mod tests {
             ]
         );
         // Serving → not serving is stale too.
-        st.apply_slice(slice(
+        st.apply_slice(echo_slice(
             "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
             vec![ep("10.244.1.2", true, true), ep("10.244.3.2", false, false)],
         ));
         let ch = st.take_changes();
@@ -1046,12 +988,7 @@ mod tests {
             .iter()
             .all(|(_, e)| e.ip.to_string() == "10.244.3.2"));
         // An endpoint that moves from one slice to another is not stale.
-        st.apply_slice(slice(
-            "echo-b",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-b", vec![ep("10.244.1.2", true, true)]));
         st.delete_slice("ns", "echo-a");
         let ch = st.take_changes();
         assert!(ch.stale_endpoints.is_empty());
@@ -1065,29 +1002,14 @@ mod tests {
     fn changes_that_cancel_out_are_not_reported() {
         let mut st = ClusterState::new();
         st.apply_service(key("echo"), echo_ports());
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         st.take_changes();
         st.delete_slice("ns", "echo-a");
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         assert!(st.has_pending());
         assert!(st.take_changes().is_empty());
         // Re-applying an identical slice does not even mark the service.
-        st.apply_slice(slice(
-            "echo-a",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, true)]));
         assert!(!st.has_pending());
     }
 
@@ -1190,12 +1112,7 @@ mod tests {
                 "10.96.0.11",
             )],
         );
-        st.apply_slice(slice(
-            "s",
-            "echo",
-            ECHO_SLICE_PORTS,
-            vec![ep("10.244.1.2", true, true)],
-        ));
+        st.apply_slice(echo_slice("s", vec![ep("10.244.1.2", true, true)]));
         st.take_changes();
         st.apply_slice(slice(
             "s",
