@@ -15,6 +15,11 @@ pub enum Field {
     ThSport,
     ThDport,
     Mark,
+    /// The connection's original destination (`ct original ip daddr`): the service address, even after DNAT.
+    CtOriginalDaddr,
+    CtOriginalDaddr6,
+    /// The connection's original destination port (`ct original proto-dst`): the service port.
+    CtOriginalProtoDst,
 }
 
 impl Field {
@@ -40,6 +45,9 @@ impl Field {
             Field::L4Proto => DataType::InetProto,
             Field::ThSport | Field::ThDport => DataType::InetService,
             Field::Mark => DataType::Mark,
+            Field::CtOriginalDaddr => DataType::Ipv4Addr,
+            Field::CtOriginalDaddr6 => DataType::Ipv6Addr,
+            Field::CtOriginalProtoDst => DataType::InetService,
         }
     }
 
@@ -64,6 +72,18 @@ impl Field {
             },
             Field::Mark => Expr::Meta {
                 key: MetaKey::Mark,
+                dreg,
+            },
+            Field::CtOriginalDaddr => Expr::CtOriginal {
+                key: CtKey::DstIp,
+                dreg,
+            },
+            Field::CtOriginalDaddr6 => Expr::CtOriginal {
+                key: CtKey::DstIp6,
+                dreg,
+            },
+            Field::CtOriginalProtoDst => Expr::CtOriginal {
+                key: CtKey::ProtoDst,
                 dreg,
             },
         }
@@ -417,69 +437,60 @@ impl RuleBuilder {
         self
     }
 
-    /// ClientIP affinity, the hit: if `saddr . daddr . l4proto . dport` is in the dynamic map `affinity`, refresh
-    /// its timeout and dnat to the endpoint it remembers. A miss ends the rule (the lookup fails).
-    pub fn affinity_hit(mut self, family: Family, affinity: &str, timeout_ms: u64) -> Self {
+    /// ClientIP affinity, the hit: `dnat to saddr . daddr . l4proto . dport map @affinity`, the endpoint this
+    /// client was sent to last time. A miss ends the rule (the lookup fails) and the next rule picks. The entry
+    /// is refreshed by `affinity_record` after DNAT, on every new connection, hit or miss.
+    pub fn affinity_hit(mut self, family: Family, affinity: &str) -> Self {
         let (saddr, daddr) = addr_fields(family);
-        let key = [saddr, daddr, Field::L4Proto, Field::ThDport];
-        let (loads, data_slot) = load_concat_at(&key, 0);
-        self.exprs.extend(loads);
-        let data = reg_at_slot(data_slot);
+        self.exprs
+            .extend(load_concat(&[saddr, daddr, Field::L4Proto, Field::ThDport]));
         self.exprs.push(Expr::Lookup {
             set: affinity.to_owned(),
-            sreg: REG_1,
-            dreg: Some(data),
-            invert: false,
-        });
-        self.exprs.push(Expr::Dynset {
-            set: affinity.to_owned(),
-            op: DynsetOp::Update,
-            sreg_key: REG_1,
-            sreg_data: Some(data),
-            timeout_ms: Some(timeout_ms),
-        });
-        self.exprs.push(nat_from(family, data_slot));
-        self
-    }
-
-    /// ClientIP affinity, the miss: pick an endpoint as `dnat_map` does, remember it in `affinity` for
-    /// `timeout_ms`, and dnat to it. The choice costs one lookup whatever the number of endpoints.
-    pub fn affinity_pick(
-        mut self,
-        family: Family,
-        n: u32,
-        endpoints: &str,
-        affinity: &str,
-        timeout_ms: u64,
-    ) -> Self {
-        let (saddr, daddr) = addr_fields(family);
-        // Registers: the endpoint's key, replaced by the chosen addr . port; then the affinity key after it.
-        let (loads, slot) = load_concat_at(&[daddr, Field::L4Proto, Field::ThDport], 0);
-        self.exprs.extend(loads);
-        self.exprs.push(Expr::Numgen {
-            dreg: reg_at_slot(slot),
-            modulus: n,
-            random: true,
-            offset: 0,
-        });
-        self.exprs.push(Expr::Lookup {
-            set: endpoints.to_owned(),
             sreg: REG_1,
             dreg: Some(REG_1),
             invert: false,
         });
-        let addr_slots = if family == Family::Ip6 { 4 } else { 1 };
-        let key_slot = addr_slots + 1;
-        let (loads, _) = load_concat_at(&[saddr, daddr, Field::L4Proto, Field::ThDport], key_slot);
+        self.exprs.push(nat_from(family, 0));
+        self
+    }
+
+    /// `meta l4proto { tcp, udp, sctp }`. Before `ct original proto-dst` in a concatenation this is what lets
+    /// nft 1.0.6 type that port when it loads a listing again (with a single protocol, or none, it cannot).
+    pub fn transport_protocol(mut self) -> Self {
+        self.exprs.push(Field::L4Proto.load(REG_1));
+        self.exprs.push(Expr::LookupAnon {
+            set: AnonSet {
+                key: DataType::InetProto,
+                key_typeof: TypeofExpr::MetaL4proto,
+                elements: [6u8, 17, 132].iter().map(|p| vec![*p].into()).collect(),
+            },
+            sreg: REG_1,
+        });
+        self
+    }
+
+    /// ClientIP affinity, the record (after DNAT): `update @affinity { saddr . ct original daddr . l4proto .
+    /// ct original proto-dst timeout T : daddr . dport }`, the endpoint this connection went to under the key
+    /// of the frontend it was sent to.
+    pub fn affinity_record(mut self, family: Family, affinity: &str, timeout_ms: u64) -> Self {
+        let (saddr, daddr) = addr_fields(family);
+        let original = if family == Family::Ip6 {
+            Field::CtOriginalDaddr6
+        } else {
+            Field::CtOriginalDaddr
+        };
+        let key = [saddr, original, Field::L4Proto, Field::CtOriginalProtoDst];
+        let (loads, data_slot) = load_concat_at(&key, 0);
+        self.exprs.extend(loads);
+        let (loads, _) = load_concat_at(&[daddr, Field::ThDport], data_slot);
         self.exprs.extend(loads);
         self.exprs.push(Expr::Dynset {
             set: affinity.to_owned(),
-            op: DynsetOp::Add,
-            sreg_key: reg_at_slot(key_slot),
-            sreg_data: Some(REG_1),
+            op: DynsetOp::Update,
+            sreg_key: REG_1,
+            sreg_data: Some(reg_at_slot(data_slot)),
             timeout_ms: Some(timeout_ms),
         });
-        self.exprs.push(nat_from(family, 0));
         self
     }
 

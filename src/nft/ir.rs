@@ -5,6 +5,7 @@
 //! syntax is produced from this data by `text.rs`; it is never parsed.
 
 pub use super::bytes::ElementBytes;
+pub use super::udata::TypeofExpr;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -255,9 +256,40 @@ pub struct Set {
     pub timeout_ms: Option<u64>,
     /// Updated from the packet path (`update @set`): nft's "dynamic" flag.
     pub dynamic: bool,
+    /// The most elements it may hold (`size`). Dynamic sets need one: nft gives them 65535 when unsaid, so a
+    /// listing of a set created without one would not reload into the same set.
+    pub size: Option<u32>,
+    /// Declared `typeof` these expressions rather than by type names: written to the set's user data as nft
+    /// does, so that nft can list the set and load its listing again (a numgen slot has no type name).
+    pub key_typeof: Option<Vec<TypeofExpr>>,
+    pub data_typeof: Option<Vec<TypeofExpr>>,
 }
 
 impl Set {
+    /// A set (empty `data`) or map declared by type names, static, without timeout or size.
+    pub fn new(name: &str, key: Vec<DataType>, data: Vec<DataType>) -> Set {
+        Set {
+            name: name.into(),
+            key,
+            data,
+            timeout_ms: None,
+            dynamic: false,
+            size: None,
+            key_typeof: None,
+            data_typeof: None,
+        }
+    }
+
+    /// A map declared `typeof key : data`.
+    pub fn typed(name: &str, key: Vec<TypeofExpr>, data: Vec<TypeofExpr>) -> Set {
+        let types = |e: &[TypeofExpr]| e.iter().map(|x| x.data_type()).collect();
+        Set {
+            key_typeof: Some(key.clone()),
+            data_typeof: (!data.is_empty()).then(|| data.clone()),
+            ..Set::new(name, types(&key), types(&data))
+        }
+    }
+
     pub fn is_map(&self) -> bool {
         !self.data.is_empty()
     }
@@ -421,6 +453,11 @@ pub enum CtKey {
     State,
     Status,
     Mark,
+    /// The connection's destination port (`ct original proto-dst`: the service port, even after DNAT).
+    ProtoDst,
+    /// The connection's destination address (`ct original ip daddr`, `ct original ip6 daddr`).
+    DstIp,
+    DstIp6,
 }
 
 impl CtKey {
@@ -429,12 +466,22 @@ impl CtKey {
             CtKey::State => 0,
             CtKey::Status => 2,
             CtKey::Mark => 3,
+            CtKey::ProtoDst => 12,
+            CtKey::DstIp => 20,
+            CtKey::DstIp6 => 22,
         }
     }
     pub fn from_number(v: u32) -> Option<CtKey> {
-        [CtKey::State, CtKey::Status, CtKey::Mark]
-            .into_iter()
-            .find(|k| k.number() == v)
+        [
+            CtKey::State,
+            CtKey::Status,
+            CtKey::Mark,
+            CtKey::ProtoDst,
+            CtKey::DstIp,
+            CtKey::DstIp6,
+        ]
+        .into_iter()
+        .find(|k| k.number() == v)
     }
 }
 
@@ -600,6 +647,17 @@ pub enum Expr {
         key: CtKey,
         dreg: u32,
     },
+    /// A ct key of the original direction (`ct original ...`).
+    CtOriginal {
+        key: CtKey,
+        dreg: u32,
+    },
+    /// Membership in a constant set that belongs to this rule alone (`meta l4proto { tcp, udp, sctp }`): nft
+    /// writes such literal sets as anonymous sets created in the same batch as the rule.
+    LookupAnon {
+        set: AnonSet,
+        sreg: u32,
+    },
     Fib {
         flags: u32,
         result: u32,
@@ -623,12 +681,24 @@ impl Expr {
             Expr::Nat { .. } => "nat",
             Expr::Masq { .. } => "masq",
             Expr::Reject(_) => "reject",
-            Expr::Ct { .. } => "ct",
+            Expr::Ct { .. } | Expr::CtOriginal { .. } => "ct",
+            Expr::LookupAnon { .. } => "lookup",
             Expr::Fib { .. } => "fib",
             Expr::Counter => "counter",
         }
     }
 }
+
+/// The content of an anonymous set: a key type, how nft declares it, and its elements in order.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AnonSet {
+    pub key: DataType,
+    pub key_typeof: TypeofExpr,
+    pub elements: Vec<ElementBytes>,
+}
+
+/// Name prefix the kernel gives anonymous sets (`__set%d`, the number chosen by the kernel).
+pub const ANON_SET_NAME: &str = "__set%d";
 
 /// A rule: the expressions in order, and an optional comment (kept in the rule's userdata as nft does).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

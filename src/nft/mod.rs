@@ -8,6 +8,7 @@ pub mod monitor;
 pub mod netlink;
 pub mod text;
 pub mod tx;
+pub mod udata;
 pub mod wire;
 
 pub use backend::Backend;

@@ -127,14 +127,18 @@ impl NftSocket {
             }
         }
         let mut set_names = Vec::new();
+        let mut anonymous = Vec::new();
         for p in self.dump(NFT_MSG_GETSET, family, Some(name), None)? {
             let (t, set, flags) = wire::decode_set(&p)?;
-            // Anonymous sets belong to the rule that uses them; we never create them.
-            if t == name && flags & SET_F_ANONYMOUS == 0 {
+            // Anonymous sets belong to the rule that uses them: read with it (`resolve_anonymous_sets`).
+            if t == name && flags & SET_F_ANONYMOUS != 0 {
+                anonymous.push(set);
+            } else if t == name {
                 set_names.push(set.name.clone());
                 state.add_set(set);
             }
         }
+        let anonymous = self.anonymous_sets(family, name, anonymous)?;
         for set in set_names {
             for p in self.dump(NFT_MSG_GETSETELEM, family, Some(name), Some(&set))? {
                 let (t, s, elements) = wire::decode_elements(&p)?;
@@ -147,11 +151,40 @@ impl NftSocket {
             let (t, chain, rule) = wire::decode_rule(&p)?;
             if t == name {
                 if let Some(c) = state.chains.get_mut(&chain) {
-                    c.rules.push(rule);
+                    c.rules.push(resolve_anonymous_sets(rule, &anonymous));
                 }
             }
         }
         Ok(Some(state))
+    }
+
+    /// The content of each anonymous set, by the name the kernel gave it (`__set3`).
+    fn anonymous_sets(
+        &mut self,
+        family: Family,
+        table: &str,
+        sets: Vec<Set>,
+    ) -> Result<std::collections::HashMap<String, AnonSet>, DumpError> {
+        let mut out = std::collections::HashMap::new();
+        for set in sets {
+            let mut elements = Vec::new();
+            for p in self.dump(NFT_MSG_GETSETELEM, family, Some(table), Some(&set.name))? {
+                let (_, _, found) = wire::decode_elements(&p)?;
+                elements.extend(found.into_iter().map(|e| e.key));
+            }
+            elements.sort();
+            let (Some(&key), Some(&[key_typeof])) = (set.key.first(), set.key_typeof.as_deref())
+            else {
+                continue; // not one nftkube writes: the rule keeps naming it, and so differs from ours
+            };
+            let content = AnonSet {
+                key,
+                key_typeof,
+                elements,
+            };
+            out.insert(set.name, content);
+        }
+        Ok(out)
     }
 
     fn dump(
@@ -170,6 +203,31 @@ impl NftSocket {
     pub fn socket(&mut self) -> &mut NlSocket {
         &mut self.sock
     }
+}
+
+/// A rule read back with its anonymous sets' contents in place of their kernel-chosen names, so it compares
+/// equal to the rule we wrote.
+fn resolve_anonymous_sets(
+    mut rule: Rule,
+    sets: &std::collections::HashMap<String, AnonSet>,
+) -> Rule {
+    for e in &mut rule.exprs {
+        if let Expr::Lookup {
+            set,
+            sreg,
+            dreg: None,
+            invert: false,
+        } = e
+        {
+            if let Some(content) = sets.get(set.as_str()) {
+                *e = Expr::LookupAnon {
+                    set: content.clone(),
+                    sreg: *sreg,
+                };
+            }
+        }
+    }
+    rule
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -12,27 +12,15 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 /// Renders a whole table.
 pub fn render_table(t: &TableState) -> String {
-    // Rules first: how they use a set tells its `typeof` when its key has no nft type of its own.
-    let mut usage = BTreeMap::new();
     let rules: Vec<Vec<String>> = t
         .chains
         .values()
-        .map(|c| {
-            c.rules
-                .iter()
-                .map(|r| render_rule_with(r, t, &mut usage))
-                .collect()
-        })
+        .map(|c| c.rules.iter().map(|r| render_rule(r, t)).collect())
         .collect();
     let mut out = String::new();
     let _ = writeln!(out, "table {} {} {{", t.family.as_str(), t.name);
     for s in t.sets.values() {
-        render_set(
-            &mut out,
-            s,
-            usage.get(&s.set.name).map(String::as_str),
-            t.family,
-        );
+        render_set(&mut out, s);
     }
     for (c, rules) in t.chains.values().zip(rules) {
         let _ = writeln!(out, "\tchain {} {{", c.chain.name);
@@ -54,73 +42,65 @@ pub fn render_table(t: &TableState) -> String {
     out
 }
 
-fn render_set(out: &mut String, s: &SetState, key_usage: Option<&str>, family: Family) {
-    let kind = if s.set.is_map() { "map" } else { "set" };
-    let _ = writeln!(out, "\t{kind} {} {{", s.set.name);
-    // A numgen slot in a concatenated key is stored as a mark (nft has no fixed-size integer type), which nft
-    // refuses to compare with numgen's integer: declare such a set by how the rules use it, as nft's
-    // `typeof` does.
-    let needs_typeof = s.set.key.len() > 1 && s.set.key.contains(&DataType::Mark);
-    let ty = match key_usage {
-        Some(usage) if needs_typeof => {
-            let mut ty = format!("typeof {usage}");
-            if s.set.is_map() {
-                let data: Vec<&str> = s.set.data.iter().map(|t| typeof_expr(*t, family)).collect();
-                let _ = write!(ty, " : {}", data.join(" . "));
-            }
-            ty
-        }
-        _ => {
-            let key: Vec<&str> = s.set.key.iter().map(|t| t.name()).collect();
-            let mut ty = format!("type {}", key.join(" . "));
-            if s.set.is_map() {
-                let data: Vec<&str> = s.set.data.iter().map(|t| t.name()).collect();
-                let _ = write!(ty, " : {}", data.join(" . "));
-            }
-            ty
-        }
-    };
-    let _ = writeln!(out, "\t\t{ty}");
+fn render_set(out: &mut String, s: &SetState) {
+    let set = &s.set;
+    let kind = if set.is_map() { "map" } else { "set" };
+    let _ = writeln!(out, "\t{kind} {} {{", set.name);
+    let _ = writeln!(out, "\t\t{}", declaration(set));
+    if let Some(size) = set.size {
+        let _ = writeln!(out, "\t\tsize {size}");
+    }
     let mut flags = Vec::new();
-    if s.set.dynamic {
+    if set.dynamic {
         flags.push("dynamic");
     }
-    if s.set.timeout_ms.is_some() {
+    if set.timeout_ms.is_some() {
         flags.push("timeout");
     }
     if !flags.is_empty() {
         let _ = writeln!(out, "\t\tflags {}", flags.join(","));
     }
-    if let Some(ms) = s.set.timeout_ms {
+    if let Some(ms) = set.timeout_ms {
         let _ = writeln!(out, "\t\ttimeout {}", duration(ms));
     }
     if !s.elements.is_empty() {
-        // Under `typeof`, the slot is numgen's integer, so print it as a number, not as a mark.
-        let shown = if needs_typeof && key_usage.is_some() {
-            let mut set = s.set.clone();
-            for t in set.key.iter_mut().filter(|t| **t == DataType::Mark) {
-                *t = DataType::Integer(4);
-            }
-            set
-        } else {
-            s.set.clone()
-        };
-        let items: Vec<String> = s.elements.iter().map(|e| element_text(&shown, e)).collect();
+        let items: Vec<String> = s.elements.iter().map(|e| element_text(set, e)).collect();
         let _ = writeln!(out, "\t\telements = {{ {} }}", items.join(",\n\t\t\t     "));
     }
     let _ = writeln!(out, "\t}}");
 }
 
-/// An expression of the given type, for `typeof` declarations.
-fn typeof_expr(t: DataType, _family: Family) -> &'static str {
-    match t {
-        DataType::Ipv4Addr => "ip daddr",
-        DataType::Ipv6Addr => "ip6 daddr",
-        DataType::InetProto => "meta l4proto",
-        DataType::InetService => "th dport",
-        DataType::Mark => "meta mark",
-        DataType::Verdict => "verdict",
-        DataType::Integer(_) => "numgen random mod 1",
+/// `typeof ip daddr . th dport : ...` when declared so, else `type ipv4_addr . inet_service : ...`.
+fn declaration(set: &Set) -> String {
+    let typeof_text = |exprs: &[TypeofExpr]| {
+        let parts: Vec<String> = exprs.iter().map(|e| e.text()).collect();
+        parts.join(" . ")
+    };
+    let type_text = |types: &[DataType]| {
+        let parts: Vec<&str> = types.iter().map(|t| t.name()).collect();
+        parts.join(" . ")
+    };
+    match &set.key_typeof {
+        Some(key) if !key.is_empty() => {
+            let mut s = format!("typeof {}", typeof_text(key));
+            match &set.data_typeof {
+                Some(data) => {
+                    let _ = write!(s, " : {}", typeof_text(data));
+                }
+                None if set.is_map() => {
+                    let _ = write!(s, " : {}", type_text(&set.data));
+                }
+                None => {}
+            }
+            s
+        }
+        _ => {
+            let mut s = format!("type {}", type_text(&set.key));
+            if set.is_map() {
+                let _ = write!(s, " : {}", type_text(&set.data));
+            }
+            s
+        }
     }
 }
 
@@ -231,15 +211,6 @@ enum RegKind {
 
 /// Renders one rule; `table` supplies set definitions for typing lookups.
 pub fn render_rule(rule: &Rule, table: &TableState) -> String {
-    render_rule_with(rule, table, &mut BTreeMap::new())
-}
-
-/// Renders one rule and records, for each set it looks up, the key expression it uses.
-fn render_rule_with(
-    rule: &Rule,
-    table: &TableState,
-    usage: &mut BTreeMap<String, String>,
-) -> String {
     let mut regs: BTreeMap<u32, RegValue> = BTreeMap::new();
     let mut out: Vec<String> = Vec::new();
     let family = table.family;
@@ -267,16 +238,21 @@ fn render_rule_with(
                 }
                 put(&mut regs, *dreg, v);
             }
-            Expr::Ct { key, dreg } => {
-                let (name, kind) = match key {
-                    CtKey::State => ("ct state", RegKind::CtState),
-                    CtKey::Status => ("ct status", RegKind::CtStatus),
-                    CtKey::Mark => ("ct mark", RegKind::Plain),
-                };
-                let mut v = plain(name.into(), DataType::Mark);
-                v.kind = kind;
-                put(&mut regs, *dreg, v);
+            Expr::Ct { key, dreg } => put(&mut regs, *dreg, ct_value(*key, "")),
+            Expr::CtOriginal { key, dreg } => {
+                put(&mut regs, *dreg, ct_value(*key, "original "));
             }
+            Expr::LookupAnon { set, sreg } => match get(&regs, *sreg) {
+                Some(v) => {
+                    let items: Vec<String> = set
+                        .elements
+                        .iter()
+                        .map(|e| scalar_text(set.key, e))
+                        .collect();
+                    out.push(format!("{} {{ {} }}", v.text, items.join(", ")));
+                }
+                None => out.push(debug_expr(e)),
+            },
             Expr::Numgen {
                 dreg,
                 modulus,
@@ -389,7 +365,6 @@ fn render_rule_with(
                     out.push(debug_expr(e));
                     continue;
                 };
-                usage.entry(set.clone()).or_insert_with(|| key.clone());
                 match dreg {
                     None => out.push(format!("{key} {}@{set}", if *invert { "!= " } else { "" })),
                     Some(REG_VERDICT) => out.push(format!("{key} vmap @{set}")),
@@ -497,6 +472,21 @@ fn render_rule_with(
         let _ = write!(s, " comment \"{c}\"");
     }
     s
+}
+
+/// What `ct [original] KEY` loads: its text and type.
+fn ct_value(key: CtKey, dir: &str) -> RegValue {
+    let (name, ty, kind) = match key {
+        CtKey::State => ("state", DataType::Mark, RegKind::CtState),
+        CtKey::Status => ("status", DataType::Mark, RegKind::CtStatus),
+        CtKey::Mark => ("mark", DataType::Mark, RegKind::Plain),
+        CtKey::ProtoDst => ("proto-dst", DataType::InetService, RegKind::Plain),
+        CtKey::DstIp => ("ip daddr", DataType::Ipv4Addr, RegKind::Plain),
+        CtKey::DstIp6 => ("ip6 daddr", DataType::Ipv6Addr, RegKind::Plain),
+    };
+    let mut v = plain(format!("ct {dir}{name}"), ty);
+    v.kind = kind;
+    v
 }
 
 fn plain(text: String, ty: DataType) -> RegValue {

@@ -3,7 +3,7 @@
 
 use super::common::*;
 use super::names::*;
-use super::RenderConfig;
+use super::{RenderConfig, SLOT_SPACE};
 use crate::model::IpFamily;
 use crate::nft::build::{ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
@@ -14,12 +14,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     let mut t = TableState::new(nft_family(f), TABLE);
     let a = addr_type(f);
-    let plain_set = |name: &str, key: Vec<DataType>, data: Vec<DataType>| Set {
-        name: name.into(),
-        key,
-        data,
-        timeout_ms: None,
-        dynamic: false,
+    let plain_set = Set::new;
+    let daddr_of = match f {
+        IpFamily::V4 => TypeofExpr::IpDaddr,
+        IpFamily::V6 => TypeofExpr::Ip6Daddr,
+    };
+    let slot = TypeofExpr::NumgenRandom {
+        modulus: SLOT_SPACE,
+        offset: 0,
     };
     t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
     t.add_set(plain_set(
@@ -27,10 +29,11 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![a, DataType::InetProto, DataType::InetService],
         vec![DataType::Verdict],
     ));
-    t.add_set(plain_set(
+    // The slot has no nft type name: declared `typeof`, as nft would, so that listings reload.
+    t.add_set(Set::typed(
         MAP_SERVICE_ENDPOINTS,
-        vec![a, DataType::InetProto, DataType::InetService, SLOT],
-        vec![a, DataType::InetService],
+        vec![daddr_of, TypeofExpr::MetaL4proto, TypeofExpr::ThDport, slot],
+        vec![daddr_of, TypeofExpr::ThDport],
     ));
     t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
     t.add_set(plain_set(
@@ -39,13 +42,21 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![DataType::Verdict],
     ));
     t.add_set(Set {
-        name: MAP_AFFINITY.into(),
-        key: vec![a, a, DataType::InetProto, DataType::InetService],
-        data: vec![a, DataType::InetService],
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
         dynamic: true,
+        size: Some(AFFINITY_CAPACITY),
+        ..Set::new(
+            MAP_AFFINITY,
+            vec![a, a, DataType::InetProto, DataType::InetService],
+            vec![a, DataType::InetService],
+        )
     });
+    t.add_set(plain_set(
+        MAP_AFFINITY_SERVICES,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
     let port_key = vec![DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
         MAP_SERVICE_NODEPORTS,
@@ -54,13 +65,18 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     ));
     t.add_set(plain_set(
         MAP_NO_ENDPOINT_NODEPORTS,
-        port_key,
+        port_key.clone(),
         vec![DataType::Verdict],
     ));
     t.add_set(plain_set(
+        MAP_AFFINITY_NODEPORTS,
+        port_key,
+        vec![DataType::Verdict],
+    ));
+    t.add_set(Set::typed(
         MAP_NODEPORT_ENDPOINTS,
-        vec![DataType::InetProto, DataType::InetService, SLOT],
-        vec![a, DataType::InetService],
+        vec![TypeofExpr::MetaL4proto, TypeofExpr::ThDport, slot],
+        vec![daddr_of, TypeofExpr::ThDport],
     ));
     // NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses).
     let nodeport_match: Option<RuleBuilder> = match &cfg.nodeport_addresses {
@@ -117,21 +133,30 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         Hook::Forward,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
+    .rules = vec![
+        jump(CHAIN_FIREWALL),
+        jump(CHAIN_CLUSTER_IPS_CHECK),
+        record_affinity(),
+    ];
     t.add_chain(Chain::base(
         CHAIN_FILTER_OUTPUT,
         ChainType::Filter,
         Hook::Output,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_FIREWALL), jump(CHAIN_CLUSTER_IPS_CHECK)];
+    .rules = vec![
+        jump(CHAIN_FIREWALL),
+        jump(CHAIN_CLUSTER_IPS_CHECK),
+        record_affinity(),
+    ];
     t.add_chain(Chain::base(
         CHAIN_FILTER_INPUT,
         ChainType::Filter,
         Hook::Input,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_FIREWALL)];
+    .rules = vec![jump(CHAIN_FIREWALL), record_affinity()];
+    t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
     // kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
     // 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
     // it could otherwise reach services bound to loopback).
@@ -168,7 +193,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         // rejected on input.
         t.chain_mut(CHAIN_FILTER_INPUT)
             .rules
-            .push(jump(CHAIN_NODEPORTS_CHECK));
+            .insert(1, jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
             .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
@@ -231,4 +256,44 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         RuleBuilder::new().reject(unreach).build(),
     ];
     t
+}
+
+/// The most affinity entries a table holds (one per client and frontend while it lasts). kube-proxy's
+/// `recent` lists hold 100 each; a full map records nothing new (connections still flow, unpinned).
+pub const AFFINITY_CAPACITY: u32 = 262_144;
+
+/// `ct state new ct status dnat jump affinity-record`: after DNAT (filter runs after nat), a new connection's
+/// endpoint is known; the forward, input and output hooks together see every DNATed connection.
+fn record_affinity() -> Rule {
+    RuleBuilder::new()
+        .ct_has(CtKey::State, CT_STATE_NEW)
+        .ct_has(CtKey::Status, CT_STATUS_DNAT)
+        .verdict(Verdict::Jump(CHAIN_AFFINITY_RECORD.into()))
+        .build()
+}
+
+/// Which affinity services' frontends a connection was sent to: by its original destination (ClusterIPs,
+/// external and LoadBalancer IPs), else by its original destination port (NodePorts). A NodePort number that
+/// is also the port of some other address records an entry nothing looks up (lookups are by frontend).
+fn affinity_record_rules(f: IpFamily) -> Vec<Rule> {
+    let original = match f {
+        IpFamily::V4 => Field::CtOriginalDaddr,
+        IpFamily::V6 => Field::CtOriginalDaddr6,
+    };
+    vec![
+        RuleBuilder::new()
+            .transport_protocol()
+            .vmap(
+                &[original, Field::L4Proto, Field::CtOriginalProtoDst],
+                MAP_AFFINITY_SERVICES,
+            )
+            .build(),
+        RuleBuilder::new()
+            .transport_protocol()
+            .vmap(
+                &[Field::L4Proto, Field::CtOriginalProtoDst],
+                MAP_AFFINITY_NODEPORTS,
+            )
+            .build(),
+    ]
 }

@@ -9,6 +9,8 @@ use crate::nft::build::{ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
 
 /// Which frontends an `lb-*` chain serves: they differ in masquerading and in the key of their endpoints.
+/// With ClientIP affinity (`lb-...-aff-...`), each choice is preceded by a lookup of the endpoint the client
+/// had (see `RuleBuilder::affinity_hit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LbKind {
     /// `lb-<n>`: ClusterIPs. Masqueraded when from outside the cluster CIDR (never without one, as kube-proxy).
@@ -25,119 +27,151 @@ pub enum LbKind {
     LocalExternal(u32),
     /// `lb-np-etp-<local>-<n>`: the same for the NodePort of such a service.
     LocalNodePort(u32),
-    /// `lb-aff-<seconds>-<n>`: ClusterIPs of a service with ClientIP affinity of that timeout.
-    ClusterAffinity(u32),
-    /// `lb-ext-aff-<seconds>-<n>`: external and LoadBalancer IPs of such a service.
-    ExternalAffinity(u32),
 }
 
 /// Slots of a service's node-local endpoints start here (the first ones hold all its endpoints).
 pub const LOCAL_SLOTS: u32 = 1 << 16;
 
+/// The modulus the endpoint maps are declared with (`typeof ... numgen random mod SLOT_SPACE`): room for
+/// every slot and every local slot. nft only reads the declaration to type the slot.
+pub const SLOT_SPACE: u32 = 2 * LOCAL_SLOTS;
+
+fn lb_name(kind: LbKind, n: u32, affinity: bool) -> String {
+    let aff = if affinity { "aff-" } else { "" };
+    match kind {
+        LbKind::Cluster => format!("{LB_CHAIN_PREFIX}{aff}{n}"),
+        LbKind::External => format!("{LB_CHAIN_PREFIX}ext-{aff}{n}"),
+        LbKind::NodePort => format!("{LB_CHAIN_PREFIX}np-{aff}{n}"),
+        LbKind::LocalExternal(l) => format!("{LB_CHAIN_PREFIX}etp-{aff}{l}-{n}"),
+        LbKind::LocalNodePort(l) => format!("{LB_CHAIN_PREFIX}np-etp-{aff}{l}-{n}"),
+    }
+}
+
 /// An `lb-*` chain: masquerade marking, then the uniform choice among n endpoint slots.
-pub fn lb_chain_state(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> ChainState {
+pub fn lb_chain_state(
+    family: Family,
+    n: u32,
+    kind: LbKind,
+    affinity: bool,
+    cfg: &RenderConfig,
+) -> ChainState {
     let f = ip_family(family);
-    let frontend_key = vec![daddr(f), Field::L4Proto, Field::ThDport];
-    let port_key = vec![Field::L4Proto, Field::ThDport];
-    let (name, key, map) = match kind {
-        LbKind::Cluster => (lb_chain(n), frontend_key, MAP_SERVICE_ENDPOINTS),
-        LbKind::External => (lb_external_chain(n), frontend_key, MAP_SERVICE_ENDPOINTS),
-        LbKind::NodePort => (lb_nodeport_chain(n), port_key, MAP_NODEPORT_ENDPOINTS),
-        LbKind::LocalExternal(l) => (
-            format!("{LB_CHAIN_PREFIX}etp-{l}-{n}"),
-            frontend_key,
-            MAP_SERVICE_ENDPOINTS,
-        ),
-        LbKind::LocalNodePort(l) => (
-            format!("{LB_CHAIN_PREFIX}np-etp-{l}-{n}"),
-            port_key,
-            MAP_NODEPORT_ENDPOINTS,
-        ),
-        LbKind::ClusterAffinity(t) => (
-            format!("{LB_CHAIN_PREFIX}aff-{t}-{n}"),
-            frontend_key,
-            MAP_SERVICE_ENDPOINTS,
-        ),
-        LbKind::ExternalAffinity(t) => (
-            format!("{LB_CHAIN_PREFIX}ext-aff-{t}-{n}"),
-            frontend_key,
+    let (key, map) = match kind {
+        LbKind::NodePort | LbKind::LocalNodePort(_) => {
+            (vec![Field::L4Proto, Field::ThDport], MAP_NODEPORT_ENDPOINTS)
+        }
+        _ => (
+            vec![daddr(f), Field::L4Proto, Field::ThDport],
             MAP_SERVICE_ENDPOINTS,
         ),
     };
-    // "From a pod" and "not from a pod", if the detector can tell in this family.
-    let from_pod = |negate: bool| local_traffic(f, cfg, negate);
-    let mut rules = Vec::new();
-    if let LbKind::LocalExternal(local) | LbKind::LocalNodePort(local) = kind {
-        // Pods reach every endpoint (keeping their address unless masquerade-all: their traffic is treated
-        // as cluster traffic); so does the node itself, masqueraded.
-        if let Some(mut pod) = from_pod(false) {
-            if cfg.masquerade_all {
-                pod = pod.mark_or(cfg.masquerade_bit);
-            }
+    // Each choice, preceded (with affinity) by the same match and the lookup of the client's endpoint.
+    let choose = |start: RuleBuilder, pick: RuleBuilder, comment: &str| -> Vec<Rule> {
+        let mut rules = Vec::new();
+        if affinity {
             rules.push(
-                pod.dnat_map(&key, n, map, family)
-                    .comment("from a pod: every endpoint")
+                start
+                    .clone()
+                    .affinity_hit(family, MAP_AFFINITY)
+                    .comment(format!("{comment}: the endpoint this client had"))
                     .build(),
             );
         }
+        rules.push(pick.comment(comment).build());
+        rules
+    };
+    let rules = match kind {
+        LbKind::LocalExternal(local) | LbKind::LocalNodePort(local) => {
+            local_policy_rules(f, family, n, local, (&key, map), cfg, &choose)
+        }
+        _ => {
+            let mut rules = masquerade_marking(f, kind, cfg);
+            let pick = RuleBuilder::new().dnat_map(&key, n, map, family);
+            if affinity {
+                rules.extend(choose(RuleBuilder::new(), pick, "ClientIP affinity"));
+            } else {
+                rules.push(pick.build());
+            }
+            rules
+        }
+    };
+    ChainState {
+        chain: Chain::regular(&lb_name(kind, n, affinity)),
+        rules,
+    }
+}
+
+/// The masquerade mark of ClusterIP, external and NodePort (externalTrafficPolicy Cluster) traffic.
+fn masquerade_marking(f: IpFamily, kind: LbKind, cfg: &RenderConfig) -> Vec<Rule> {
+    let not_pod = local_traffic(f, cfg, true);
+    let external = kind == LbKind::External;
+    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && not_pod.is_none());
+    if always {
+        vec![RuleBuilder::new().mark_or(cfg.masquerade_bit).build()]
+    } else if let Some(not_pod) = not_pod {
+        vec![not_pod
+            .mark_or(cfg.masquerade_bit)
+            .comment("not from a pod")
+            .build()]
+    } else {
+        Vec::new()
+    }
+}
+
+type Choose<'a> = dyn Fn(RuleBuilder, RuleBuilder, &str) -> Vec<Rule> + 'a;
+
+/// externalTrafficPolicy Local: pods reach every endpoint (keeping their address unless masquerade-all: their
+/// traffic is treated as cluster traffic); so does the node itself, masqueraded; outside traffic only the
+/// local endpoints, keeping its source address (none: dropped).
+fn local_policy_rules(
+    f: IpFamily,
+    family: Family,
+    n: u32,
+    local: u32,
+    (key, map): (&[Field], &str),
+    cfg: &RenderConfig,
+    choose: &Choose<'_>,
+) -> Vec<Rule> {
+    let mut rules = Vec::new();
+    if let Some(mut pod) = local_traffic(f, cfg, false) {
+        if cfg.masquerade_all {
+            pod = pod.mark_or(cfg.masquerade_bit);
+        }
+        let pick = pod.clone().dnat_map(key, n, map, family);
+        rules.extend(choose(pod, pick, "from a pod: every endpoint"));
+    }
+    let node = RuleBuilder::new()
+        .saddr_is_local()
+        .mark_or(cfg.masquerade_bit);
+    let pick = node.clone().dnat_map(key, n, map, family);
+    rules.extend(choose(node, pick, "from the node: every endpoint"));
+    if local > 0 {
+        let pick = RuleBuilder::new().dnat_map_offset(key, local, LOCAL_SLOTS, map, family);
+        rules.extend(choose(
+            RuleBuilder::new(),
+            pick,
+            "from outside: local endpoints, source kept",
+        ));
+    } else {
         rules.push(
-            RuleBuilder::new()
-                .saddr_is_local()
-                .mark_or(cfg.masquerade_bit)
-                .dnat_map(&key, n, map, family)
-                .comment("from the node: every endpoint")
-                .build(),
-        );
-        rules.push(if local > 0 {
-            RuleBuilder::new()
-                .dnat_map_offset(&key, local, LOCAL_SLOTS, map, family)
-                .comment("from outside: local endpoints, source kept")
-                .build()
-        } else {
             RuleBuilder::new()
                 .verdict(Verdict::Drop)
                 .comment("from outside: no local endpoint")
-                .build()
-        });
-        return ChainState {
-            chain: Chain::regular(&name),
-            rules,
-        };
-    }
-    let external = matches!(kind, LbKind::External | LbKind::ExternalAffinity(_));
-    let not_pod = from_pod(true);
-    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && not_pod.is_none());
-    if always {
-        rules.push(RuleBuilder::new().mark_or(cfg.masquerade_bit).build());
-    } else if let Some(not_pod) = not_pod {
-        rules.push(
-            not_pod
-                .mark_or(cfg.masquerade_bit)
-                .comment("not from a pod")
                 .build(),
         );
     }
-    match kind {
-        LbKind::ClusterAffinity(t) | LbKind::ExternalAffinity(t) => {
-            let ms = t as u64 * 1000;
-            rules.push(
-                RuleBuilder::new()
-                    .affinity_hit(family, MAP_AFFINITY, ms)
-                    .comment("ClientIP affinity: the endpoint this client had")
-                    .build(),
-            );
-            rules.push(
-                RuleBuilder::new()
-                    .affinity_pick(family, n, map, MAP_AFFINITY, ms)
-                    .comment("ClientIP affinity: choose and remember")
-                    .build(),
-            );
-        }
-        _ => rules.push(RuleBuilder::new().dnat_map(&key, n, map, family).build()),
-    }
+    rules
+}
+
+/// `affinity-<seconds>`: records, after DNAT, the endpoint a new connection to a service with that affinity
+/// timeout went to (every new connection: a hit refreshes the entry, as kube-proxy's `recent --set` does).
+pub fn affinity_chain_state(family: Family, seconds: u32) -> ChainState {
     ChainState {
-        chain: Chain::regular(&name),
-        rules,
+        chain: Chain::regular(&affinity_chain(seconds)),
+        rules: vec![RuleBuilder::new()
+            .transport_protocol()
+            .affinity_record(family, MAP_AFFINITY, seconds as u64 * 1000)
+            .build()],
     }
 }
 

@@ -43,7 +43,3 @@ pub(super) fn daddr(f: IpFamily) -> Field {
 pub(super) const PRIO_DSTNAT: i32 = -100;
 pub(super) const PRIO_SRCNAT: i32 = 100;
 pub(super) const PRIO_FILTER_EARLY: i32 = -10;
-
-/// The numgen slot is a host-endian 32-bit value; nft knows no fixed-size integer type for set keys, so the
-/// kernel object calls it a mark (same size and byte order). `plan` prints it as `typeof numgen ...`.
-pub(super) const SLOT: DataType = DataType::Mark;

@@ -8,7 +8,7 @@ mod desired;
 pub mod names;
 mod services;
 
-pub use chains::{lb_chain_state, LbKind, LOCAL_SLOTS};
+pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
 pub use desired::{Desired, DesiredSet};
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
@@ -18,8 +18,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
 /// services would otherwise hold 10k copies of a handful of chains).
-pub fn lb_chain(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> Arc<ChainState> {
-    type Cache = Mutex<HashMap<(Family, u32, LbKind, RenderConfig), Arc<ChainState>>>;
+pub fn lb_chain(
+    family: Family,
+    n: u32,
+    kind: LbKind,
+    affinity: bool,
+    cfg: &RenderConfig,
+) -> Arc<ChainState> {
+    type Cache = Mutex<HashMap<(Family, u32, LbKind, bool, RenderConfig), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -29,8 +35,22 @@ pub fn lb_chain(family: Family, n: u32, kind: LbKind, cfg: &RenderConfig) -> Arc
         cache.clear(); // configs do not change at run time; this only bounds tests that vary them
     }
     cache
-        .entry((family, n, kind, cfg.clone()))
-        .or_insert_with(|| Arc::new(lb_chain_state(family, n, kind, cfg)))
+        .entry((family, n, kind, affinity, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, n, kind, affinity, cfg)))
+        .clone()
+}
+
+/// `affinity-<seconds>` of a family, shared like `lb_chain`.
+pub fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
+    type Cache = Mutex<HashMap<(Family, u32), Arc<ChainState>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry((family, seconds))
+        .or_insert_with(|| Arc::new(affinity_chain_state(family, seconds)))
         .clone()
 }
 

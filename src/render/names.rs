@@ -23,6 +23,12 @@ pub const SET_HAIRPIN: &str = "hairpin-endpoints";
 pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
 /// ClientIP affinity: `saddr . daddr . proto . port : endpoint addr . port`, filled by the packet path.
 pub const MAP_AFFINITY: &str = "affinity";
+/// Frontends of services with ClientIP affinity: `addr . proto . port : goto affinity-<seconds>`.
+pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
+/// NodePorts of services with ClientIP affinity: `proto . port : goto affinity-<seconds>`.
+pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
+/// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
+pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
@@ -38,7 +44,7 @@ pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 8] = [
+const PIECE_SETS: [&str; 10] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -47,6 +53,8 @@ const PIECE_SETS: [&str; 8] = [
     MAP_NODEPORT_ENDPOINTS,
     MAP_NO_ENDPOINT_NODEPORTS,
     MAP_NO_ENDPOINT_SERVICES,
+    MAP_AFFINITY_SERVICES,
+    MAP_AFFINITY_NODEPORTS,
 ];
 
 impl PieceSet {
@@ -91,6 +99,12 @@ pub fn lb_external_chain(n: u32) -> String {
 /// `lb-np-<n>`: the same for NodePorts, keyed by protocol and port alone (any node address).
 pub fn lb_nodeport_chain(n: u32) -> String {
     format!("{LB_CHAIN_PREFIX}np-{n}")
+}
+
+/// `affinity-<seconds>`: records the endpoint of a new connection for that long (one chain per timeout in
+/// use, shared by every service with that timeout).
+pub fn affinity_chain(seconds: u32) -> String {
+    format!("affinity-{seconds}")
 }
 
 /// `fw-<hash>-<namespace>/<name>/<protocol>/<port>-<family>`: the loadBalancerSourceRanges check of one

@@ -154,13 +154,17 @@ pub(super) fn service_pieces(
         } else {
             &all
         };
+        // ClientIP affinity: every frontend of the service records its connections' endpoints.
+        let affinity = svc.session_affinity_timeout;
+        let record = affinity.map(|seconds| {
+            let chain = super::affinity_chain(family, seconds);
+            let target = chain.chain.name.clone();
+            pieces.push(Piece::Chain { family, chain });
+            target
+        });
         if !internal.is_empty() {
             let n = internal.len() as u32;
-            let kind = match svc.session_affinity_timeout {
-                Some(t) => LbKind::ClusterAffinity(t),
-                None => LbKind::Cluster,
-            };
-            let chain = super::lb_chain(family, n, kind, cfg);
+            let chain = super::lb_chain(family, n, LbKind::Cluster, affinity.is_some(), cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
             for ip in &cluster {
@@ -176,6 +180,13 @@ pub(super) fn service_pieces(
                     concat_key(&frontend(ip)),
                     goto(&target),
                 ));
+                if let Some(r) = &record {
+                    pieces.push(element(
+                        MAP_AFFINITY_SERVICES,
+                        concat_key(&frontend(ip)),
+                        goto(r),
+                    ));
+                }
             }
         } else if !all.is_empty() {
             // internalTrafficPolicy Local without a local endpoint: dropped (endpoints exist elsewhere).
@@ -215,14 +226,10 @@ pub(super) fn service_pieces(
             let l = local.len() as u32;
             (LbKind::LocalExternal(l), LbKind::LocalNodePort(l))
         } else {
-            let ext = match svc.session_affinity_timeout {
-                Some(t) => LbKind::ExternalAffinity(t),
-                None => LbKind::External,
-            };
-            (ext, LbKind::NodePort)
+            (LbKind::External, LbKind::NodePort)
         };
         if !external.is_empty() {
-            let chain = super::lb_chain(family, n, ext_kind, cfg);
+            let chain = super::lb_chain(family, n, ext_kind, affinity.is_some(), cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
             // loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort)
@@ -261,10 +268,17 @@ pub(super) fn service_pieces(
                     concat_key(&frontend(ip)),
                     goto(to),
                 ));
+                if let Some(r) = &record {
+                    pieces.push(element(
+                        MAP_AFFINITY_SERVICES,
+                        concat_key(&frontend(ip)),
+                        goto(r),
+                    ));
+                }
             }
         }
         if let Some(np) = node_port {
-            let chain = super::lb_chain(family, n, np_kind, cfg);
+            let chain = super::lb_chain(family, n, np_kind, affinity.is_some(), cfg);
             let target = chain.chain.name.clone();
             pieces.push(Piece::Chain { family, chain });
             slots(
@@ -288,6 +302,13 @@ pub(super) fn service_pieces(
                 concat_key(&node_port_key(np)),
                 goto(&target),
             ));
+            if let Some(r) = &record {
+                pieces.push(element(
+                    MAP_AFFINITY_NODEPORTS,
+                    concat_key(&node_port_key(np)),
+                    goto(r),
+                ));
+            }
         }
         let mut hairpin: Vec<&Endpoint> = all.iter().chain(local.iter()).collect();
         hairpin.sort();
@@ -399,7 +420,7 @@ mod tests {
     #[test]
     fn masquerade_rule_follows_config() {
         let mut cfg = RenderConfig::default();
-        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, LbKind::Cluster, cfg);
+        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, LbKind::Cluster, false, cfg);
         assert_eq!(lb(&cfg).rules.len(), 1);
         cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
         let t = TableState::new(Family::Ip, TABLE);

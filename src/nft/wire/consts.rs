@@ -63,6 +63,10 @@ pub const NFTA_SET_DATA_TYPE: u16 = 6;
 pub const NFTA_SET_DATA_LEN: u16 = 7;
 pub const NFTA_SET_ID: u16 = 10;
 pub const NFTA_SET_TIMEOUT: u16 = 11;
+pub const NFTA_SET_DESC: u16 = 9;
+pub const NFTA_SET_DESC_SIZE: u16 = 1;
+pub const NFTA_SET_USERDATA: u16 = 13;
+pub const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
 
 pub const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 pub const NFTA_SET_ELEM_LIST_SET: u16 = 2;
@@ -95,6 +99,7 @@ pub const NFTA_IMMEDIATE_DATA: u16 = 2;
 pub const NFTA_LOOKUP_SET: u16 = 1;
 pub const NFTA_LOOKUP_SREG: u16 = 2;
 pub const NFTA_LOOKUP_DREG: u16 = 3;
+pub const NFTA_LOOKUP_SET_ID: u16 = 4;
 pub const NFTA_LOOKUP_FLAGS: u16 = 5;
 pub const NFT_LOOKUP_F_INV: u32 = 1;
 
@@ -124,6 +129,7 @@ pub const NFTA_REJECT_ICMP_CODE: u16 = 2;
 
 pub const NFTA_CT_DREG: u16 = 1;
 pub const NFTA_CT_KEY: u16 = 2;
+pub const NFTA_CT_DIRECTION: u16 = 3;
 
 pub const NFTA_FIB_DREG: u16 = 1;
 pub const NFTA_FIB_RESULT: u16 = 2;

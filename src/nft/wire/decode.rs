@@ -101,17 +101,33 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
         Vec::new()
     };
     let timeout_ms = a.get(NFTA_SET_TIMEOUT).and_then(|t| t.be64());
-    Ok((
-        table,
+    let size = a
+        .get(NFTA_SET_DESC)
+        .and_then(|d| be32(&d.nested(), NFTA_SET_DESC_SIZE));
+    let udata = a.get(NFTA_SET_USERDATA).map(|u| u.payload).unwrap_or(&[]);
+    let (key_typeof, data_typeof) = crate::nft::udata::parse_typeof(udata);
+    let set = Set {
+        name,
+        key,
+        data,
+        timeout_ms,
+        dynamic: flags & SET_F_EVAL != 0,
+        size,
+        key_typeof,
+        data_typeof,
+    };
+    // User data that is not exactly what we would write (someone else's set, or tampering) must not
+    // compare equal to ours: an empty typeof, which we never declare, marks it.
+    let ours = crate::nft::udata::set_userdata(crate::nft::udata::Declared::of(&set));
+    let set = if flags & SET_F_ANONYMOUS == 0 && ours != udata {
         Set {
-            name,
-            key,
-            data,
-            timeout_ms,
-            dynamic: flags & SET_F_EVAL != 0,
-        },
-        flags,
-    ))
+            key_typeof: Some(Vec::new()),
+            ..set
+        }
+    } else {
+        set
+    };
+    Ok((table, set, flags))
 }
 
 /// A set element message: (table, set, elements).
@@ -352,9 +368,12 @@ pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
         }
         "ct" => {
             let key = need(a, NFTA_CT_KEY, "key")?;
-            Expr::Ct {
-                key: CtKey::from_number(key).ok_or_else(|| format!("ct key {key}"))?,
-                dreg: need(a, NFTA_CT_DREG, "dreg")?,
+            let key = CtKey::from_number(key).ok_or_else(|| format!("ct key {key}"))?;
+            let dreg = need(a, NFTA_CT_DREG, "dreg")?;
+            match a.get(NFTA_CT_DIRECTION).and_then(|d| d.u8()) {
+                None => Expr::Ct { key, dreg },
+                Some(0) => Expr::CtOriginal { key, dreg },
+                Some(d) => return Err(format!("ct direction {d}")),
             }
         }
         "fib" => Expr::Fib {

@@ -91,7 +91,6 @@ type Body<'a> = Box<dyn Fn(&mut MsgBuilder) + 'a>;
 fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
     let table = c.table.as_str();
     let create = (NLM_F_CREATE >> 8) as u8;
-    let append = (NLM_F_APPEND >> 8) as u8;
     match &c.op {
         Op::AddTable => vec![(
             NFT_MSG_NEWTABLE,
@@ -129,11 +128,7 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
                 m.attr_str(NFTA_CHAIN_NAME, name);
             }),
         )],
-        Op::AddRule { chain, rule } => vec![(
-            NFT_MSG_NEWRULE,
-            create | append,
-            Box::new(move |m: &mut MsgBuilder| encode_rule(m, table, chain, rule)),
-        )],
+        Op::AddRule { chain, rule } => rule_messages(table, chain, rule),
         Op::AddSet(set) => vec![(
             NFT_MSG_NEWSET,
             create,
@@ -170,6 +165,81 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
             })
             .collect(),
     }
+}
+
+/// A rule, preceded by the anonymous sets it owns (created in the same batch and bound to it, as nft does).
+fn rule_messages<'a>(table: &'a str, chain: &'a str, rule: &'a Rule) -> Vec<(u16, u8, Body<'a>)> {
+    let create = (NLM_F_CREATE >> 8) as u8;
+    let append = (NLM_F_APPEND >> 8) as u8;
+    let anon: Vec<(&AnonSet, u32)> = rule
+        .exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::LookupAnon { set, .. } => Some((set, next_anon_set_id())),
+            _ => None,
+        })
+        .collect();
+    let mut msgs: Vec<(u16, u8, Body<'a>)> = Vec::new();
+    for &(set, id) in &anon {
+        msgs.push((
+            NFT_MSG_NEWSET,
+            create,
+            Box::new(move |m: &mut MsgBuilder| encode_anon_set(m, table, set, id)),
+        ));
+        msgs.push((
+            NFT_MSG_NEWSETELEM,
+            create,
+            Box::new(move |m: &mut MsgBuilder| encode_anon_elements(m, table, set, id)),
+        ));
+    }
+    let ids: Vec<u32> = anon.iter().map(|(_, id)| *id).collect();
+    msgs.push((
+        NFT_MSG_NEWRULE,
+        create | append,
+        Box::new(move |m: &mut MsgBuilder| encode_rule(m, table, chain, rule, &ids)),
+    ));
+    msgs
+}
+
+/// Set IDs of anonymous sets only need to be unique within a batch; a process-wide counter is.
+fn next_anon_set_id() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0x4000_0000);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+fn encode_anon_set(m: &mut MsgBuilder, table: &str, set: &AnonSet, id: u32) {
+    m.attr_str(NFTA_SET_TABLE, table);
+    m.attr_str(NFTA_SET_NAME, ANON_SET_NAME);
+    m.attr_be32(NFTA_SET_FLAGS, SET_F_ANONYMOUS | SET_F_CONSTANT);
+    m.attr_be32(NFTA_SET_KEY_TYPE, set.key.nft_id());
+    m.attr_be32(NFTA_SET_KEY_LEN, set.key.len() as u32);
+    m.attr_be32(NFTA_SET_ID, id);
+    m.nested(NFTA_SET_DESC, |m| {
+        m.attr_be32(NFTA_SET_DESC_SIZE, set.elements.len() as u32);
+    });
+    let udata = crate::nft::udata::set_userdata(crate::nft::udata::Declared {
+        key: std::slice::from_ref(&set.key),
+        data: &[],
+        key_typeof: Some(std::slice::from_ref(&set.key_typeof)),
+        data_typeof: None,
+        anonymous: true,
+    });
+    m.attr(NFTA_SET_USERDATA, &udata);
+}
+
+fn encode_anon_elements(m: &mut MsgBuilder, table: &str, set: &AnonSet, id: u32) {
+    m.attr_str(NFTA_SET_ELEM_LIST_TABLE, table);
+    m.attr_str(NFTA_SET_ELEM_LIST_SET, ANON_SET_NAME);
+    m.attr_be32(NFTA_SET_ELEM_LIST_SET_ID, id);
+    m.nested(NFTA_SET_ELEM_LIST_ELEMENTS, |m| {
+        for key in &set.elements {
+            m.nested(NFTA_LIST_ELEM, |m| {
+                m.nested(NFTA_SET_ELEM_KEY, |m| {
+                    m.attr(NFTA_DATA_VALUE, key);
+                });
+            });
+        }
+    });
 }
 
 /// Consecutive runs of elements that each fit one message.
@@ -228,9 +298,16 @@ fn encode_set(m: &mut MsgBuilder, table: &str, set: &Set) {
     if let Some(ms) = set.timeout_ms {
         m.attr_be64(NFTA_SET_TIMEOUT, ms);
     }
+    if let Some(size) = set.size {
+        m.nested(NFTA_SET_DESC, |m| {
+            m.attr_be32(NFTA_SET_DESC_SIZE, size);
+        });
+    }
     // The kernel requires an ID (it lets later messages of the batch name the set before it has a
     // handle). We always refer to sets by name, so any stable number will do.
     m.attr_be32(NFTA_SET_ID, set_id(&set.name));
+    let udata = crate::nft::udata::set_userdata(crate::nft::udata::Declared::of(set));
+    m.attr(NFTA_SET_USERDATA, &udata);
 }
 
 fn set_id(name: &str) -> u32 {
@@ -273,14 +350,24 @@ fn encode_verdict(m: &mut MsgBuilder, v: &Verdict) {
     });
 }
 
-fn encode_rule(m: &mut MsgBuilder, table: &str, chain: &str, rule: &Rule) {
+/// `anon_ids`: the batch IDs of the rule's anonymous sets, in the order its expressions use them.
+fn encode_rule(m: &mut MsgBuilder, table: &str, chain: &str, rule: &Rule, anon_ids: &[u32]) {
     m.attr_str(NFTA_RULE_TABLE, table);
     m.attr_str(NFTA_RULE_CHAIN, chain);
+    let mut ids = anon_ids.iter();
     m.nested(NFTA_RULE_EXPRESSIONS, |m| {
         for e in &rule.exprs {
             m.nested(NFTA_LIST_ELEM, |m| {
                 m.attr_str(NFTA_EXPR_NAME, e.kernel_name());
-                m.nested(NFTA_EXPR_DATA, |m| encode_expr(m, e));
+                m.nested(NFTA_EXPR_DATA, |m| match e {
+                    Expr::LookupAnon { sreg, .. } => {
+                        m.attr_str(NFTA_LOOKUP_SET, ANON_SET_NAME);
+                        m.attr_be32(NFTA_LOOKUP_SREG, *sreg);
+                        let id = ids.next().expect("an ID for every anonymous set");
+                        m.attr_be32(NFTA_LOOKUP_SET_ID, *id);
+                    }
+                    _ => encode_expr(m, e),
+                });
             });
         }
     });
@@ -474,6 +561,12 @@ fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
             m.attr_be32(NFTA_CT_DREG, *dreg);
             m.attr_be32(NFTA_CT_KEY, key.number());
         }
+        Expr::CtOriginal { key, dreg } => {
+            m.attr_be32(NFTA_CT_DREG, *dreg);
+            m.attr_be32(NFTA_CT_KEY, key.number());
+            m.attr_u8(NFTA_CT_DIRECTION, 0);
+        }
+        Expr::LookupAnon { .. } => unreachable!("encode_rule writes anonymous lookups"),
         Expr::Fib {
             flags,
             result,

@@ -131,25 +131,21 @@ fn nat_prerouting() -> Chain {
 
 fn service_ips() -> Set {
     Set {
-        name: "service-ips".into(),
         key: vec![
             DataType::Ipv4Addr,
             DataType::InetProto,
             DataType::InetService,
         ],
-        data: vec![DataType::Verdict],
-        timeout_ms: None,
-        dynamic: false,
+        ..Set::new("service-ips", vec![], vec![DataType::Verdict])
     }
 }
 
 fn aff() -> Set {
     Set {
-        name: "aff".into(),
-        key: vec![DataType::Ipv4Addr],
-        data: vec![],
         timeout_ms: Some(10_800_000),
         dynamic: true,
+        size: Some(1024),
+        ..Set::new("aff", vec![DataType::Ipv4Addr], vec![])
     }
 }
 
@@ -302,7 +298,7 @@ fn pinned_verdict_map() {
     assert_pinned(
         &one_message(Family::Ip, Op::AddSet(service_ips())),
         concat!(
-            "58000000 090a 0504 02000000 00000000", // NFT_MSG_NEWSET (9)
+            "78000000 090a 0504 02000000 00000000", // NFT_MSG_NEWSET (9)
             "02000000",
             "0c00 0100 6e66746b75626500",         // NFTA_SET_TABLE
             "1000 0200 736572766963652d69707300", // NFTA_SET_NAME "service-ips"
@@ -313,6 +309,9 @@ fn pinned_verdict_map() {
             "0800 0500 0000000c", // NFTA_SET_KEY_LEN 12: each component padded to 4 bytes
             "0800 0600 ffffff00", // NFTA_SET_DATA_TYPE NFT_DATA_VERDICT (no data length for verdicts)
             "0800 0a00 e3f4a443", // NFTA_SET_ID: FNV-1a of the name, any stable number will do
+            // NFTA_SET_USERDATA, as nft 1.0.6 writes it: key and data byte order (0: a concatenation),
+            // "the key is a concatenation" (typeof concat, no components), no interval data.
+            "2000 0d00 000400000000010400000000030800040d0000000100060400000000",
         ),
     );
 }
@@ -944,6 +943,12 @@ fn all_exprs() -> Vec<Expr> {
     for key in [CtKey::State, CtKey::Status, CtKey::Mark] {
         v.push(Expr::Ct { key, dreg: REG_1 });
     }
+    for key in [CtKey::DstIp, CtKey::DstIp6, CtKey::ProtoDst] {
+        v.push(Expr::CtOriginal {
+            key,
+            dreg: reg32(1),
+        });
+    }
     v.push(Expr::Fib {
         flags: FIB_F_DADDR,
         result: FIB_RESULT_ADDRTYPE,
@@ -977,9 +982,42 @@ fn variant(e: &Expr) -> usize {
         Expr::Ct { .. } => 13,
         Expr::Fib { .. } => 14,
         Expr::Counter => 15,
+        Expr::CtOriginal { .. } => 16,
+        // Decoded as a lookup of the kernel's name for the set, resolved when a table is read: see
+        // `anonymous_sets_go_in_the_batch_before_their_rule`.
+        Expr::LookupAnon { .. } => 17,
     }
 }
-const VARIANTS: usize = 16;
+const VARIANTS: usize = 18;
+
+#[test]
+fn anonymous_sets_go_in_the_batch_before_their_rule() {
+    let rule = crate::nft::build::RuleBuilder::new()
+        .transport_protocol()
+        .verdict(Verdict::Accept)
+        .build();
+    let mut tx = Transaction::default();
+    tx.push(
+        Family::Ip,
+        "t",
+        Op::AddRule {
+            chain: "c".into(),
+            rule,
+        },
+    );
+    let batch = encode_batch(&tx, 1);
+    let types: Vec<u16> = messages(&batch.bytes).map(|m| m.msg_type & 0xff).collect();
+    assert_eq!(
+        types,
+        [
+            NFNL_MSG_BATCH_BEGIN & 0xff,
+            NFT_MSG_NEWSET,
+            NFT_MSG_NEWSETELEM,
+            NFT_MSG_NEWRULE,
+            NFNL_MSG_BATCH_END & 0xff
+        ]
+    );
+}
 
 #[test]
 fn every_expression_variant_round_trips() {
@@ -988,6 +1026,7 @@ fn every_expression_variant_round_trips() {
     for e in &exprs {
         seen[variant(e)] = true;
     }
+    seen[17] = true; // LookupAnon: see anonymous_sets_go_in_the_batch_before_their_rule
     assert!(seen.iter().all(|s| *s), "variants covered: {seen:?}");
     // One at a time, so a failure names the expression...
     for e in &exprs {
@@ -1141,13 +1180,7 @@ fn comments_round_trip_and_are_cut_like_the_kernel_keeps_them() {
 }
 
 fn all_sets() -> Vec<Set> {
-    let set = |name: &str, key: Vec<DataType>, data: Vec<DataType>| Set {
-        name: name.into(),
-        key,
-        data,
-        timeout_ms: None,
-        dynamic: false,
-    };
+    let set = Set::new;
     use DataType::*;
     vec![
         service_ips(),
@@ -1175,19 +1208,27 @@ fn all_sets() -> Vec<Set> {
         set("mark-map", vec![Ipv4Addr], vec![Mark]),
         set("proto-vmap", vec![InetProto], vec![Verdict]),
         Set {
-            name: "dyn-map".into(),
-            key: vec![Ipv4Addr],
-            data: vec![Ipv4Addr],
             timeout_ms: Some(60_000),
             dynamic: true,
+            ..set("dyn-map", vec![Ipv4Addr], vec![Ipv4Addr])
         },
         Set {
-            name: "dyn-no-timeout".into(),
-            key: vec![Ipv6Addr, InetService],
-            data: vec![],
-            timeout_ms: None,
             dynamic: true,
+            ..set("dyn-no-timeout", vec![Ipv6Addr, InetService], vec![])
         },
+        Set::typed(
+            "typeof-slots",
+            vec![
+                TypeofExpr::Ip6Daddr,
+                TypeofExpr::MetaL4proto,
+                TypeofExpr::ThDport,
+                TypeofExpr::NumgenRandom {
+                    modulus: 131072,
+                    offset: 0,
+                },
+            ],
+            vec![TypeofExpr::Ip6Daddr, TypeofExpr::ThDport],
+        ),
     ]
 }
 
