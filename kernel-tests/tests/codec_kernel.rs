@@ -40,13 +40,7 @@ fn port(p: u16) -> Vec<u8> {
 }
 
 fn set(name: &str, key: Vec<DataType>, data: Vec<DataType>) -> Set {
-    Set {
-        name: name.into(),
-        key,
-        data,
-        timeout_ms: None,
-        dynamic: false,
-    }
+    Set::new(name, key, data)
 }
 
 fn key(k: Vec<u8>) -> Element {
@@ -180,25 +174,22 @@ fn ip_table() -> TableState {
     ));
     t.add_set(set("proto-vmap", vec![InetProto], vec![DataType::Verdict]));
     t.add_set(Set {
-        name: "aff".into(),
-        key: vec![Ipv4Addr],
-        data: vec![],
         timeout_ms: Some(3 * 3600 * 1000),
         dynamic: true,
+        size: Some(4096),
+        ..set("aff", vec![Ipv4Addr], vec![])
     });
     t.add_set(Set {
-        name: "aff-map".into(),
-        key: vec![Ipv4Addr],
-        data: vec![Ipv4Addr],
         timeout_ms: Some(60_000),
         dynamic: true,
+        // Without one, kernels give dynamic sets 65535 (and dump it).
+        size: Some(65535),
+        ..set("aff-map", vec![Ipv4Addr], vec![Ipv4Addr])
     });
     t.add_set(Set {
-        name: "seen".into(),
-        key: vec![Ipv4Addr, InetService],
-        data: vec![],
-        timeout_ms: None,
         dynamic: true,
+        size: Some(1000),
+        ..set("seen", vec![Ipv4Addr, InetService], vec![])
     });
 
     elements(
@@ -421,6 +412,16 @@ fn ip_table() -> TableState {
                     dreg: REG_1,
                 })
                 .expr(cmp(REG_1, CmpOp::Gte, 0x100u32.to_ne_bytes().to_vec()))
+                .verdict(Verdict::Continue)
+                .build(),
+            // An anonymous set (created with the rule) and ct keys of the original direction.
+            RuleBuilder::new()
+                .transport_protocol()
+                .expr(Expr::CtOriginal {
+                    key: CtKey::DstIp,
+                    dreg: REG_1,
+                })
+                .expr(cmp(REG_1, CmpOp::Eq, vec![10, 96, 0, 10]))
                 .verdict(Verdict::Continue)
                 .build(),
         ],
@@ -653,11 +654,10 @@ fn ip6_table() -> TableState {
         vec![Ipv6Addr, InetService],
     ));
     t.add_set(Set {
-        name: "aff".into(),
-        key: vec![Ipv6Addr],
-        data: vec![],
         timeout_ms: Some(10_800_000),
         dynamic: true,
+        size: Some(65535),
+        ..set("aff", vec![Ipv6Addr], vec![])
     });
     elements(
         &mut t,
@@ -904,6 +904,8 @@ fn variant(e: &Expr) -> &'static str {
         Expr::Reject(RejectKind::IcmpUnreach(_)) => "reject icmp",
         Expr::Reject(RejectKind::IcmpxUnreach(_)) => "reject icmpx",
         Expr::Ct { .. } => "ct",
+        Expr::CtOriginal { .. } => "ct original",
+        Expr::LookupAnon { .. } => "lookup anonymous set",
         Expr::Fib { .. } => "fib",
         Expr::Counter => "counter",
     }
@@ -930,6 +932,8 @@ const ALL_VARIANTS: &[&str] = &[
     "reject icmp",
     "reject icmpx",
     "ct",
+    "ct original",
+    "lookup anonymous set",
     "fib",
     "counter",
 ];
