@@ -93,3 +93,35 @@ fn a_client_sticks_to_one_endpoint_until_the_affinity_times_out() {
     }
     assert!(seen.len() > 1, "affinity never expired: {seen:?}");
 }
+
+/// A client pinned to an endpoint that leaves the service is sent to another one at once (its affinity
+/// entry is deleted with the endpoint), not to the departed pod for the rest of the timeout.
+#[test]
+fn a_client_whose_endpoint_leaves_moves_at_once() {
+    let sb = sandbox("nk-affgone", 3);
+    let m = Manifests::examples();
+    let long = MANIFEST.replace("timeoutSeconds: 3", "timeoutSeconds: 600");
+    m.write("sticky.yaml", &long);
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    let dst: SocketAddr = "10.96.0.50:80".parse().unwrap();
+    wait_until(SYNC, || {
+        sandbox::tcp_request(sb.client(), dst, Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    let before = pods(&tcp_requests(sb.client(), dst, 10, T));
+    assert_eq!(before.len(), 1, "{before:?}");
+    let gone = *before.iter().next().unwrap();
+
+    let syncs = agent.log().matches("sync complete").count();
+    let line = format!("- {{addresses: [\"10.244.{gone}.2\"]}}\n");
+    assert!(long.contains(&line), "test bug: no {line}");
+    m.write("sticky.yaml", &long.replace(&line, ""));
+    agent.wait_syncs(syncs + 1, SYNC);
+    let after = pods(&tcp_requests(sb.client(), dst, 20, T));
+    assert!(
+        !after.contains(&gone),
+        "still sent to the removed endpoint {gone}: {after:?}; log:\n{}",
+        agent.log()
+    );
+    assert_eq!(after.len(), 1, "a new affinity, sticky again: {after:?}");
+}

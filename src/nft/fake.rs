@@ -177,6 +177,19 @@ impl FakeKernel {
 }
 
 impl Backend for FakeKernel {
+    fn read_set(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<Element>, DumpError> {
+        Ok(self
+            .tables
+            .get(&(family, table.to_owned()))
+            .and_then(|t| t.sets.get(set))
+            .map(|s| s.elements.iter().cloned().collect())
+            .unwrap_or_default())
+    }
     fn commit(&mut self, tx: &Transaction) -> Result<usize, CommitError> {
         if let Some((i, errno)) = self.fail_next.take() {
             let what = tx.changes.get(i).map(|c| c.to_string()).unwrap_or_default();

@@ -158,6 +158,23 @@ impl NftSocket {
         Ok(Some(state))
     }
 
+    /// The elements of one set.
+    pub fn dump_set(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<Element>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETSETELEM, family, Some(table), Some(set))? {
+            let (t, s, elements) = wire::decode_elements(&p)?;
+            if t == table && s == set {
+                out.extend(elements);
+            }
+        }
+        Ok(out)
+    }
+
     /// The content of each anonymous set, by the name the kernel gave it (`__set3`).
     fn anonymous_sets(
         &mut self,

@@ -1,15 +1,18 @@
 //! The sync engine: remembers what it committed, commits differences in one atomic transaction, and re-reads
 //! the kernel when it cannot trust its memory (start, errors, periodic full syncs).
 
+use super::affinity;
 use super::chunk::{Plan, MAX_ELEMENTS_PER_TRANSACTION};
 use super::diff::diff_table;
-use super::index::Index;
+use super::index::{Delta, Index};
 use crate::model::{NamespacedName, ServicePortName};
-use crate::nft::ir::{Family, TableState};
+use crate::nft::ir::{Element, Family, TableState};
 use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
-use crate::render::names::{MAP_SERVICE_IPS, TABLE};
+use crate::render::names::{
+    MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, MAP_SERVICE_IPS, TABLE,
+};
 use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -112,6 +115,11 @@ impl<B: Backend> SyncEngine<B> {
         let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
         let desired = Desired::assemble(&skeleton, index.committed_pieces());
+        let stale_affinity: Vec<_> = desired
+            .iter()
+            .zip(&current)
+            .filter_map(|(t, c)| stale_affinity_entries(t, c.as_ref()?))
+            .collect();
         for (t, current) in desired.into_iter().zip(&current) {
             let family = t.family;
             for chain in diff_table(&mut plan, current.as_ref(), t) {
@@ -122,6 +130,7 @@ impl<B: Backend> SyncEngine<B> {
         let (bytes, commit_time) = self.commit(plan)?;
         self.index = Some(index);
         self.unused_chains = deferred;
+        self.prune_affinity(stale_affinity);
         Ok(SyncReport {
             full: true,
             changes,
@@ -190,12 +199,24 @@ impl<B: Backend> SyncEngine<B> {
             tx.push(*family, table, Op::FlushChain(chain.clone()));
             tx.push(*family, table, Op::DeleteChain(chain.clone()));
         }
+        let removed_endpoints = removed_endpoint_pairs(&delta);
         let changes = tx.len();
         let (bytes, commit_time) = self.commit(tx)?;
         for c in ready {
             self.unused_chains.remove(&c);
         }
         self.unused_chains.extend(delta.chains_unused);
+        for (family, removed) in removed_endpoints {
+            match self.backend.read_set(family, TABLE, MAP_AFFINITY) {
+                Ok(entries) => {
+                    let stale = affinity::stale_against_removed(family, &entries, &removed);
+                    self.prune_affinity(vec![(family, stale)]);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "affinity entries not read; the next full sync prunes them")
+                }
+            }
+        }
         Ok(SyncReport {
             full: false,
             changes,
@@ -205,6 +226,34 @@ impl<B: Backend> SyncEngine<B> {
             longest_transaction: self.longest_transaction,
             elapsed: start.elapsed(),
         })
+    }
+
+    /// Deletes affinity entries that point at endpoints gone from their frontend. Its own transaction after
+    /// the sync's: an entry may expire meanwhile, and the kernel would then refuse the whole batch (ENOENT);
+    /// a refused prune is left to the next full sync.
+    fn prune_affinity(&mut self, stale: Vec<(Family, Vec<Element>)>) {
+        let mut tx = Transaction::default();
+        for (family, elements) in stale.into_iter().filter(|(_, e)| !e.is_empty()) {
+            tracing::info!(
+                family = family.as_str(),
+                entries = elements.len(),
+                "affinity: forgetting removed endpoints"
+            );
+            tx.push(
+                family,
+                TABLE,
+                Op::DeleteElements {
+                    set: MAP_AFFINITY.into(),
+                    elements,
+                },
+            );
+        }
+        if tx.is_empty() {
+            return;
+        }
+        if let Err(e) = self.backend.commit(&tx) {
+            tracing::warn!(error = %e, "affinity: stale entries not deleted; the next full sync retries");
+        }
     }
 
     /// Commits `plan`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent
@@ -239,6 +288,57 @@ impl<B: Backend> SyncEngine<B> {
         }
         Ok((bytes, total))
     }
+}
+
+/// The affinity entries of a table read back that point at an endpoint the desired state does not give
+/// their frontend.
+fn stale_affinity_entries(
+    desired: &Desired,
+    current: &TableState,
+) -> Option<(Family, Vec<Element>)> {
+    let entries: Vec<Element> = current
+        .sets
+        .get(MAP_AFFINITY)?
+        .elements
+        .iter()
+        .cloned()
+        .collect();
+    if entries.is_empty() {
+        return None;
+    }
+    let mut valid = affinity::EndpointPairs::default();
+    for name in [MAP_SERVICE_ENDPOINTS, MAP_NODEPORT_ENDPOINTS] {
+        for e in desired
+            .sets
+            .get(name)
+            .into_iter()
+            .flat_map(|s| s.elements())
+        {
+            valid.add(name, e);
+        }
+    }
+    Some((
+        current.family,
+        affinity::stale_against_valid(current.family, &entries, &valid),
+    ))
+}
+
+/// Per family, the (frontend, endpoint) pairs a partial sync removes and does not add back.
+fn removed_endpoint_pairs(delta: &Delta) -> Vec<(Family, affinity::EndpointPairs)> {
+    let mut out: BTreeMap<Family, affinity::EndpointPairs> = BTreeMap::new();
+    for ((family, set), elements) in &delta.elements_removed {
+        for e in elements {
+            out.entry(*family).or_default().add(set, e);
+        }
+    }
+    for ((family, set), elements) in &delta.elements_added {
+        if let Some(pairs) = out.get_mut(family) {
+            for e in elements {
+                pairs.remove(set, e);
+            }
+        }
+    }
+    out.into_iter().filter(|(_, p)| !p.is_empty()).collect()
 }
 
 /// Deletes the given tables if they exist, in one transaction. Returns how many were deleted.

@@ -1,4 +1,5 @@
 //! Keeping the kernel in step with the model: diff, commit, recover.
+pub mod affinity;
 pub mod chunk;
 pub mod diff;
 pub mod engine;
