@@ -408,6 +408,16 @@ pub fn tally(
     (pods, peers)
 }
 
+/// The backends that answered (pod indices); panics on any failed request.
+pub fn pods(answers: &[std::io::Result<String>]) -> std::collections::BTreeSet<usize> {
+    tally(answers).0
+}
+
+/// Whether a backend answers a TCP request to `dst` from `ns` within `timeout`.
+pub fn served(ns: &NetNs, dst: std::net::SocketAddr, timeout: Duration) -> bool {
+    sandbox::tcp_request(ns, dst, timeout).is_ok_and(|a| sandbox::parse_answer(&a).is_some())
+}
+
 /// A slices manifest without the endpoint at `ip` (a partial sync: one service's endpoints change). Panics if
 /// no endpoint has that address (a test asking for a change that would not happen).
 pub fn without_endpoint(slices: &str, ip: &str) -> String {

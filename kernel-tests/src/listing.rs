@@ -64,7 +64,9 @@ fn newest_nft_path() -> Option<PathBuf> {
 fn default_newest_nft() -> PathBuf {
     let cache = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+        });
     cache.join("nftkube-nft/prefix/nft")
 }
 
@@ -162,9 +164,13 @@ fn typeof_as_type(body: &str) -> Option<String> {
 fn type_of(expr: &str) -> Option<&'static str> {
     Some(match expr {
         "ip saddr" | "ip daddr" | "ct original ip saddr" | "ct original ip daddr" => "ipv4_addr",
-        "ip6 saddr" | "ip6 daddr" | "ct original ip6 saddr" | "ct original ip6 daddr" => "ipv6_addr",
+        "ip6 saddr" | "ip6 daddr" | "ct original ip6 saddr" | "ct original ip6 daddr" => {
+            "ipv6_addr"
+        }
         "meta l4proto" => "inet_proto",
-        "th dport" | "th sport" | "ct original proto-dst" | "ct original proto-src" => "inet_service",
+        "th dport" | "th sport" | "ct original proto-dst" | "ct original proto-src" => {
+            "inet_service"
+        }
         "meta mark" => "mark",
         _ => return None,
     })
@@ -292,8 +298,12 @@ fn reload_problem(nft: &Nft, listing: &str, scratch: &NetNs, faults: Faults) -> 
     if let Some(p) = run_problem(nft, "nft list ruleset (reloaded)", &again) {
         return Some(p);
     }
-    first_difference(&want, &rewrite(nft, &again.stdout, faults))
-        .map(|d| format!("{}: the reloaded listing differs: {d}\nlisting:\n{want}", nft.label()))
+    first_difference(&want, &rewrite(nft, &again.stdout, faults)).map(|d| {
+        format!(
+            "{}: the reloaded listing differs: {d}\nlisting:\n{want}",
+            nft.label()
+        )
+    })
 }
 
 fn first_difference(want: &str, got: &str) -> Option<String> {
@@ -384,8 +394,10 @@ impl ListingWatch {
     /// Waits until the state after sync `n` (or a later one) has been checked; panics with the problems found.
     #[track_caller]
     pub fn assert_checked(&self, n: usize) {
-        crate::wait_until(Duration::from_secs(60), || self.checked.lock().unwrap().syncs >= n)
-            .unwrap_or_else(|_| panic!("the listing check after sync {n} did not happen within 60 s"));
+        crate::wait_until(Duration::from_secs(60), || {
+            self.checked.lock().unwrap().syncs >= n
+        })
+        .unwrap_or_else(|_| panic!("the listing check after sync {n} did not happen within 60 s"));
         let problems = self.checked.lock().unwrap().report();
         assert!(
             problems.is_empty(),
@@ -440,7 +452,9 @@ fn new_syncs(log: &Path, offset: &mut u64) -> usize {
         return 0;
     };
     *offset += end as u64 + 1;
-    String::from_utf8_lossy(&buf[..end]).matches("sync complete").count()
+    String::from_utf8_lossy(&buf[..end])
+        .matches("sync complete")
+        .count()
 }
 
 #[cfg(test)]
@@ -450,7 +464,9 @@ mod tests {
     #[test]
     fn expiry_is_dropped_with_its_time_only() {
         assert_eq!(
-            without_expiry("elements = { 1.2.3.4 timeout 3s expires 2s970ms, 5.6.7.8 timeout 3s expires 1s }"),
+            without_expiry(
+                "elements = { 1.2.3.4 timeout 3s expires 2s970ms, 5.6.7.8 timeout 3s expires 1s }"
+            ),
             "elements = { 1.2.3.4 timeout 3s, 5.6.7.8 timeout 3s }"
         );
         assert_eq!(without_expiry("\t\tflags timeout"), "\t\tflags timeout");

@@ -97,7 +97,12 @@ fn load(ns: &NetNs, i: usize, ruleset: &str) {
         .stdin(std::process::Stdio::piped())
         .spawn()
         .expect("running nft");
-    child.stdin.take().unwrap().write_all(ruleset.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(ruleset.as_bytes())
+        .unwrap();
     assert!(child.wait().unwrap().success(), "{nft:?} -f:\n{ruleset}");
 }
 
@@ -190,7 +195,14 @@ fn register_chaining() -> Transaction {
     tx.push(f, t, Op::AddSet(map("chosen", false)));
     tx.push(f, t, Op::AddSet(map("affinity", true)));
     tx.push(f, t, Op::AddChain(Chain::regular("c")));
-    tx.push(f, t, Op::AddRule { chain: "c".into(), rule });
+    tx.push(
+        f,
+        t,
+        Op::AddRule {
+            chain: "c".into(),
+            rule,
+        },
+    );
     tx
 }
 
@@ -206,11 +218,13 @@ fn an_nft_that_aborts_fails_the_check_under_every_version() {
         let p = problems_of(&problems, version);
         // SIGABRT (6): an assertion in nft's netlink_parse_concat_expr / netlink_delinearize.
         assert!(
-            p.iter().any(|p| p.contains("`nft list ruleset` was killed by signal 6")),
+            p.iter()
+                .any(|p| p.contains("`nft list ruleset` was killed by signal 6")),
             "{version:?}: {all}"
         );
         assert!(
-            p.iter().any(|p| p.contains("`nft -j list ruleset` was killed by signal 6")),
+            p.iter()
+                .any(|p| p.contains("`nft -j list ruleset` was killed by signal 6")),
             "{version:?}: {all}"
         );
     }
