@@ -227,11 +227,29 @@ struct Run {
 }
 
 fn run(ns: &NetNs, nft: &Nft, args: &[&str]) -> Run {
-    let out = command_in(ns, &nft.program)
+    run_with_input(ns, nft, args, "")
+}
+
+/// `nft ARGS` in `ns` with `input` on its stdin (`-f -` reads it: nft's messages then say `/dev/stdin:LINE`,
+/// the same for the same fault every time).
+fn run_with_input(ns: &NetNs, nft: &Nft, args: &[&str], input: &str) -> Run {
+    use std::io::Write;
+    let mut child = command_in(ns, &nft.program)
         .args(args)
-        .stdin(Stdio::null())
-        .output()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap_or_else(|e| panic!("running {}: {e}", nft.label()));
+    // Written on a thread of its own, so that a large input never waits on output nobody reads yet.
+    let mut stdin = child.stdin.take().expect("nft's stdin");
+    let input = input.to_owned();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", nft.label()));
+    // nft may exit without reading everything (an early fatal error): a broken pipe is not our failure.
+    let _ = writer.join();
     Run {
         status: out.status,
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -287,10 +305,7 @@ fn reload_problem(nft: &Nft, listing: &str, scratch: &NetNs, faults: Faults) -> 
         return Some(p);
     }
     let want = rewrite(nft, listing, faults);
-    let file = std::env::temp_dir().join(format!("{}.nft", unique_name("nk-listing")));
-    std::fs::write(&file, &want).expect("writing the listing");
-    let load = run(scratch, nft, &["-f", &file.to_string_lossy()]);
-    let _ = std::fs::remove_file(&file);
+    let load = run_with_input(scratch, nft, &["-f", "-"], &want);
     if let Some(p) = run_problem(nft, "nft -f <its own listing>", &load) {
         return Some(format!("{p}\nthe listing it could not reload:\n{want}"));
     }
@@ -355,7 +370,8 @@ impl Checked {
     fn record(&mut self, sync: usize, problems: Vec<String>) {
         self.syncs = self.syncs.max(sync);
         for p in problems {
-            let head = p.lines().next().unwrap_or_default().to_owned();
+            // What failed and nft's first line about it: the same fault again after a later sync is not news.
+            let head: String = p.lines().take(2).collect::<Vec<_>>().join("\n");
             if !self.problems.iter().any(|(_, q)| q.starts_with(&head)) {
                 self.problems.push((sync, p));
             }
