@@ -11,8 +11,11 @@ case $line in
     apt-get install -y -qq linux-image-amd64
     ;;
   newest)
-    # Unstable's kernel on trixie, pinned so that nothing else comes from unstable.
-    echo "deb http://deb.debian.org/debian sid main" >/etc/apt/sources.list.d/sid.list
+    # Unstable's kernel on trixie, pinned so that nothing else comes from unstable; from the mirror the box's
+    # apt sources already use (ci/apt-mirrors: no mirror address lives in the repository).
+    . /nftkube/ci/apt-mirrors
+    mirror=$(apt_debian_mirror) || { echo "no Debian mirror in the box's apt sources" >&2; exit 1; }
+    echo "deb $mirror sid main" >/etc/apt/sources.list.d/sid.list
     cat >/etc/apt/preferences.d/nftkube-sid <<'PIN'
 Package: *
 Pin: release n=sid

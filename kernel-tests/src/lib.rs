@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 pub use nftkube::sandbox;
 
 pub mod fake_api;
+pub mod listing;
+
+pub use listing::assert_listable;
+use listing::ListingWatch;
 
 /// Ports the sandbox backends listen on; the examples' targetPorts.
 pub const BACKEND_TCP_PORT: u16 = 8080;
@@ -76,12 +80,14 @@ pub fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
-/// Runs `nftkube ARGS` in `ns` to completion.
+/// Runs `nftkube ARGS` in `ns` to completion; whatever it left in the kernel must satisfy the listing invariant.
 pub fn nftkube_in(ns: &NetNs, args: &[&str]) -> Output {
-    command_in(ns, nftkube_bin())
+    let out = command_in(ns, nftkube_bin())
         .args(args)
         .output()
-        .expect("running nftkube")
+        .expect("running nftkube");
+    assert_listable(ns);
+    out
 }
 
 /// Whether the test oracles (`nft`, `conntrack`, `ip` binaries) may be used. `NFTKUBE_NO_ORACLE=1` says they are
@@ -160,9 +166,14 @@ pub fn dump_table(ns: &NetNs, family: Family) -> Option<TableState> {
 }
 
 /// The agent (`nftkube proxy`) running in the sandbox's node namespace. SIGTERM and wait on drop.
+///
+/// Every state it programs is checked against the listing invariant ([`assert_listable`]): after each sync it
+/// logs (on a thread of its own, see [`ListingWatch`]), in [`Agent::wait_syncs`], and once more after it exits;
+/// a violation fails the test when it waits for syncs or stops the agent (also on drop).
 pub struct Agent {
     child: Option<Child>,
     log: PathBuf,
+    listing: Option<ListingWatch>,
 }
 
 impl Agent {
@@ -170,12 +181,12 @@ impl Agent {
     pub fn start(ns: &NetNs, manifests: &Path, extra: &[&str]) -> Agent {
         let mut cmd = command_in(ns, nftkube_bin());
         cmd.args(proxy_args(manifests, extra));
-        Agent::spawn(cmd)
+        Agent::spawn(cmd, ns)
     }
 
-    /// Starts a prepared command (the agent binary with its arguments, in whatever namespace, root or sandbox
-    /// the command's hooks set up), logging to a file as `start` does.
-    pub fn spawn(mut cmd: Command) -> Agent {
+    /// Starts a prepared command (the agent binary with its arguments, in whatever root or sandbox the
+    /// command's hooks set up, programming the ruleset of `ns`), logging to a file as `start` does.
+    pub fn spawn(mut cmd: Command, ns: &NetNs) -> Agent {
         let log = std::env::temp_dir().join(format!("{}.log", unique_name("nftkube-agent")));
         let logfile = std::fs::File::create(&log).expect("agent log file");
         let child = cmd
@@ -183,9 +194,11 @@ impl Agent {
             .stderr(logfile)
             .spawn()
             .expect("starting nftkube proxy");
+        let listing = ListingWatch::start(ns, log.clone());
         Agent {
             child: Some(child),
             log,
+            listing,
         }
     }
 
@@ -203,22 +216,20 @@ impl Agent {
     }
 
     /// SIGTERM, then wait; returns the exit status (None if it had to be killed or was already reaped).
+    /// Then checks the state the agent leaves behind, and panics with every listing problem seen since it
+    /// started (unless the test is already failing).
     pub fn stop_status(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;
-        // SAFETY: kill on a pid we spawned and have not reaped yet.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let status = terminate(&mut child);
+        if let Some(watch) = self.listing.take() {
+            let problems = watch.finish();
+            assert!(
+                problems.is_empty() || std::thread::panicking(),
+                "the agent programmed states that break the listing invariant:\n{}",
+                problems.join("\n\n")
+            );
         }
+        status
     }
 
     /// Everything the agent logged so far.
@@ -227,9 +238,13 @@ impl Agent {
     }
 
     /// Waits until the agent has logged `n` completed syncs; panics with the log after `timeout`.
+    /// Each of those states has been checked against the listing invariant when it returns.
     pub fn wait_syncs(&self, n: usize, timeout: Duration) {
         wait_until(timeout, || self.log().matches("sync complete").count() >= n)
             .unwrap_or_else(|_| panic!("agent did not complete {n} syncs; log:\n{}", self.log()));
+        if let Some(watch) = &self.listing {
+            watch.assert_checked(n);
+        }
     }
 
     /// SIGTERM, then wait; returns whether it exited successfully.
@@ -238,6 +253,24 @@ impl Agent {
             return true;
         }
         self.stop_status().is_some_and(|s| s.success())
+    }
+}
+
+/// SIGTERM, then wait up to 10 s (then SIGKILL); the exit status, None if it had to be killed.
+fn terminate(child: &mut Child) -> Option<std::process::ExitStatus> {
+    // SAFETY: kill on a pid we spawned and have not reaped yet.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -373,6 +406,16 @@ pub fn tally(
         peers.insert(peer);
     }
     (pods, peers)
+}
+
+/// The backends that answered (pod indices); panics on any failed request.
+pub fn pods(answers: &[std::io::Result<String>]) -> std::collections::BTreeSet<usize> {
+    tally(answers).0
+}
+
+/// Whether a backend answers a TCP request to `dst` from `ns` within `timeout`.
+pub fn served(ns: &NetNs, dst: std::net::SocketAddr, timeout: Duration) -> bool {
+    sandbox::tcp_request(ns, dst, timeout).is_ok_and(|a| sandbox::parse_answer(&a).is_some())
 }
 
 /// A slices manifest without the endpoint at `ip` (a partial sync: one service's endpoints change). Panics if

@@ -1,9 +1,8 @@
 //! ClientIP session affinity: a client sticks to one endpoint for the timeout, refreshed by each new
 //! connection, held in the kernel (a dynamic map with per-element timeouts); after the timeout it may move.
 
-use kernel_tests::sandbox::{parse_answer, tcp_requests, udp_requests};
+use kernel_tests::sandbox::{tcp_requests, udp_requests};
 use kernel_tests::*;
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -34,17 +33,6 @@ endpoints:
 - {addresses: ["10.244.2.2"]}
 - {addresses: ["10.244.3.2"]}
 "#;
-
-fn pods(answers: &[std::io::Result<String>]) -> BTreeSet<usize> {
-    answers
-        .iter()
-        .map(|a| {
-            parse_answer(a.as_ref().expect("request failed"))
-                .expect("answer")
-                .0
-        })
-        .collect()
-}
 
 #[test]
 fn a_client_sticks_to_one_endpoint_until_the_affinity_times_out() {

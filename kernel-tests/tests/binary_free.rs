@@ -267,7 +267,7 @@ fn the_static_binary_syncs_repairs_and_cleans_up_from_an_empty_root() {
 
     let mut cmd = in_empty_root(sb.node(), &bin, Some(&m.dir), &root);
     cmd.args(proxy_args(Path::new("/manifests"), &[]));
-    let mut agent = Agent::spawn(cmd);
+    let mut agent = Agent::spawn(cmd, sb.node());
     let pid = agent.pid().unwrap();
     let log = || agent.log();
 
@@ -362,7 +362,7 @@ fn the_static_binary_follows_the_api_server_from_an_empty_root() {
     let root = RootDir::new();
     let mut cmd = in_empty_root(sb.node(), &bin, None, &root);
     cmd.args(proxy_args_from(&["--master".into(), api.url().into()], &[]));
-    let mut agent = Agent::spawn(cmd);
+    let mut agent = Agent::spawn(cmd, sb.node());
     let pid = agent.pid().unwrap();
     wait_reachable(sb.client(), echo_v4(), || agent.log());
     assert_eq!(root_entries(pid), BTreeSet::from(["nftkube".to_string()]));

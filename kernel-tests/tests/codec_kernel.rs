@@ -996,6 +996,8 @@ fn in_fresh_netns<T: Send>(tag: &str, f: impl FnOnce(&NetNs, &mut NftSocket) -> 
             f(nsr, &mut sock)
         })
         .expect("enter network namespace");
+    // Whatever the codec committed must list and reload under every nft, as the agent's states must.
+    kernel_tests::assert_listable(&ns);
     ns.delete().expect("delete network namespace");
     out
 }

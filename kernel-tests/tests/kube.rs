@@ -87,7 +87,7 @@ fn start_agent(ns: &NetNs, api: &FakeApi, extra: &[&str]) -> Agent {
         &["--master".into(), api.url().into()],
         extra,
     ));
-    Agent::spawn(cmd)
+    Agent::spawn(cmd, ns)
 }
 
 fn backends_seen(sb: &sandbox::Sandbox, ip: &str, n: usize) -> BTreeSet<usize> {
@@ -481,7 +481,7 @@ fn config_file_and_flags_resolve_like_kube_proxy() {
     cmd.args(["--log-level", "debug", "proxy", "--config"])
         .arg(&config)
         .args(["--metrics-bind-address", "127.0.0.1:30249"]);
-    let agent = Agent::spawn(cmd);
+    let agent = Agent::spawn(cmd, sb.node());
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let log = agent.log();
     assert!(log.contains("unknown field frobnicate"), "{log}");
@@ -602,7 +602,7 @@ fn cap_net_admin_is_the_only_capability_needed() {
         .args(["--hostname-override", "node-1", "--cluster-cidr", &cidrs])
         .args(["--min-sync-period", "0.2"]);
     only_net_admin(&mut cmd);
-    let agent = Agent::spawn(cmd);
+    let agent = Agent::spawn(cmd, sb.node());
     // Right after spawn the child may not have exec'd yet (its capabilities would be the test's): wait until
     // the process is nftkube itself.
     let status_path = format!("/proc/{}/status", agent.pid().unwrap());

@@ -1,7 +1,7 @@
 //! loadBalancerSourceRanges: enforced on the LoadBalancer IP before DNAT; the NodePort and external IPs of
 //! the same service are not filtered.
 
-use kernel_tests::sandbox::{self, parse_answer, tcp_request};
+use kernel_tests::sandbox;
 use kernel_tests::*;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -37,7 +37,7 @@ endpoints:
 }
 
 fn served(ns: &nftkube::netns::NetNs, dst: SocketAddr) -> bool {
-    tcp_request(ns, dst, SHORT).is_ok_and(|a| parse_answer(&a).is_some())
+    kernel_tests::served(ns, dst, SHORT)
 }
 
 #[test]
