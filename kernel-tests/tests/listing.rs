@@ -168,11 +168,10 @@ fn a_warning_fails_the_check_though_nft_exits_0() {
 fn register_chaining() -> Transaction {
     let (f, t) = (Family::Ip, "listing");
     let map = |name: &str, dynamic: bool| Set {
-        name: name.into(),
-        key: vec![DataType::Ipv4Addr],
-        data: vec![DataType::Ipv4Addr],
         timeout_ms: dynamic.then_some(60_000),
         dynamic,
+        size: dynamic.then_some(1024),
+        ..Set::new(name, vec![DataType::Ipv4Addr], vec![DataType::Ipv4Addr])
     };
     let rule = RuleBuilder::new()
         .expr(Field::IpSaddr.load(REG_1))
