@@ -9,6 +9,17 @@ pub trait Backend {
     fn commit(&mut self, tx: &Transaction) -> Result<usize, CommitError>;
     /// Reads a table back; None when it does not exist.
     fn read_table(&mut self, family: Family, name: &str) -> Result<Option<TableState>, DumpError>;
+    /// Reads several tables as one consistent view (no commit by anyone in between), for a full sync.
+    /// Backends that cannot change during a read need nothing more than reading each table.
+    fn read_tables(
+        &mut self,
+        tables: &[(Family, &str)],
+    ) -> Result<Vec<Option<TableState>>, DumpError> {
+        tables
+            .iter()
+            .map(|(family, name)| self.read_table(*family, name))
+            .collect()
+    }
 }
 
 impl Backend for NftSocket {
@@ -17,5 +28,11 @@ impl Backend for NftSocket {
     }
     fn read_table(&mut self, family: Family, name: &str) -> Result<Option<TableState>, DumpError> {
         self.dump_table(family, name)
+    }
+    fn read_tables(
+        &mut self,
+        tables: &[(Family, &str)],
+    ) -> Result<Vec<Option<TableState>>, DumpError> {
+        NftSocket::read_tables(self, tables)
     }
 }
