@@ -32,6 +32,13 @@ pub enum NetlinkError {
         errno: i32,
         ext_ack: Option<String>,
     },
+    /// The kernel refused a single request (a dump, a GET).
+    #[error("{request}: {} (errno {errno}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
+    Refused {
+        request: Request,
+        errno: i32,
+        ext_ack: Option<String>,
+    },
     /// The kernel refused a whole batch before looking at its messages, and said so only on BATCH_BEGIN's
     /// sequence number: no CAP_NET_ADMIN (EPERM), a malformed batch, no memory.
     #[error("the kernel refused the whole batch: {} (errno {errno}, reported on BATCH_BEGIN seq {seq}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
@@ -90,7 +97,9 @@ impl NetlinkError {
     /// The errno the kernel answered or the socket failed with.
     pub fn errno(&self) -> Option<i32> {
         match self {
-            NetlinkError::Kernel { errno, .. } | NetlinkError::Batch { errno, .. } => Some(*errno),
+            NetlinkError::Kernel { errno, .. }
+            | NetlinkError::Batch { errno, .. }
+            | NetlinkError::Refused { errno, .. } => Some(*errno),
             NetlinkError::Io(e) => e.raw_os_error(),
             NetlinkError::Overrun { .. } => Some(libc::ENOBUFS),
             NetlinkError::Timeout { .. } => Some(libc::ETIMEDOUT),
@@ -102,11 +111,25 @@ impl NetlinkError {
     /// The kernel's extended-ack text, when it gave one.
     pub fn ext_ack(&self) -> Option<&str> {
         match self {
-            NetlinkError::Kernel { ext_ack, .. } | NetlinkError::Batch { ext_ack, .. } => {
-                ext_ack.as_deref()
-            }
+            NetlinkError::Kernel { ext_ack, .. }
+            | NetlinkError::Batch { ext_ack, .. }
+            | NetlinkError::Refused { ext_ack, .. } => ext_ack.as_deref(),
             _ => None,
         }
+    }
+
+    /// Whether the kernel answered with a refusal (the request was wrong or not allowed, the socket is fine).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            NetlinkError::Kernel { .. } | NetlinkError::Batch { .. } | NetlinkError::Refused { .. }
+        )
+    }
+
+    /// Whether the socket's opener lacked a permission: the kernel checks the credentials the socket
+    /// was opened with as well as the sender's, so only a new socket can use a capability regained since.
+    pub fn needs_new_credentials(&self) -> bool {
+        self.is_refusal() && self.errno() == Some(libc::EPERM)
     }
 
     /// Whether the exchange broke off: answers may still be queued or lost, so the socket must not carry

@@ -169,6 +169,18 @@ impl Exchange {
         }
     }
 
+    /// An error answering a single request, named by the request.
+    fn refused(&self, e: NetlinkError) -> NetlinkError {
+        match e {
+            NetlinkError::Kernel { errno, ext_ack, .. } => NetlinkError::Refused {
+                request: self.request.clone(),
+                errno,
+                ext_ack,
+            },
+            other => other,
+        }
+    }
+
     fn on_ack_reply(
         &mut self,
         msg: &Msg<'_>,
@@ -216,7 +228,7 @@ impl Exchange {
         match msg.msg_type {
             NLMSG_ERROR => {
                 if let Some(e) = parse_error(msg).map_err(|d| self.malformed(d))? {
-                    self.fatal = Some(e);
+                    self.fatal = Some(self.refused(e));
                 }
                 self.progress = Progress::Complete;
             }

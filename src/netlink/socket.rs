@@ -257,11 +257,16 @@ impl NlSocket {
         sink: &mut dyn FnMut(u16, &[u8]),
     ) -> Result<Outcome, NetlinkError> {
         let result = self.send_and_read(request, bytes, expect, sink);
-        if let Err(e) = &result {
-            if e.breaks_socket() {
+        match &result {
+            Err(e) if e.breaks_socket() => {
                 tracing::debug!("netlink exchange broke off, replacing the socket: {e}");
                 self.replace();
             }
+            Err(e) if e.needs_new_credentials() => self.replace(),
+            Ok(Outcome::Acked(refused)) if refused.iter().any(|e| e.needs_new_credentials()) => {
+                self.replace()
+            }
+            _ => {}
         }
         result
     }
@@ -336,14 +341,11 @@ impl NlSocket {
         Ok(self.sock.as_ref().expect("just opened"))
     }
 
-    /// Closes the socket with whatever is still queued on it, and opens a fresh one (or leaves that to the
-    /// next request if it cannot be opened now).
+    /// Closes the socket with whatever is still queued on it. The next request opens a fresh one, with
+    /// the credentials the thread has then (a refused capability may have come back by then).
     fn replace(&mut self) {
         self.sock = None;
         self.replaced += 1;
-        if let Err(e) = self.live() {
-            tracing::warn!("reopening the netlink socket: {e}; trying again at the next request");
-        }
     }
 }
 

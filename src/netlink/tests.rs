@@ -246,11 +246,18 @@ fn dump_intr_asks_for_a_retry() {
 #[test]
 fn an_error_answering_a_dump_ends_it() {
     let mut ex = dump();
-    feed(&mut ex, &[nlerr(200, PORT, EPERM, None)]).unwrap();
-    assert!(matches!(
-        ex.finish(),
-        Err(NetlinkError::Kernel { errno: EPERM, .. })
-    ));
+    feed(&mut ex, &[nlerr(200, PORT, EPERM, Some("denied"))]).unwrap();
+    let e = ex.finish().unwrap_err();
+    assert!(
+        matches!(e, NetlinkError::Refused { errno: EPERM, .. }),
+        "{e:?}"
+    );
+    assert!(e.needs_new_credentials() && !e.breaks_socket());
+    let text = e.to_string();
+    assert!(
+        text.starts_with("test (seq 200): ") && text.ends_with(": denied"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -64,12 +64,15 @@ impl std::error::Error for CommitError {}
 /// A netlink socket speaking nf_tables, bound to the namespace of the thread that opened it.
 pub struct NftSocket {
     sock: NlSocket,
+    /// Reads of `read_tables` repeated because the ruleset changed meanwhile, since open.
+    reread: u64,
 }
 
 impl NftSocket {
     pub fn open() -> std::io::Result<Self> {
         Ok(NftSocket {
             sock: NlSocket::open(libc::NETLINK_NETFILTER)?,
+            reread: 0,
         })
     }
 
@@ -148,6 +151,7 @@ impl NftSocket {
             if before == after {
                 return Ok(states);
             }
+            self.reread += 1;
             tracing::debug!(
                 attempt,
                 before,
@@ -158,6 +162,11 @@ impl NftSocket {
         Err(DumpError::Unstable {
             attempts: READ_ATTEMPTS,
         })
+    }
+
+    /// How many reads `read_tables` had to repeat because someone committed during them.
+    pub fn rereads(&self) -> u64 {
+        self.reread
     }
 
     /// The names of every table of `family`, ours and everyone else's.
