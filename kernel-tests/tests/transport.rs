@@ -189,6 +189,12 @@ fn the_agent_without_cap_net_admin_logs_the_refusal_keeps_retrying_and_stops_on_
         "{log}"
     );
     assert!(!log.contains("sync complete"), "{log}");
+    eprintln!(
+        "{}",
+        log.lines()
+            .find(|l| l.contains("sync failed"))
+            .unwrap_or_default()
+    );
     assert!(agent.running(), "the agent gave up; log:\n{log}");
     let (status, took) = timed(|| agent.stop_status());
     let status = status.expect("the agent did not stop on SIGTERM");
@@ -197,6 +203,7 @@ fn the_agent_without_cap_net_admin_logs_the_refusal_keeps_retrying_and_stops_on_
         took < Duration::from_secs(1),
         "SIGTERM took {took:?} to end the agent"
     );
+    eprintln!("SIGTERM to exit: {took:?}");
 }
 
 const RACE_TABLE: &str = "nk-race";
