@@ -280,7 +280,7 @@ fn reads_stay_consistent_while_a_second_writer_commits() {
                 }
                 commits += 1;
                 // Bursts and pauses, so that some reads fit between commits and others overlap them.
-                let pause = if commits % 4 == 0 { 30 } else { 1 };
+                let pause = if commits.is_multiple_of(4) { 30 } else { 1 };
                 std::thread::sleep(Duration::from_millis(pause));
             }
             commits
