@@ -41,8 +41,8 @@ pub enum Expect {
 pub enum Progress {
     /// The final answer has not come: keep reading, within the deadline.
     Waiting,
-    /// The final answer came. The kernel queues every answer of a `sendmsg` before it returns, so read
-    /// only what is already queued (without blocking), then `finish`.
+    /// The final answer, or an error, came. The kernel queues every answer of a `sendmsg` before it
+    /// returns, so read only what is already queued (without blocking), then `finish`.
     Draining,
     /// Nothing more can belong to this exchange: `finish`.
     Complete,
@@ -71,6 +71,8 @@ pub struct Exchange {
     /// An error that ends the exchange as a whole (batch refused, request refused).
     fatal: Option<NetlinkError>,
     fault: Option<DumpFault>,
+    /// Whether the message that asked for an acknowledgement got its answer.
+    acked: bool,
     /// Messages that were not answers to this request.
     pub discarded: u64,
 }
@@ -86,6 +88,7 @@ impl Exchange {
             errors: BTreeMap::new(),
             fatal: None,
             fault: None,
+            acked: false,
             discarded: 0,
         }
     }
@@ -192,7 +195,7 @@ impl Exchange {
             return Ok(());
         }
         let err = parse_error(msg).map_err(|d| self.malformed(d))?;
-        if msg.seq == ack && self.progress == Progress::Draining && err.is_none() {
+        if msg.seq == ack && self.acked && err.is_none() {
             self.discard(msg, "duplicate acknowledgement");
             return Ok(());
         }
@@ -208,10 +211,15 @@ impl Exchange {
             }
             Some(e) => {
                 self.errors.insert(msg.seq, e);
+                // Every answer was queued before `sendmsg` returned, so the rest are queued too. And the
+                // acknowledgement may never come: a batch the kernel aborts at a failing message (ENOMEM)
+                // is not processed to its end.
+                self.progress = Progress::Draining;
             }
             None => {}
         }
         if msg.seq == ack {
+            self.acked = true;
             self.progress = Progress::Draining;
         }
         Ok(())

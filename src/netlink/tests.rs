@@ -121,6 +121,14 @@ fn an_object_error_is_kept_with_its_sequence_number() {
 }
 
 #[test]
+fn an_error_that_aborts_the_batch_before_the_acknowledged_message_ends_it() {
+    let mut ex = batch();
+    feed(&mut ex, &[nlerr(101, PORT, libc::ENOMEM, None)]).unwrap();
+    assert_eq!(ex.progress(), Progress::Draining, "no ACK will come");
+    assert_eq!(refused_seqs(ex.finish().unwrap()), vec![101]);
+}
+
+#[test]
 fn out_of_order_errors_after_the_ack_still_count() {
     let mut ex = batch();
     feed(&mut ex, &[ack(103, PORT), nlerr(102, PORT, EINVAL, None)]).unwrap();
