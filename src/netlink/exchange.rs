@@ -205,10 +205,7 @@ impl Exchange {
                 self.progress = Progress::Complete;
                 return Ok(());
             }
-            Some(e) if self.errors.contains_key(&msg.seq) => {
-                drop(e);
-                self.discard(msg, "duplicate error");
-            }
+            Some(_) if self.errors.contains_key(&msg.seq) => self.discard(msg, "duplicate error"),
             Some(e) => {
                 self.errors.insert(msg.seq, e);
                 // Every answer was queued before `sendmsg` returned, so the rest are queued too. And the

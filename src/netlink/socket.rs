@@ -138,9 +138,14 @@ impl NlSocket {
             what: what.into(),
             seq,
         };
-        match self.exchange(request, bytes, expect, &mut |_, _| {})? {
+        match self.exchange(request.clone(), bytes, expect, &mut |_, _| {})? {
             Outcome::Acked(errors) => Ok(errors),
-            _ => Ok(Vec::new()),
+            Outcome::Answered => Ok(Vec::new()),
+            Outcome::Faulty(last) => Err(NetlinkError::Inconsistent {
+                request,
+                attempts: 1,
+                last,
+            }),
         }
     }
 
