@@ -314,7 +314,9 @@ fn reads_stay_consistent_while_a_second_writer_commits() {
     let commits = writer.join().unwrap();
     eprintln!(
         "{commits} commits by the writer; checked reads: {consistent} consistent, {unstable} gave up, \
-         {rereads} repeated; unchecked reads: {torn_unchecked}/40 torn"
+         {rereads} repeated; unchecked reads: {torn_unchecked}/40 torn; {} dumps marked interrupted \
+         and asked again",
+        nftkube::netlink::DUMP_RETRIES.load(Ordering::Relaxed)
     );
     assert!(commits > 40, "the writer hardly ran ({commits} commits)");
     assert!(consistent >= 20, "{consistent} of 40 reads succeeded");

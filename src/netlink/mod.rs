@@ -17,6 +17,8 @@ use std::sync::atomic::AtomicU64;
 
 /// Messages received that answered no pending request (stale, duplicated, foreign), since start.
 pub static DISCARDED: AtomicU64 = AtomicU64::new(0);
+/// Dumps asked again because the kernel marked the answer inconsistent, since start.
+pub static DUMP_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// Size of `struct nlmsghdr`.
 pub const NLMSG_HDRLEN: usize = 16;

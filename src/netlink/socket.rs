@@ -173,6 +173,7 @@ impl NlSocket {
             match self.answer(what, &request, &mut |t, p| out.push((t, p.to_vec())))? {
                 None => return Ok(out),
                 Some(fault) => {
+                    super::DUMP_RETRIES.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(what, attempt, "dump inconsistent, asking again: {fault}");
                     last = fault;
                 }

@@ -289,3 +289,39 @@ impl From<crate::netlink::LengthError> for DumpError {
         DumpError::Netlink(e.into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::tx::Op;
+
+    #[test]
+    fn an_attribute_too_long_fails_the_commit_before_anything_is_sent() {
+        let mut s = NftSocket::open().expect("netlink socket");
+        let mut tx = Transaction::default();
+        let huge = Element {
+            key: vec![0u8; 70_000].into(),
+            value: None,
+        };
+        tx.push(
+            Family::Ip,
+            "nftkube",
+            Op::AddElements {
+                set: "s".into(),
+                elements: vec![huge],
+            },
+        );
+        let e = s.commit(&tx).unwrap_err();
+        assert!(
+            matches!(
+                e.failures.as_slice(),
+                [(
+                    None,
+                    NetlinkError::Length(crate::netlink::LengthError::Attribute { .. })
+                )]
+            ),
+            "{e:?}"
+        );
+        assert!(!e.outcome_unknown(), "nothing was sent: {e}");
+    }
+}
