@@ -4,7 +4,7 @@
 //! buffer overflowed: ENOBUFS), nobody can say what changed, so that raises the flag too.
 
 use super::wire::consts::*;
-use crate::netlink::attr::{messages, Attrs};
+use crate::netlink::attr::{split, Attrs};
 use crate::netlink::socket::POLL_SLICE;
 use crate::netlink::NlSocket;
 use std::io;
@@ -80,7 +80,12 @@ impl Watcher {
 
     fn on_events(&self, datagram: &[u8]) {
         let own = self.own_port.load(Ordering::SeqCst);
-        for msg in messages(datagram) {
+        let msgs = match split(datagram) {
+            Ok(msgs) => msgs,
+            // What it held cannot be known: as good as lost.
+            Err(e) => return self.lost(&format!("malformed event datagram: {e}")),
+        };
+        for msg in msgs {
             if is_foreign_change(msg.msg_type, msg.pid, msg.payload, own, &self.table) {
                 self.drift.events.fetch_add(1, Ordering::Relaxed);
                 if !self.drift.detected.swap(true, Ordering::SeqCst) {
@@ -164,6 +169,11 @@ mod tests {
         w.on_read(Err(io::Error::new(io::ErrorKind::InvalidData, "too big")))
             .unwrap();
         assert!(w.drift.detected.load(Ordering::SeqCst));
+        // So is a datagram that does not parse.
+        w.drift.detected.store(false, Ordering::SeqCst);
+        w.on_read(Ok(&[1, 2, 3])).unwrap();
+        assert!(w.drift.detected.load(Ordering::SeqCst));
+        assert_eq!(w.drift.lost.load(Ordering::SeqCst), 3);
         // Anything else stops the monitor (the periodic full sync still repairs).
         assert!(w
             .on_read(Err(io::Error::from_raw_os_error(libc::EBADF)))
