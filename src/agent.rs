@@ -282,14 +282,19 @@ struct Monitor {
 /// Watches nf_tables events on a thread of its own, in this thread's network namespace (a new thread
 /// inherits it).
 fn start_monitor(engine: &mut SyncEngine<NftSocket>) -> anyhow::Result<Monitor> {
-    let own_pid = engine.backend().socket().port_id()?;
     let drift = Arc::new(Drift::default());
     let stop = Arc::new(AtomicBool::new(false));
-    let (d, st) = (drift.clone(), stop.clone());
+    let watcher = monitor::Watcher {
+        // Kept current when the engine's socket is replaced after a broken exchange.
+        own_port: engine.backend().port_handle(),
+        table: TABLE.into(),
+        drift: drift.clone(),
+    };
+    let st = stop.clone();
     let thread = std::thread::Builder::new()
         .name("nft-monitor".into())
         .spawn(move || {
-            if let Err(e) = monitor::watch(own_pid, TABLE, d.clone(), st) {
+            if let Err(e) = monitor::watch(watcher, st) {
                 // Without events, drift is still repaired by the periodic full sync.
                 tracing::error!("nf_tables event monitor stopped: {e}");
             }

@@ -1,9 +1,10 @@
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
-static STOP: AtomicBool = AtomicBool::new(false);
+/// The library's flag: the proxy loop and every netlink wait in progress both watch it.
+use nftkube::netlink::SHUTDOWN as STOP;
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);

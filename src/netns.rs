@@ -484,7 +484,9 @@ fn rt_request(
 ) -> Result<(), NetnsError> {
     let mut sock = route_socket(&context)?;
     let seq = sock.reserve_seq(1);
-    let msg = build(seq).finish();
+    let msg = build(seq)
+        .finish()
+        .map_err(|e| NetnsError::Invalid(format!("{}: {e}", context())))?;
     sock.request_ack(&msg).map_err(|cause| NetnsError::Netlink {
         context: context(),
         cause,
@@ -523,8 +525,10 @@ pub fn link_index(name: &str) -> Result<u32, NetnsError> {
     let mut m = MsgBuilder::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_ACK, seq);
     m.raw(&ifinfomsg(0, 0, 0));
     m.attr_str(IFLA_IFNAME, name);
-    let answers = sock
-        .dump(&m.finish())
+    let answers = m
+        .finish()
+        .map_err(NetlinkError::from)
+        .and_then(|request| sock.dump(&request))
         .map_err(|cause| NetnsError::Netlink {
             context: context(),
             cause,
@@ -543,8 +547,10 @@ pub fn links() -> Result<Vec<(u32, String)>, NetnsError> {
     let seq = sock.reserve_seq(1);
     let mut m = MsgBuilder::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq);
     m.raw(&ifinfomsg(0, 0, 0));
-    let answers = sock
-        .dump(&m.finish())
+    let answers = m
+        .finish()
+        .map_err(NetlinkError::from)
+        .and_then(|request| sock.dump(&request))
         .map_err(|cause| NetnsError::Netlink {
             context: context(),
             cause,

@@ -41,7 +41,7 @@ fn dump(msg: u16, family: u8, header_len: usize) -> io::Result<Vec<(u16, Vec<u8>
     let mut header = vec![0u8; header_len];
     header[0] = family;
     m.raw(&header);
-    sock.dump(&m.finish())
+    sock.dump(&m.finish()?)
         .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))
 }
 

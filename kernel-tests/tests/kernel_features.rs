@@ -96,7 +96,7 @@ fn batch_begin_and_end_acks_are_optional_and_the_transport_asks_for_none() {
         tx.push(Family::Ip, "nftkube-ack", Op::AddTable);
 
         // As nftkube sends it: no ACK flag on BEGIN / END.
-        let b = wire::encode_batch(&tx, 100);
+        let b = wire::encode_batch(&tx, 100).unwrap();
         let offs = message_offsets(&b.bytes);
         assert_eq!(offs.len(), 3, "BEGIN, NEWTABLE, END");
         let flags = |bytes: &[u8], off: usize| u16::from_ne_bytes([bytes[off + 6], bytes[off + 7]]);
@@ -105,7 +105,7 @@ fn batch_begin_and_end_acks_are_optional_and_the_transport_asks_for_none() {
         assert_eq!(b.ack_seq, 101);
         let s = RawNl::open();
         s.send(&b.bytes);
-        s.send(&wire::getgen_request(103));
+        s.send(&wire::getgen_request(103).unwrap());
         let acks = s.acks_until(103);
         assert_eq!(
             acks,
@@ -116,14 +116,14 @@ fn batch_begin_and_end_acks_are_optional_and_the_transport_asks_for_none() {
         // Asking for them: what this kernel does.
         let mut tx = Transaction::default();
         tx.push(Family::Ip, "nftkube-ack", Op::DeleteTable);
-        let mut b = wire::encode_batch(&tx, 200);
+        let mut b = wire::encode_batch(&tx, 200).unwrap();
         let offs = message_offsets(&b.bytes);
         for off in [offs[0], offs[2]] {
             let f = flags(&b.bytes, off) | NLM_F_ACK;
             b.bytes[off + 6..off + 8].copy_from_slice(&f.to_ne_bytes());
         }
         s.send(&b.bytes);
-        s.send(&wire::getgen_request(203));
+        s.send(&wire::getgen_request(203).unwrap());
         let acks = s.acks_until(203);
         let begin = acks.iter().any(|&(q, _)| q == 200);
         let end = acks.iter().any(|&(q, _)| q == 202);

@@ -299,7 +299,7 @@ impl Cleaner {
                         report.filtered_deletes += 1;
                     }
                     // The kernel refused after all: the dump path handles this target.
-                    Err(e @ NetlinkError::Kernel { .. }) => {
+                    Err(e) if e.is_refusal() => {
                         tracing::warn!("conntrack: filtered delete refused ({e}); dumping instead");
                     }
                     Err(e) => {
@@ -325,7 +325,7 @@ impl Cleaner {
             };
             match sock.dump(&d, &mut collect) {
                 Ok(_) => {}
-                Err(e @ NetlinkError::Kernel { .. }) if d.proto.is_some() => {
+                Err(e) if e.is_refusal() && d.proto.is_some() => {
                     // A kernel that refuses the filter: fall back to the family dump for good.
                     tracing::warn!("conntrack: filtered dump refused ({e}); dumping per family");
                     if d.family == AF_INET {

@@ -7,7 +7,7 @@ use super::wire::{
     DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP,
     NFNL_SUBSYS_CTNETLINK,
 };
-use crate::netlink::{NetlinkError, NlSocket};
+use crate::netlink::{Expect, NetlinkError, NlSocket, Request};
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
@@ -93,7 +93,7 @@ impl CtSocket {
                 .enumerate()
                 .map(|(i, e)| (first.wrapping_add(i as u32), e))
                 .collect();
-            let errors = self.send_checked(&bytes, first.wrapping_add(chunk.len() as u32 - 1))?;
+            let errors = self.send_checked("conntrack delete", &bytes, first, chunk.len())?;
             let mut failed = 0;
             for err in errors {
                 let entry = match &err {
@@ -122,7 +122,7 @@ impl CtSocket {
     pub fn filtered_delete(&mut self, f: &DeleteFilter) -> Result<(), NetlinkError> {
         let seq = self.sock.reserve_seq(1);
         let bytes = encode_filtered_delete(f, seq);
-        self.send_checked(&bytes, seq)?
+        self.send_checked("conntrack filtered delete", &bytes, seq, 1)?
             .into_iter()
             .next()
             .map_or(Ok(()), Err)
@@ -146,40 +146,42 @@ impl CtSocket {
                     i + 1 == chunk.len(),
                 ));
             }
-            let errs = self.send_checked(&bytes, first.wrapping_add(chunk.len() as u32 - 1))?;
+            let errs = self.send_checked("conntrack create", &bytes, first, chunk.len())?;
             created += chunk.len() - errs.len();
             errors.extend(errs);
         }
         Ok((created, errors))
     }
 
-    /// Sends messages after checking that no DELETE among them lacks a tuple; returns the kernel's
-    /// per-message errors, or the socket error.
+    /// Sends `count` messages numbered from `first` (the last asks for an ACK) after checking that no DELETE
+    /// among them lacks a tuple; returns the kernel's per-message errors, or the socket error.
     fn send_checked(
         &mut self,
+        what: &'static str,
         bytes: &[u8],
-        ack_seq: u32,
+        first: u32,
+        count: usize,
     ) -> Result<Vec<NetlinkError>, NetlinkError> {
         if !delete_has_tuple(bytes) {
             // Unreachable through this module's encoders; refusing is the whole point of checking.
-            return Err(NetlinkError::Protocol(
-                "refusing to send a conntrack DELETE without a tuple (it would flush the table)"
-                    .into(),
-            ));
+            return Err(NetlinkError::Protocol {
+                request: Request {
+                    what: what.into(),
+                    seq: first,
+                },
+                detail:
+                    "refusing to send a conntrack DELETE without a tuple (it would flush the table)"
+                        .into(),
+            });
         }
-        match self.sock.transact(bytes, ack_seq) {
-            Ok(()) => Ok(Vec::new()),
-            Err(batch) => {
-                let mut kernel = Vec::new();
-                for e in batch.0 {
-                    match e {
-                        NetlinkError::Kernel { .. } => kernel.push(e),
-                        other => return Err(other),
-                    }
-                }
-                Ok(kernel)
-            }
-        }
+        let last = first.wrapping_add(count.max(1) as u32 - 1);
+        let expect = Expect::Acks {
+            first,
+            last,
+            ack: last,
+            batch_begin: None,
+        };
+        self.sock.transact(what, bytes, expect)
     }
 }
 

@@ -241,7 +241,7 @@ fn decode_dumped_entry() {
     m.attr_be32(CTA_MARK, 0x4000);
     m.attr_be32(CTA_ID, 0xdeadbeef);
     m.attr(CTA_ZONE, &3u16.to_be_bytes());
-    let bytes = m.finish();
+    let bytes = m.finish().unwrap();
     let msg = messages(&bytes).next().unwrap();
     let e = decode_entry(msg.payload).unwrap();
     assert_eq!(e.orig, orig);
@@ -292,7 +292,7 @@ fn every_delete_carries_a_tuple_and_a_flush_is_refused() {
     // `conntrack -F`: a DELETE with no tuple. Alone, or hidden after valid deletes, or with only a filter.
     let mut flush = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK, 5);
     flush.raw(&[AF_INET, 0, 0, 0]);
-    let flush = flush.finish();
+    let flush = flush.finish().unwrap();
     assert!(!delete_has_tuple(&flush));
     let mut hidden = many.clone();
     hidden.extend(&flush);
@@ -303,7 +303,7 @@ fn every_delete_carries_a_tuple_and_a_flush_is_refused() {
     filter_only.nested(CTA_FILTER, |m| {
         m.attr_u32(CTA_FILTER_ORIG_FLAGS, CTA_FILTER_F_IP_DST);
     });
-    assert!(!delete_has_tuple(&filter_only.finish()));
+    assert!(!delete_has_tuple(&filter_only.finish().unwrap()));
     // Truncated or empty input is refused too.
     assert!(!delete_has_tuple(&many[..many.len() - 3]));
     assert!(!delete_has_tuple(&[]));

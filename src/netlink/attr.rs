@@ -11,11 +11,32 @@ pub const NLA_F_NESTED: u16 = 0x8000;
 const NLA_F_NET_BYTEORDER: u16 = 0x4000;
 const NLA_TYPE_MASK: u16 = !(NLA_F_NESTED | NLA_F_NET_BYTEORDER);
 
+/// An attribute or message too long for its length field. Netlink attribute lengths are 16 bits and message
+/// lengths 32: writing a longer one would silently truncate the length, and the kernel would then parse
+/// whatever follows as attributes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LengthError {
+    #[error("netlink attribute type {kind} is {len} bytes long; an attribute holds at most 65535")]
+    Attribute { kind: u16, len: usize },
+    #[error("netlink message is {len} bytes long; a message holds at most 4294967295")]
+    Message { len: usize },
+}
+
+impl From<LengthError> for std::io::Error {
+    fn from(e: LengthError) -> Self {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
+    }
+}
+
 /// Builds one netlink message. Lengths are fixed up when `finish` is called.
+///
+/// The attribute writers chain (`m.attr(..).attr(..)`), so an overflow cannot be returned where it happens:
+/// the first one is remembered and `finish` returns it instead of the message.
 #[derive(Debug)]
 pub struct MsgBuilder {
     buf: Vec<u8>,
-    open: Vec<usize>,
+    open: Vec<(usize, u16)>,
+    overflow: Option<LengthError>,
 }
 
 impl MsgBuilder {
@@ -30,6 +51,7 @@ impl MsgBuilder {
         MsgBuilder {
             buf,
             open: Vec::new(),
+            overflow: None,
         }
     }
 
@@ -48,7 +70,11 @@ impl MsgBuilder {
     /// Appends an attribute with an opaque payload.
     pub fn attr(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
         let len = 4 + payload.len();
-        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        let Ok(len16) = u16::try_from(len) else {
+            self.overflowed(LengthError::Attribute { kind, len });
+            return self;
+        };
+        self.buf.extend_from_slice(&len16.to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
         self.buf.extend_from_slice(payload);
         self.pad();
@@ -84,7 +110,7 @@ impl MsgBuilder {
 
     /// Opens a nested attribute (NLA_F_NESTED is set); close it with `end_nested`.
     pub fn begin_nested(&mut self, kind: u16) -> &mut Self {
-        self.open.push(self.buf.len());
+        self.open.push((self.buf.len(), kind));
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
         self.buf
             .extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
@@ -92,10 +118,17 @@ impl MsgBuilder {
     }
 
     pub fn end_nested(&mut self) -> &mut Self {
-        let start = self.open.pop().expect("end_nested without begin_nested");
-        let len = (self.buf.len() - start) as u16;
-        self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
+        let (start, kind) = self.open.pop().expect("end_nested without begin_nested");
+        let len = self.buf.len() - start;
+        match u16::try_from(len) {
+            Ok(len) => self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes()),
+            Err(_) => self.overflowed(LengthError::Attribute { kind, len }),
+        }
         self
+    }
+
+    fn overflowed(&mut self, e: LengthError) {
+        self.overflow.get_or_insert(e);
     }
 
     /// Writes a nested attribute whose content `f` produces.
@@ -105,12 +138,17 @@ impl MsgBuilder {
         self.end_nested()
     }
 
-    /// Patches the total length and returns the encoded message.
-    pub fn finish(mut self) -> Vec<u8> {
+    /// Patches the total length and returns the encoded message, or the first length that did not fit.
+    pub fn finish(mut self) -> Result<Vec<u8>, LengthError> {
         assert!(self.open.is_empty(), "unclosed nested attribute");
-        let len = self.buf.len() as u32;
+        if let Some(e) = self.overflow {
+            return Err(e);
+        }
+        let len = u32::try_from(self.buf.len()).map_err(|_| LengthError::Message {
+            len: self.buf.len(),
+        })?;
         self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
-        self.buf
+        Ok(self.buf)
     }
 }
 
@@ -144,6 +182,33 @@ pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = Msg<'_>> {
         buf = &buf[align4(len).min(buf.len())..];
         Some(msg)
     })
+}
+
+/// Splits a datagram into messages; any byte that is not part of a whole message makes it malformed
+/// (a truncated message, a length that overruns the datagram, a header shorter than a header).
+pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, String> {
+    let mut out = Vec::new();
+    while !buf.is_empty() {
+        if buf.len() < NLMSG_HDRLEN {
+            return Err(format!("{} stray bytes after the last message", buf.len()));
+        }
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            return Err(format!(
+                "message length {len} with {} bytes left in the datagram",
+                buf.len()
+            ));
+        }
+        out.push(Msg {
+            msg_type: u16::from_ne_bytes(buf[4..6].try_into().unwrap()),
+            flags: u16::from_ne_bytes(buf[6..8].try_into().unwrap()),
+            seq: u32::from_ne_bytes(buf[8..12].try_into().unwrap()),
+            pid: u32::from_ne_bytes(buf[12..16].try_into().unwrap()),
+            payload: &buf[NLMSG_HDRLEN..len],
+        });
+        buf = &buf[align4(len).min(buf.len())..];
+    }
+    Ok(out)
 }
 
 /// A decoded attribute: its type (flags stripped) and payload.
@@ -228,7 +293,7 @@ mod tests {
         m.nested(2, |m| {
             m.attr_be32(1, 0x4000);
         });
-        let bytes = m.finish();
+        let bytes = m.finish().unwrap();
         assert_eq!(
             bytes.len() as u32,
             u32::from_ne_bytes(bytes[0..4].try_into().unwrap())
@@ -249,5 +314,35 @@ mod tests {
         let bytes = [8u8, 0, 1, 0, 0xaa];
         assert_eq!(Attrs(&bytes).iter().count(), 0);
         assert_eq!(messages(&bytes).count(), 0);
+    }
+
+    #[test]
+    fn an_attribute_too_long_for_its_length_field_is_an_error() {
+        let mut m = MsgBuilder::new(1, 0, 1);
+        m.attr(7, &vec![0u8; 65531]);
+        assert!(m.finish().is_ok(), "65535 bytes with the header fit");
+        let mut m = MsgBuilder::new(1, 0, 1);
+        m.attr(7, &vec![0u8; 65532]).attr_u8(8, 1);
+        assert_eq!(
+            m.finish(),
+            Err(LengthError::Attribute {
+                kind: 7,
+                len: 65536
+            })
+        );
+    }
+
+    #[test]
+    fn a_nested_attribute_too_long_is_an_error_not_a_truncated_length() {
+        let mut m = MsgBuilder::new(1, 0, 1);
+        m.nested(3, |m| {
+            for _ in 0..3 {
+                m.attr(1, &vec![0u8; 30000]);
+            }
+        });
+        assert!(matches!(
+            m.finish(),
+            Err(LengthError::Attribute { kind: 3, len }) if len > 65535
+        ));
     }
 }

@@ -1,11 +1,24 @@
 //! Generic netlink plumbing shared by nf_tables, ctnetlink and rtnetlink code: attribute encoding and
-//! decoding (sans-IO) and a small blocking request/acknowledge socket.
+//! decoding and the answer state machine (sans-IO), and a small blocking request/acknowledge socket.
 
 pub mod attr;
+pub mod error;
+pub mod exchange;
 pub mod socket;
+#[cfg(test)]
+mod tests;
 
-pub use attr::{AttrIter, Attrs, MsgBuilder, NLA_F_NESTED};
-pub use socket::{NetlinkError, NlSocket};
+pub use attr::{AttrIter, Attrs, LengthError, MsgBuilder, NLA_F_NESTED};
+pub use error::{DumpFault, NetlinkError, Request};
+pub use exchange::{Exchange, Expect, Outcome, Progress};
+pub use socket::{Limits, NlSocket, SHUTDOWN};
+
+use std::sync::atomic::AtomicU64;
+
+/// Messages received that answered no pending request (stale, duplicated, foreign), since start.
+pub static DISCARDED: AtomicU64 = AtomicU64::new(0);
+/// Dumps asked again because the kernel marked the answer inconsistent, since start.
+pub static DUMP_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// Size of `struct nlmsghdr`.
 pub const NLMSG_HDRLEN: usize = 16;

@@ -16,6 +16,17 @@ pub trait Backend {
         table: &str,
         set: &str,
     ) -> Result<Vec<Element>, DumpError>;
+    /// Reads several tables as one consistent view (no commit by anyone in between), for a full sync.
+    /// Backends that cannot change during a read need nothing more than reading each table.
+    fn read_tables(
+        &mut self,
+        tables: &[(Family, &str)],
+    ) -> Result<Vec<Option<TableState>>, DumpError> {
+        tables
+            .iter()
+            .map(|(family, name)| self.read_table(*family, name))
+            .collect()
+    }
 }
 
 impl Backend for NftSocket {
@@ -32,5 +43,11 @@ impl Backend for NftSocket {
         set: &str,
     ) -> Result<Vec<Element>, DumpError> {
         self.dump_set(family, table, set)
+    }
+    fn read_tables(
+        &mut self,
+        tables: &[(Family, &str)],
+    ) -> Result<Vec<Option<TableState>>, DumpError> {
+        NftSocket::read_tables(self, tables)
     }
 }

@@ -1,14 +1,15 @@
 //! Notices when anyone else changes our tables: subscribes to nf_tables events (as `nft monitor` does) and
 //! raises a flag that makes the agent run a full sync, which reads the kernel back and repairs it. Events
-//! caused by our own commits carry our socket's port id and are ignored.
+//! caused by our own commits carry our socket's port id and are ignored. When events are lost (the socket's
+//! buffer overflowed: ENOBUFS), nobody can say what changed, so that raises the flag too.
 
 use super::wire::consts::*;
-use crate::netlink::attr::{messages, Attrs};
+use crate::netlink::attr::{split, Attrs};
+use crate::netlink::socket::POLL_SLICE;
 use crate::netlink::NlSocket;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Shared between the monitor thread and the agent.
 #[derive(Debug, Default)]
@@ -17,6 +18,8 @@ pub struct Drift {
     pub detected: AtomicBool,
     /// Foreign changes seen, for metrics and logs.
     pub events: AtomicU64,
+    /// Times events were lost (ENOBUFS, or a datagram too big to read).
+    pub lost: AtomicU64,
 }
 
 /// Whether an nf_tables event is someone else's change to one of our tables.
@@ -38,35 +41,54 @@ pub fn is_foreign_change(
     Attrs(&payload[4..]).get(1).and_then(|a| a.str()) == Some(table)
 }
 
-/// Runs on the calling thread (which must be in the agent's namespace) until `stop`: every foreign change to
-/// `table` sets `drift.detected`. `own_pid` is the port id of the socket the sync engine commits through.
-pub fn watch(
-    own_pid: u32,
-    table: &str,
-    drift: Arc<Drift>,
-    stop: Arc<AtomicBool>,
-) -> io::Result<()> {
-    let sock = NlSocket::open(libc::NETLINK_NETFILTER)?;
-    sock.add_membership(NFNLGRP_NFTABLES)?;
-    let mut buf = vec![0u8; 1 << 20];
-    while !stop.load(Ordering::SeqCst) {
-        if !sock.wait_readable(Duration::from_millis(200))? {
-            continue;
-        }
-        let n = match sock.recv_raw(&mut buf) {
-            Ok(n) => n,
-            // Events were lost (our own big commits can flood the socket): assume the worst; the full sync it
-            // triggers finds nothing to do if nothing was touched.
-            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
-                drift.detected.store(true, Ordering::SeqCst);
-                continue;
+/// What the monitor thread does with each read of its socket, apart from the socket itself.
+pub struct Watcher {
+    /// The port id of the socket the sync engine commits through (it changes when that socket is replaced).
+    pub own_port: Arc<AtomicU32>,
+    pub table: String,
+    pub drift: Arc<Drift>,
+}
+
+impl Watcher {
+    /// Takes one read: a datagram of events, or the error the read failed with. Lost events raise the
+    /// drift flag; any other error stops the monitor.
+    pub fn on_read(&self, read: io::Result<&[u8]>) -> io::Result<()> {
+        match read {
+            Ok(datagram) => {
+                self.on_events(datagram);
+                Ok(())
             }
-            Err(e) => return Err(e),
+            // Our own big commits can flood the socket; whatever the cause, the full sync it triggers
+            // finds nothing to do if nothing was touched.
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                self.lost("the event socket overflowed (ENOBUFS)");
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                self.lost(&e.to_string());
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn lost(&self, why: &str) {
+        self.drift.lost.fetch_add(1, Ordering::Relaxed);
+        self.drift.detected.store(true, Ordering::SeqCst);
+        tracing::warn!("nf_tables events lost: {why}; reading our tables back with a full sync");
+    }
+
+    fn on_events(&self, datagram: &[u8]) {
+        let own = self.own_port.load(Ordering::SeqCst);
+        let msgs = match split(datagram) {
+            Ok(msgs) => msgs,
+            // What it held cannot be known: as good as lost.
+            Err(e) => return self.lost(&format!("malformed event datagram: {e}")),
         };
-        for msg in messages(&buf[..n]) {
-            if is_foreign_change(msg.msg_type, msg.pid, msg.payload, own_pid, table) {
-                drift.events.fetch_add(1, Ordering::Relaxed);
-                if !drift.detected.swap(true, Ordering::SeqCst) {
+        for msg in msgs {
+            if is_foreign_change(msg.msg_type, msg.pid, msg.payload, own, &self.table) {
+                self.drift.events.fetch_add(1, Ordering::Relaxed);
+                if !self.drift.detected.swap(true, Ordering::SeqCst) {
                     tracing::warn!(
                         event = msg.msg_type & 0xff,
                         pid = msg.pid,
@@ -75,6 +97,21 @@ pub fn watch(
                 }
             }
         }
+    }
+}
+
+/// Runs on the calling thread (which must be in the agent's namespace) until `stop`, handing every read
+/// to `watcher`. Stops within `POLL_SLICE` of `stop`.
+pub fn watch(watcher: Watcher, stop: Arc<AtomicBool>) -> io::Result<()> {
+    let mut sock = NlSocket::open(libc::NETLINK_NETFILTER)?;
+    sock.add_membership(NFNLGRP_NFTABLES)?;
+    let mut buf = vec![0u8; 1 << 20];
+    while !stop.load(Ordering::SeqCst) {
+        if !sock.wait_readable(POLL_SLICE)? {
+            continue;
+        }
+        let read = sock.recv_raw(&mut buf);
+        watcher.on_read(read.map(|n| &buf[..n]))?;
     }
     Ok(())
 }
@@ -88,7 +125,7 @@ mod tests {
         let mut m = MsgBuilder::new((NFNL_SUBSYS_NFTABLES << 8) | kind, 0, 0);
         m.raw(&[2, 0, 0, 0]);
         m.attr_str(1, table);
-        let bytes = m.finish();
+        let bytes = m.finish().unwrap();
         (
             ((NFNL_SUBSYS_NFTABLES << 8) | kind),
             pid,
@@ -110,5 +147,55 @@ mod tests {
         assert!(!is_foreign_change(t, p, &payload, 42, "nftkube"));
         // Another netfilter subsystem (conntrack events).
         assert!(!is_foreign_change(0x0100, 99, &payload, 42, "nftkube"));
+    }
+
+    fn watcher() -> Watcher {
+        Watcher {
+            own_port: Arc::new(AtomicU32::new(42)),
+            table: "nftkube".into(),
+            drift: Arc::new(Drift::default()),
+        }
+    }
+
+    #[test]
+    fn lost_events_raise_the_drift_flag() {
+        let w = watcher();
+        w.on_read(Err(io::Error::from_raw_os_error(libc::ENOBUFS)))
+            .unwrap();
+        assert!(w.drift.detected.load(Ordering::SeqCst));
+        assert_eq!(w.drift.lost.load(Ordering::SeqCst), 1);
+        // A datagram too big for the buffer is lost events too.
+        w.drift.detected.store(false, Ordering::SeqCst);
+        w.on_read(Err(io::Error::new(io::ErrorKind::InvalidData, "too big")))
+            .unwrap();
+        assert!(w.drift.detected.load(Ordering::SeqCst));
+        // So is a datagram that does not parse.
+        w.drift.detected.store(false, Ordering::SeqCst);
+        w.on_read(Ok(&[1, 2, 3])).unwrap();
+        assert!(w.drift.detected.load(Ordering::SeqCst));
+        assert_eq!(w.drift.lost.load(Ordering::SeqCst), 3);
+        // Anything else stops the monitor (the periodic full sync still repairs).
+        assert!(w
+            .on_read(Err(io::Error::from_raw_os_error(libc::EBADF)))
+            .is_err());
+    }
+
+    #[test]
+    fn own_events_follow_the_replaced_socket() {
+        let w = watcher();
+        let mut m = MsgBuilder::new((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWCHAIN, 0, 0);
+        m.raw(&[2, 0, 0, 0]);
+        m.attr_str(1, "nftkube");
+        let mut bytes = m.finish().unwrap();
+        bytes[12..16].copy_from_slice(&43u32.to_ne_bytes());
+        w.on_read(Ok(&bytes)).unwrap();
+        assert!(
+            w.drift.detected.swap(false, Ordering::SeqCst),
+            "43 is not us yet"
+        );
+        // The engine's socket was replaced and got port 43: its commits are ours now.
+        w.own_port.store(43, Ordering::SeqCst);
+        w.on_read(Ok(&bytes)).unwrap();
+        assert!(!w.drift.detected.load(Ordering::SeqCst));
     }
 }

@@ -3,8 +3,13 @@
 use super::ir::*;
 use super::tx::Transaction;
 use super::wire::{self, consts::*};
-use crate::netlink::{NetlinkError, NlSocket};
+use crate::netlink::{Expect, NetlinkError, NlSocket};
 use std::fmt;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+
+/// Reads of our tables before giving up on one that is not changed by someone else meanwhile.
+pub const READ_ATTEMPTS: u32 = 6;
 
 /// A rejected transaction: nothing of it was applied. Each error names the object that caused it.
 #[derive(Debug)]
@@ -17,11 +22,27 @@ impl CommitError {
     pub fn errno(&self) -> Option<i32> {
         self.failures.first().and_then(|(_, e)| e.errno())
     }
+
+    /// Whether the exchange broke off, so the kernel may or may not have applied the transaction.
+    pub fn outcome_unknown(&self) -> bool {
+        self.failures.iter().any(|(_, e)| e.breaks_socket())
+    }
+
+    fn one(what: Option<String>, e: NetlinkError) -> Self {
+        CommitError {
+            failures: vec![(what, e)],
+        }
+    }
 }
 
 impl fmt::Display for CommitError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "nf_tables transaction rejected, nothing applied")?;
+        if self.outcome_unknown() {
+            // The next full sync reads the kernel back, whatever happened.
+            write!(f, "nf_tables transaction failed, outcome unknown")?;
+        } else {
+            write!(f, "nf_tables transaction rejected, nothing applied")?;
+        }
         // Later errors are mostly consequences of the first ones (a set that was refused, then every
         // element and rule naming it); show the first few.
         const SHOWN: usize = 3;
@@ -43,12 +64,15 @@ impl std::error::Error for CommitError {}
 /// A netlink socket speaking nf_tables, bound to the namespace of the thread that opened it.
 pub struct NftSocket {
     sock: NlSocket,
+    /// Reads of `read_tables` repeated because the ruleset changed meanwhile, since open.
+    reread: u64,
 }
 
 impl NftSocket {
     pub fn open() -> std::io::Result<Self> {
         Ok(NftSocket {
             sock: NlSocket::open(libc::NETLINK_NETFILTER)?,
+            reread: 0,
         })
     }
 
@@ -57,25 +81,37 @@ impl NftSocket {
         if tx.is_empty() {
             return Ok(0);
         }
-        let first = self.sock.reserve_seq(wire::seq_count(tx));
-        let batch = wire::encode_batch(tx, first);
-        match self.sock.transact(&batch.bytes, batch.ack_seq) {
-            Ok(()) => Ok(batch.bytes.len()),
-            Err(errors) => Err(CommitError {
-                failures: errors
-                    .0
-                    .into_iter()
-                    .map(|e| {
-                        let what = match &e {
-                            NetlinkError::Kernel { seq, .. } => {
-                                batch.change_index(*seq).map(|i| tx.changes[i].to_string())
-                            }
-                            _ => None,
-                        };
-                        (what, e)
-                    })
-                    .collect(),
-            }),
+        let n = wire::seq_count(tx);
+        let first = self.sock.reserve_seq(n);
+        let batch = wire::encode_batch(tx, first).map_err(|e| CommitError::one(None, e.into()))?;
+        let expect = Expect::Acks {
+            first,
+            last: first.wrapping_add(n - 1),
+            ack: batch.ack_seq,
+            batch_begin: Some(first),
+        };
+        let refused = self
+            .sock
+            .transact("nf_tables batch", &batch.bytes, expect)
+            .map_err(|e| CommitError::one(None, e))?;
+        if refused.is_empty() {
+            return Ok(batch.bytes.len());
+        }
+        Err(CommitError {
+            failures: refused
+                .into_iter()
+                .map(|e| (Self::object_of(tx, &batch, &e), e))
+                .collect(),
+        })
+    }
+
+    /// The change a kernel error names, by its message's sequence number.
+    fn object_of(tx: &Transaction, batch: &wire::EncodedBatch, e: &NetlinkError) -> Option<String> {
+        match e {
+            NetlinkError::Kernel { seq, .. } => {
+                batch.change_index(*seq).map(|i| tx.changes[i].to_string())
+            }
+            _ => None,
         }
     }
 
@@ -83,11 +119,54 @@ impl NftSocket {
     pub fn generation(&mut self) -> Result<u32, NetlinkError> {
         let seq = self.sock.reserve_seq(1);
         // GETGEN is not a dump: the request asks for an ACK, which ends the answer after NEWGEN.
-        let msgs = self.sock.dump(&wire::getgen_request(seq))?;
+        let msgs = self
+            .sock
+            .dump_as("nf_tables GETGEN", &wire::getgen_request(seq)?)?;
         msgs.iter()
             .find(|(t, _)| *t & 0xff == NFT_MSG_NEWGEN)
             .and_then(|(_, p)| crate::netlink::Attrs(p.get(4..)?).get(NFTA_GEN_ID)?.be32())
-            .ok_or_else(|| NetlinkError::Protocol("no generation in answer".into()))
+            .ok_or_else(|| NetlinkError::Protocol {
+                request: crate::netlink::Request {
+                    what: "nf_tables GETGEN".into(),
+                    seq,
+                },
+                detail: "no generation in the answer".into(),
+            })
+    }
+
+    /// Reads several tables as one consistent view: the ruleset generation is read before and after, and
+    /// the read is repeated (up to `READ_ATTEMPTS` times) when anyone committed in between, since the
+    /// separate dumps could then mix states from before and after that commit.
+    pub fn read_tables(
+        &mut self,
+        tables: &[(Family, &str)],
+    ) -> Result<Vec<Option<TableState>>, DumpError> {
+        for attempt in 1..=READ_ATTEMPTS {
+            let before = self.generation()?;
+            let states = tables
+                .iter()
+                .map(|(family, name)| self.dump_table(*family, name))
+                .collect::<Result<Vec<_>, _>>()?;
+            let after = self.generation()?;
+            if before == after {
+                return Ok(states);
+            }
+            self.reread += 1;
+            tracing::debug!(
+                attempt,
+                before,
+                after,
+                "the ruleset changed while our tables were read; reading again"
+            );
+        }
+        Err(DumpError::Unstable {
+            attempts: READ_ATTEMPTS,
+        })
+    }
+
+    /// How many reads `read_tables` had to repeat because someone committed during them.
+    pub fn rereads(&self) -> u64 {
+        self.reread
     }
 
     /// The names of every table of `family`, ours and everyone else's.
@@ -102,21 +181,14 @@ impl NftSocket {
         Ok(names)
     }
 
-    /// Reads one table back (None when it does not exist).
+    /// Reads one table back (None when it does not exist). Its parts come from separate dumps: for a view
+    /// that no concurrent commit can tear, use `read_tables`.
     pub fn dump_table(
         &mut self,
         family: Family,
         name: &str,
     ) -> Result<Option<TableState>, DumpError> {
-        let tables = self.dump(NFT_MSG_GETTABLE, family, None, None)?;
-        let mut found = false;
-        for p in &tables {
-            let (f, n) = wire::decode_table(p)?;
-            if f == family && n == name {
-                found = true;
-            }
-        }
-        if !found {
+        if !self.list_tables(family)?.iter().any(|n| n == name) {
             return Ok(None);
         }
         let mut state = TableState::new(family, name);
@@ -212,8 +284,26 @@ impl NftSocket {
         set: Option<&str>,
     ) -> Result<Vec<Vec<u8>>, NetlinkError> {
         let seq = self.sock.reserve_seq(1);
-        let req = wire::dump_request(msg, family, table, set, seq);
-        Ok(self.sock.dump(&req)?.into_iter().map(|(_, p)| p).collect())
+        let req = wire::dump_request(msg, family, table, set, seq)?;
+        let what = format!(
+            "nf_tables dump {} {} {}{}",
+            dump_kind(msg),
+            family.as_str(),
+            table.unwrap_or("*"),
+            set.map(|s| format!(" set {s}")).unwrap_or_default()
+        );
+        Ok(self
+            .sock
+            .dump_as(&what, &req)?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect())
+    }
+
+    /// The port id our commits carry, kept current when the socket is replaced: the event monitor ignores
+    /// events with it.
+    pub fn port_handle(&self) -> Arc<AtomicU32> {
+        self.sock.port_handle()
     }
 
     /// The raw socket, for event subscriptions.
@@ -247,10 +337,66 @@ fn resolve_anonymous_sets(
     rule
 }
 
+fn dump_kind(msg: u16) -> &'static str {
+    match msg {
+        NFT_MSG_GETTABLE => "tables",
+        NFT_MSG_GETCHAIN => "chains",
+        NFT_MSG_GETSET => "sets",
+        NFT_MSG_GETSETELEM => "elements",
+        NFT_MSG_GETRULE => "rules",
+        _ => "objects",
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DumpError {
     #[error(transparent)]
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
     Decode(#[from] wire::DecodeError),
+    /// Someone kept committing while we read: no consistent view was had.
+    #[error("the ruleset changed during each of {attempts} reads of our tables")]
+    Unstable { attempts: u32 },
+}
+
+impl From<crate::netlink::LengthError> for DumpError {
+    fn from(e: crate::netlink::LengthError) -> Self {
+        DumpError::Netlink(e.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::tx::Op;
+
+    #[test]
+    fn an_attribute_too_long_fails_the_commit_before_anything_is_sent() {
+        let mut s = NftSocket::open().expect("netlink socket");
+        let mut tx = Transaction::default();
+        let huge = Element {
+            key: vec![0u8; 70_000].into(),
+            value: None,
+        };
+        tx.push(
+            Family::Ip,
+            "nftkube",
+            Op::AddElements {
+                set: "s".into(),
+                elements: vec![huge],
+            },
+        );
+        let e = s.commit(&tx).unwrap_err();
+        assert!(
+            matches!(
+                e.failures.as_slice(),
+                [(
+                    None,
+                    NetlinkError::Length(crate::netlink::LengthError::Attribute { .. })
+                )]
+            ),
+            "{e:?}"
+        );
+        assert!(!e.outcome_unknown(), "nothing was sent: {e}");
+    }
 }

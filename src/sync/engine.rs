@@ -108,10 +108,11 @@ impl<B: Backend> SyncEngine<B> {
         // The index takes the pieces and the desired tables borrow from it, so that the only copy of every
         // element is the transaction's, and the commit drops each chunk of that once it is sent.
         let index = Index::build(pieces);
-        let mut current = Vec::new();
-        for t in &skeleton {
-            current.push(self.backend.read_table(t.family, &t.name)?);
-        }
+        let tables: Vec<_> = skeleton
+            .iter()
+            .map(|t| (t.family, t.name.as_str()))
+            .collect();
+        let current = self.backend.read_tables(&tables)?;
         let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
         let desired = Desired::assemble(&skeleton, index.committed_pieces());

@@ -1,7 +1,9 @@
 //! Encoding of transactions into one nf_tables netlink batch. Pure: bytes in, bytes out.
 
 use super::consts::*;
-use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
+use crate::netlink::{
+    LengthError, MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST,
+};
 use crate::nft::ir::*;
 use crate::nft::tx::{Change, Op, Transaction};
 
@@ -36,12 +38,12 @@ fn msg_type(t: u16) -> u16 {
 
 /// Encodes the transaction as BEGIN, one message per object (element lists split into chunks), END.
 /// Sequence numbers start at `first_seq`. Only the last object message asks for an ACK (see socket.rs).
-pub fn encode_batch(tx: &Transaction, first_seq: u32) -> EncodedBatch {
+pub fn encode_batch(tx: &Transaction, first_seq: u32) -> Result<EncodedBatch, LengthError> {
     let mut seq = first_seq;
     let mut bytes = Vec::new();
     let mut begin = MsgBuilder::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq);
     begin.raw(&nfgen(0, NFNL_SUBSYS_NFTABLES));
-    bytes.extend(begin.finish());
+    bytes.extend(begin.finish()?);
     seq = seq.wrapping_add(1);
 
     let mut msgs: Vec<(u16, u8, usize, Body)> = Vec::new();
@@ -60,19 +62,19 @@ pub fn encode_batch(tx: &Transaction, first_seq: u32) -> EncodedBatch {
         let mut m = MsgBuilder::new(msg_type(t), flags, seq);
         m.raw(&nfgen(tx.changes[i].family.nfproto(), 0));
         body(&mut m);
-        bytes.extend(m.finish());
+        bytes.extend(m.finish()?);
         seqs.push((seq, i));
         seq = seq.wrapping_add(1);
     }
     let ack_seq = seqs.last().map(|(s, _)| *s).unwrap_or(first_seq);
     let mut end = MsgBuilder::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq);
     end.raw(&nfgen(0, NFNL_SUBSYS_NFTABLES));
-    bytes.extend(end.finish());
-    EncodedBatch {
+    bytes.extend(end.finish()?);
+    Ok(EncodedBatch {
         bytes,
         seqs,
         ack_seq,
-    }
+    })
 }
 
 /// The number of sequence numbers `encode_batch` will use for this transaction.
@@ -590,7 +592,7 @@ pub fn dump_request(
     table: Option<&str>,
     set: Option<&str>,
     seq: u32,
-) -> Vec<u8> {
+) -> Result<Vec<u8>, LengthError> {
     let flags = NLM_F_REQUEST | crate::netlink::NLM_F_DUMP;
     let mut m = MsgBuilder::new(msg_type(msg), flags, seq);
     m.raw(&nfgen(family.nfproto(), 0));
@@ -606,7 +608,7 @@ pub fn dump_request(
 }
 
 /// A NFT_MSG_GETGEN request: the ruleset generation changes with every commit by anyone.
-pub fn getgen_request(seq: u32) -> Vec<u8> {
+pub fn getgen_request(seq: u32) -> Result<Vec<u8>, LengthError> {
     let mut m = MsgBuilder::new(msg_type(NFT_MSG_GETGEN), NLM_F_REQUEST | NLM_F_ACK, seq);
     m.raw(&nfgen(0, 0));
     m.finish()

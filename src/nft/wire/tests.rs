@@ -30,7 +30,7 @@ fn object_messages(bytes: &[u8]) -> Vec<(u16, u16, u32, Vec<u8>)> {
 
 /// Encodes one op and returns the raw bytes of its only object message (header included).
 fn one_message(family: Family, op: Op) -> Vec<u8> {
-    let b = encode_batch(&tx_of(family, vec![op]), 1);
+    let b = encode_batch(&tx_of(family, vec![op]), 1).unwrap();
     let msgs: Vec<Msg<'_>> = messages(&b.bytes).collect();
     assert_eq!(msgs.len(), 3, "BEGIN, one object, END");
     let begin_len = u32::from_ne_bytes(b.bytes[0..4].try_into().unwrap()) as usize;
@@ -247,7 +247,7 @@ fn rule_op(rule: Rule) -> Op {
 #[cfg(target_endian = "little")]
 #[test]
 fn pinned_newtable_batch() {
-    let b = encode_batch(&tx_of(Family::Ip, vec![Op::AddTable]), 1);
+    let b = encode_batch(&tx_of(Family::Ip, vec![Op::AddTable]), 1).unwrap();
     assert_pinned(
         &b.bytes,
         concat!(
@@ -659,7 +659,7 @@ fn batch_framing_flags_and_sequence_numbers() {
     );
     tx.push(Family::Ip6, TABLE, Op::DeleteTable);
     let first = 0xffff_fffe; // sequence numbers wrap
-    let b = encode_batch(&tx, first);
+    let b = encode_batch(&tx, first).unwrap();
     let msgs: Vec<Msg<'_>> = messages(&b.bytes).collect();
     assert_eq!(msgs.len(), tx.changes.len() + 2);
     assert_eq!(seq_count(&tx), msgs.len() as u32);
@@ -731,7 +731,7 @@ fn big_element_lists_are_split_and_map_back_to_their_change() {
             rule_op(vmap_rule()),
         ],
     );
-    let b = encode_batch(&tx, 1);
+    let b = encode_batch(&tx, 1).unwrap();
     let objects = object_messages(&b.bytes);
     assert!(objects.len() > 3, "{} messages", objects.len());
     assert_eq!(seq_count(&tx), objects.len() as u32 + 2);
@@ -756,7 +756,7 @@ fn big_element_lists_are_split_and_map_back_to_their_change() {
 // Round trips: what we encode decodes to the same value.
 
 fn single_payload(family: Family, op: Op) -> (u16, Vec<u8>) {
-    let b = encode_batch(&tx_of(family, vec![op]), 7);
+    let b = encode_batch(&tx_of(family, vec![op]), 7).unwrap();
     let objects = object_messages(&b.bytes);
     assert_eq!(objects.len(), 1);
     let (t, _, _, payload) = objects.into_iter().next().unwrap();
@@ -1005,7 +1005,7 @@ fn anonymous_sets_go_in_the_batch_before_their_rule() {
             rule,
         },
     );
-    let batch = encode_batch(&tx, 1);
+    let batch = encode_batch(&tx, 1).unwrap();
     let types: Vec<u16> = messages(&batch.bytes).map(|m| m.msg_type & 0xff).collect();
     assert_eq!(
         types,
@@ -1323,7 +1323,7 @@ fn elements_round_trip() {
                     elements: elements.clone(),
                 }
             };
-            let b = encode_batch(&tx_of(Family::Ip, vec![op]), 1);
+            let b = encode_batch(&tx_of(Family::Ip, vec![op]), 1).unwrap();
             let objects = object_messages(&b.bytes);
             if elements.is_empty() {
                 assert!(objects.is_empty(), "no message for no elements");
@@ -1401,7 +1401,7 @@ fn unknown_expressions_decode_to_a_rule_that_never_matches_ours() {
             m.nested(NFTA_EXPR_DATA, |_| {});
         });
     });
-    let bytes = m.finish();
+    let bytes = m.finish().unwrap();
     let (_, _, rule) = decode_rule(&bytes[16..]).unwrap();
     assert!(rule.exprs.is_empty());
     assert!(rule.comment.unwrap().contains("log"));
