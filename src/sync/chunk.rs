@@ -1,8 +1,10 @@
 //! What a sync will commit, and its cutting into several transactions, so that no single commit holds the
 //! kernel's nf_tables mutex for long (a 50k-service first sync would otherwise be one multi-second batch;
-//! see KERNEL-NOTES on soft lockups). Cuts fall only inside or between element operations, never between a
-//! chain flush and its new rules, and the diff removes dispatch elements first and adds them last, so every
-//! chunk leaves each service either fully programmed or not yet reachable.
+//! see KERNEL-NOTES on soft lockups). The diff removes dispatch elements first and adds them last, so every
+//! chunk leaves each service either fully programmed or not yet reachable; changes that are only consistent
+//! together (a chain's flush and its new rules, a table replaced with all its content) form a group, which a
+//! cut never splits: a group that does not fit what is left of a part starts the next one, and a group
+//! bigger than a part is a part of its own.
 //!
 //! Element operations borrow their elements from wherever they already live (the index's pieces, the table
 //! as read back, a partial sync's delta); each part copies only its own elements, when it is built, and is
@@ -31,6 +33,42 @@ enum Planned<'a> {
         add: bool,
         elements: Vec<&'a Element>,
     },
+    /// Never cut: committed in one transaction.
+    Group(Vec<Planned<'a>>),
+}
+
+impl Planned<'_> {
+    /// Its weight against a part's budget: objects count one, element operations their elements.
+    fn load(&self) -> usize {
+        match self {
+            Planned::Object(_) => 1,
+            Planned::Elements { elements, .. } => elements.len(),
+            Planned::Group(g) => g.iter().map(Planned::load).sum(),
+        }
+    }
+
+    /// Appends it, whole, to a transaction.
+    fn append_to(self, part: &mut Transaction) {
+        match self {
+            Planned::Object(Change { family, table, op }) => part.push(family, &table, op),
+            Planned::Elements {
+                family,
+                table,
+                set,
+                add,
+                elements,
+            } => {
+                let elements = elements.into_iter().cloned().collect();
+                let op = if add {
+                    Op::AddElements { set, elements }
+                } else {
+                    Op::DeleteElements { set, elements }
+                };
+                part.push(family, &table, op);
+            }
+            Planned::Group(g) => g.into_iter().for_each(|p| p.append_to(part)),
+        }
+    }
 }
 
 impl<'a> Plan<'a> {
@@ -87,9 +125,24 @@ impl<'a> Plan<'a> {
         });
     }
 
-    /// Number of planned changes (an element operation counts one).
+    /// Plans the changes `f` makes as a group that no cut splits (see the module's comment).
+    pub fn group(&mut self, f: impl FnOnce(&mut Plan<'a>)) {
+        let mut inner = Plan::default();
+        f(&mut inner);
+        if !inner.changes.is_empty() {
+            self.changes.push(Planned::Group(inner.changes));
+        }
+    }
+
+    /// Number of planned changes (an element operation counts one, a group its members).
     pub fn len(&self) -> usize {
-        self.changes.len()
+        fn count(p: &Planned) -> usize {
+            match p {
+                Planned::Group(g) => g.iter().map(count).sum(),
+                _ => 1,
+            }
+        }
+        self.changes.iter().map(count).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -98,14 +151,22 @@ impl<'a> Plan<'a> {
 
     /// One line per change, for trace logs.
     pub fn describe(&self) -> impl Iterator<Item = String> + '_ {
-        self.changes.iter().map(|c| c.to_string())
+        fn lines(p: &Planned, out: &mut Vec<String>) {
+            match p {
+                Planned::Group(g) => g.iter().for_each(|q| lines(q, out)),
+                _ => out.push(p.to_string()),
+            }
+        }
+        let mut out = Vec::new();
+        self.changes.iter().for_each(|c| lines(c, &mut out));
+        out.into_iter()
     }
 
     /// The plan as transactions of at most `max` elements each (other objects count one), in order. Lazy:
     /// each part's elements are copied only when the part is asked for.
     pub fn parts(self, max: usize) -> Parts<'a> {
         Parts {
-            changes: self.changes.into_iter(),
+            changes: self.changes.into_iter().peekable(),
             pending: None,
             max: max.max(1),
         }
@@ -116,6 +177,7 @@ impl fmt::Display for Planned<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Planned::Object(c) => c.fmt(f),
+            Planned::Group(g) => write!(f, "a group of {} changes", g.len()),
             Planned::Elements {
                 family,
                 table,
@@ -140,7 +202,7 @@ impl fmt::Display for Planned<'_> {
 
 /// The parts of a plan, in order (see [`Plan::parts`]).
 pub struct Parts<'a> {
-    changes: std::vec::IntoIter<Planned<'a>>,
+    changes: std::iter::Peekable<std::vec::IntoIter<Planned<'a>>>,
     /// An element operation cut part-way: what is left of it goes first into the next part.
     pending: Option<Pending<'a>>,
     max: usize,
@@ -162,12 +224,23 @@ impl Iterator for Parts<'_> {
         let mut load = 0;
         while load < self.max {
             let Some(p) = &mut self.pending else {
+                // A group goes whole into this part, or (when it does not fit what is left) starts the next.
+                if let Some(Planned::Group(_)) = self.changes.peek() {
+                    let need = self.changes.peek().map_or(0, Planned::load);
+                    if load > 0 && load + need > self.max {
+                        break;
+                    }
+                    load += need;
+                    self.changes.next().expect("peeked").append_to(&mut part);
+                    continue;
+                }
                 match self.changes.next() {
                     None => break,
                     Some(Planned::Object(Change { family, table, op })) => {
                         load += 1;
                         part.push(family, &table, op);
                     }
+                    Some(Planned::Group(_)) => unreachable!("handled above"),
                     Some(Planned::Elements {
                         family,
                         table,
@@ -264,6 +337,63 @@ mod tests {
         assert_eq!(collect("b", false), b);
         assert!(matches!(flat[0].op, Op::AddTable));
         assert!(matches!(flat[1].op, Op::FlushChain(_)));
+    }
+
+    /// The changes of each part, as (kind, element count) pairs.
+    fn shape(parts: &[Transaction]) -> Vec<Vec<(&'static str, usize)>> {
+        parts
+            .iter()
+            .map(|p| {
+                p.changes
+                    .iter()
+                    .map(|c| match &c.op {
+                        Op::AddElements { elements, .. } => ("add", elements.len()),
+                        Op::DeleteElements { elements, .. } => ("delete", elements.len()),
+                        Op::FlushChain(_) => ("flush", 1),
+                        Op::AddRule { .. } => ("rule", 1),
+                        _ => ("object", 1),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_group_on_the_boundary_moves_whole_into_the_next_part() {
+        let (a, b) = (elements(8), elements(30));
+        let rule = || Op::AddRule {
+            chain: "c".into(),
+            rule: crate::nft::ir::Rule {
+                exprs: vec![],
+                comment: None,
+            },
+        };
+        let mut plan = Plan::default();
+        plan.add_elements(Family::Ip, "t", "a", a.iter().collect());
+        // 8 elements used; the group (flush + 3 rules) would straddle the cut at 10.
+        plan.group(|g| {
+            g.push(Family::Ip, "t", Op::FlushChain("c".into()));
+            for _ in 0..3 {
+                g.push(Family::Ip, "t", rule());
+            }
+        });
+        // A group bigger than a part is a part of its own, elements and all.
+        plan.group(|g| {
+            g.push(Family::Ip, "t", Op::DeleteTable);
+            g.push(Family::Ip, "t", Op::AddTable);
+            g.add_elements(Family::Ip, "t", "b", b.iter().collect());
+        });
+        plan.add_elements(Family::Ip, "t", "a", a.iter().collect());
+        let parts: Vec<Transaction> = plan.parts(10).collect();
+        assert_eq!(
+            shape(&parts),
+            vec![
+                vec![("add", 8)],
+                vec![("flush", 1), ("rule", 1), ("rule", 1), ("rule", 1)],
+                vec![("object", 1), ("object", 1), ("add", 30)],
+                vec![("add", 8)],
+            ]
+        );
     }
 
     #[test]
