@@ -171,6 +171,10 @@ fn without_expiry(line: &str) -> String {
         rest = &time[end..];
     }
     out.push_str(rest);
+    // nft 1.1 notes how many elements a dynamic set holds (`size 65535\t# count 2`): live, like the expiry.
+    if let Some(i) = out.find("\t# count ") {
+        out.truncate(i);
+    }
     out
 }
 
