@@ -155,7 +155,7 @@ fn long_comment() -> String {
 
 /// The `ip` table: every expression kind, every set key kind, in chains whose hooks allow them.
 fn ip_table() -> TableState {
-    use DataType::{InetProto, InetService, Integer, Ipv4Addr, Mark};
+    use DataType::{InetProto, InetService, Ipv4Addr, Mark};
     let mut t = TableState::new(Family::Ip, TABLE);
     t.add_set(set(
         "service-ips",
@@ -631,7 +631,7 @@ fn ip_table() -> TableState {
 
 /// The `ip6` table: 16-byte addresses in concatenations (NFT_REG_2 after an address), v6 NAT, ICMPv6.
 fn ip6_table() -> TableState {
-    use DataType::{InetProto, InetService, Ipv6Addr, Mark};
+    use DataType::{InetProto, InetService, Ipv6Addr};
     let v6 = |s: &str| ip_bytes(&ip(s));
     let mut t = TableState::new(Family::Ip6, TABLE);
     t.add_set(set(
