@@ -19,11 +19,19 @@ pub fn diff_table<'a>(
     let (fam, name) = (new.family, new.name);
     let old = match old {
         Some(o) if compatible(o, &new) => o,
-        Some(_) => {
+        Some(o) => {
             // A set's type or a base chain's hook changed (an upgrade of nftkube itself): such objects cannot
-            // be altered in place, so the table is replaced, still inside this one atomic batch.
-            tx.push(fam, name, Op::DeleteTable);
-            create_table(tx, new);
+            // be altered in place, so the table is replaced with all its content in one transaction (a
+            // group: never cut), so that no packet ever meets a table half old, half new.
+            tracing::info!(
+                table = %format!("{} {name}", fam.as_str()),
+                replaced = %incompatible(o, &new).join(", "),
+                "migrating a table of another layout: replaced in one transaction"
+            );
+            tx.group(|g| {
+                g.push(fam, name, Op::DeleteTable);
+                create_table(g, new);
+            });
             return Vec::new();
         }
         None => {
@@ -77,12 +85,13 @@ pub fn diff_table<'a>(
     for (n, c) in &new.chains {
         match old.chains.get(*n) {
             Some(o) if o.rules == c.rules => {}
-            Some(o) => {
+            // The flush and the new rules are one group: a cut between them would leave the chain empty.
+            Some(o) => tx.group(|g| {
                 if !o.rules.is_empty() {
-                    tx.push(fam, name, Op::FlushChain(n.to_string()));
+                    g.push(fam, name, Op::FlushChain(n.to_string()));
                 }
-                add_rules(tx, fam, name, c);
-            }
+                add_rules(g, fam, name, c);
+            }),
             None => {} // added above
         }
     }
@@ -136,6 +145,21 @@ fn compatible(old: &TableState, new: &Desired) -> bool {
             .chains
             .iter()
             .all(|(n, c)| old.chains.get(*n).is_none_or(|o| o.chain == c.chain))
+}
+
+/// The sets and base chains of `old` that `new` declares differently.
+fn incompatible(old: &TableState, new: &Desired) -> Vec<String> {
+    let sets = new
+        .sets
+        .iter()
+        .filter(|(n, s)| old.sets.get(**n).is_some_and(|o| o.set != *s.set))
+        .map(|(n, _)| format!("set {n}"));
+    let chains = new
+        .chains
+        .iter()
+        .filter(|(n, c)| old.chains.get(**n).is_some_and(|o| o.chain != c.chain))
+        .map(|(n, _)| format!("chain {n}"));
+    sets.chain(chains).collect()
 }
 
 /// `t` is consumed: its element lists move into the plan as they are (at 50k services a copy of them is
