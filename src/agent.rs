@@ -240,6 +240,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                         full = report.full,
                         changes = report.changes,
                         bytes = report.bytes,
+                        transactions = report.transactions,
                         services = state.service_map().len(),
                         changed_services = changes.changed_services.len(),
                         commit_ms = report.commit_time.as_secs_f64() * 1000.0,

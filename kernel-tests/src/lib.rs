@@ -9,10 +9,14 @@ use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::{Family, TableState};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::sandbox::Sandbox;
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use nftkube::sandbox;
@@ -461,4 +465,39 @@ pub fn route_from_outside(sb: &Sandbox, net: std::net::Ipv4Addr, prefix: u8) {
         })
         .expect("entering the outside client's namespace")
         .expect("adding the route");
+}
+
+/// A client that connects every 5 ms until stopped, and counts what failed (with when).
+pub struct ContinuousClient {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<(usize, Vec<(Duration, String)>)>,
+}
+
+impl ContinuousClient {
+    pub fn start(ns: &NetNs, dst: SocketAddr) -> ContinuousClient {
+        let ns = NetNs::open_existing(ns.name()).expect("opening the client's namespace");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            ns.run(move || {
+                let (start, mut tries, mut failures) = (Instant::now(), 0, Vec::new());
+                while !flag.load(Ordering::Relaxed) {
+                    tries += 1;
+                    if let Err(e) = sandbox::tcp_request_here(dst, Duration::from_secs(1)) {
+                        failures.push((start.elapsed(), format!("{dst}: {e}")));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                (tries, failures)
+            })
+            .expect("entering the client's namespace")
+        });
+        ContinuousClient { stop, thread }
+    }
+
+    /// Stops it: (connections tried, failures with the time since start).
+    pub fn stop(self) -> (usize, Vec<(Duration, String)>) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("client thread")
+    }
 }

@@ -5,16 +5,13 @@
 //! the examples with a ClientIP-affinity service (`fixtures/upgrade-sticky.yaml`, the affinity shape nft could
 //! not list): encoded by that release's own codec into empty tables, replayed here byte for byte.
 
-use kernel_tests::sandbox::{self, tcp_request_here};
+use kernel_tests::sandbox;
 use kernel_tests::*;
 use nftkube::netlink::attr::messages;
 use nftkube::netlink::{Expect, NlSocket, NLM_F_ACK};
 use nftkube::netns::NetNs;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SYNC: Duration = Duration::from_secs(15);
 
@@ -46,40 +43,6 @@ fn replay(ns: &NetNs, batch: Vec<u8>) {
     .expect("entering the node namespace");
 }
 
-/// A client that connects every 5 ms until stopped, and counts what failed (with when).
-struct Client {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<(usize, Vec<(Duration, String)>)>,
-}
-
-impl Client {
-    fn start(ns: &NetNs, dst: SocketAddr) -> Client {
-        let ns = NetNs::open_existing(ns.name()).expect("opening the client's namespace");
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            ns.run(move || {
-                let (start, mut tries, mut failures) = (Instant::now(), 0, Vec::new());
-                while !flag.load(Ordering::Relaxed) {
-                    tries += 1;
-                    if let Err(e) = tcp_request_here(dst, Duration::from_secs(1)) {
-                        failures.push((start.elapsed(), format!("{dst}: {e}")));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                (tries, failures)
-            })
-            .expect("entering the client's namespace")
-        });
-        Client { stop, thread }
-    }
-
-    fn stop(self) -> (usize, Vec<(Duration, String)>) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("client thread")
-    }
-}
-
 /// Replays `batch`, checks the old layout serves `targets`, then starts the agent under continuous clients to
 /// every target: not one connection may fail, and the agent must say it migrated the layout.
 fn upgrade_under_traffic(tag: &str, batch: &[u8], sticky: bool, targets: &[SocketAddr]) {
@@ -95,9 +58,9 @@ fn upgrade_under_traffic(tag: &str, batch: &[u8], sticky: bool, targets: &[Socke
             "the previous release's tables do not serve {dst}"
         );
     }
-    let clients: Vec<Client> = targets
+    let clients: Vec<ContinuousClient> = targets
         .iter()
-        .map(|d| Client::start(sb.client(), *d))
+        .map(|d| ContinuousClient::start(sb.client(), *d))
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let mut agent = Agent::start(sb.node(), &m.dir, &[]);

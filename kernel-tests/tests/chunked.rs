@@ -1,0 +1,88 @@
+//! A first sync big enough to be committed in several transactions (README "How it syncs": chunks of at most
+//! 25 000 elements) never exposes a half state: services that already exist keep answering every
+//! connection while a restarted agent programs five thousand new ones around them.
+
+use kernel_tests::*;
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+const SYNC: Duration = Duration::from_secs(60);
+const SERVICES: usize = 5_000;
+
+/// `n` ClusterIP services (10.100.0.0/16), each with two endpoints nobody answers on (10.200-201.0.0/16): about
+/// six elements each, so the first sync of all of them is over 25 000 elements.
+fn many_services(n: usize) -> String {
+    let mut out = String::new();
+    for i in 0..n {
+        let (hi, lo) = (i / 250, i % 250 + 1);
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: bulk-{i}, namespace: bulk}}\n\
+             spec:\n  clusterIP: 10.100.{hi}.{lo}\n  ports:\n  - {{name: tcp, port: 80, protocol: TCP}}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: bulk-{i}-a, namespace: bulk, labels: {{kubernetes.io/service-name: bulk-{i}}}}}\n\
+             addressType: IPv4\nports:\n- {{name: tcp, port: 8080, protocol: TCP}}\nendpoints:\n\
+             - {{addresses: [\"10.200.{hi}.{lo}\"]}}\n- {{addresses: [\"10.201.{hi}.{lo}\"]}}\n"
+        );
+    }
+    out
+}
+
+#[test]
+fn a_chunked_first_sync_never_fails_a_connection_to_a_service_that_exists() {
+    let sb = sandbox("nk-chunk", 3);
+    let m = Manifests::examples();
+    let mut agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    assert!(agent.stop(), "the first agent did not stop cleanly");
+
+    // The rules stay when the agent exits; clients keep using them while the next agent starts.
+    m.write("bulk.yaml", &many_services(SERVICES));
+    let targets: Vec<SocketAddr> = ["10.96.0.10:80", "[fd00:96::10]:80"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    for dst in &targets {
+        assert!(served(sb.client(), *dst, Duration::from_secs(2)), "{dst}");
+    }
+    let clients: Vec<ContinuousClient> = targets
+        .iter()
+        .map(|d| ContinuousClient::start(sb.client(), *d))
+        .collect();
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    std::thread::sleep(Duration::from_millis(500));
+    for (dst, client) in targets.iter().zip(clients) {
+        let (tries, failures) = client.stop();
+        assert!(tries > 20, "{dst}: only {tries} connections tried");
+        assert!(
+            failures.is_empty(),
+            "{} of {tries} connections to {dst} failed during the chunked sync: {failures:?}",
+            failures.len()
+        );
+    }
+    let log = agent.log();
+    let transactions = log
+        .lines()
+        .find(|l| l.contains("sync complete") && l.contains("full=true"))
+        .and_then(|l| l.split("transactions=").nth(1))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<usize>().ok());
+    assert!(
+        transactions.is_some_and(|t| t >= 2),
+        "the first sync was not chunked ({transactions:?} transactions); log:\n{log}"
+    );
+    // One of the new services is programmed too.
+    let new = sb.node().run(|| {
+        let mut s = nftkube::nft::netlink::NftSocket::open().unwrap();
+        s.dump_set(
+            nftkube::nft::ir::Family::Ip,
+            "nftkube",
+            nftkube::render::names::MAP_SERVICE_IPS,
+        )
+        .unwrap()
+        .len()
+    });
+    assert!(new.unwrap() > SERVICES, "not every service was dispatched");
+}
