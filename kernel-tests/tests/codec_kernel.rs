@@ -46,6 +46,7 @@ fn set(name: &str, key: Vec<DataType>, data: Vec<DataType>) -> Set {
         data,
         timeout_ms: None,
         dynamic: false,
+        size: None,
     }
 }
 
@@ -185,6 +186,7 @@ fn ip_table() -> TableState {
         data: vec![],
         timeout_ms: Some(3 * 3600 * 1000),
         dynamic: true,
+        size: None,
     });
     t.add_set(Set {
         name: "aff-map".into(),
@@ -192,6 +194,7 @@ fn ip_table() -> TableState {
         data: vec![Ipv4Addr],
         timeout_ms: Some(60_000),
         dynamic: true,
+        size: None,
     });
     t.add_set(Set {
         name: "seen".into(),
@@ -199,6 +202,7 @@ fn ip_table() -> TableState {
         data: vec![],
         timeout_ms: None,
         dynamic: true,
+        size: None,
     });
 
     elements(
@@ -658,6 +662,7 @@ fn ip6_table() -> TableState {
         data: vec![],
         timeout_ms: Some(10_800_000),
         dynamic: true,
+        size: None,
     });
     elements(
         &mut t,

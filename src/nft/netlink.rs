@@ -109,17 +109,18 @@ impl NftSocket {
         name: &str,
     ) -> Result<Option<TableState>, DumpError> {
         let tables = self.dump(NFT_MSG_GETTABLE, family, None, None)?;
-        let mut found = false;
+        let mut found = None;
         for p in &tables {
             let (f, n) = wire::decode_table(p)?;
             if f == family && n == name {
-                found = true;
+                found = Some(wire::decode_table_flags(p)?);
             }
         }
-        if !found {
+        let Some(flags) = found else {
             return Ok(None);
-        }
+        };
         let mut state = TableState::new(family, name);
+        state.flags = flags;
         for p in self.dump(NFT_MSG_GETCHAIN, family, Some(name), None)? {
             let (t, chain) = wire::decode_chain(&p)?;
             if t == name {

@@ -20,6 +20,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         data,
         timeout_ms: None,
         dynamic: false,
+        size: None,
     };
     t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
     t.add_set(plain_set(
@@ -45,6 +46,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
         dynamic: true,
+        size: None,
     });
     let port_key = vec![DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(

@@ -34,6 +34,7 @@ pub const NFTA_CHAIN_POLICY: u16 = 5;
 pub const NFTA_CHAIN_TYPE: u16 = 7;
 pub const NFTA_HOOK_HOOKNUM: u16 = 1;
 pub const NFTA_HOOK_PRIORITY: u16 = 2;
+pub const NFTA_HOOK_DEV: u16 = 3;
 
 pub const NFTA_RULE_TABLE: u16 = 1;
 pub const NFTA_RULE_CHAIN: u16 = 2;
@@ -63,6 +64,8 @@ pub const NFTA_SET_DATA_TYPE: u16 = 6;
 pub const NFTA_SET_DATA_LEN: u16 = 7;
 pub const NFTA_SET_ID: u16 = 10;
 pub const NFTA_SET_TIMEOUT: u16 = 11;
+pub const NFTA_SET_DESC: u16 = 9;
+pub const NFTA_SET_DESC_SIZE: u16 = 1;
 
 pub const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 pub const NFTA_SET_ELEM_LIST_SET: u16 = 2;

@@ -98,6 +98,7 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
             create,
             Box::new(move |m: &mut MsgBuilder| {
                 m.attr_str(NFTA_TABLE_NAME, table);
+                // Explicit: on an existing table this message is an update, and flags 0 wakes a dormant one.
                 m.attr_be32(NFTA_TABLE_FLAGS, 0);
             }),
         )],
@@ -207,8 +208,12 @@ fn encode_chain(m: &mut MsgBuilder, table: &str, chain: &Chain) {
         m.nested(NFTA_CHAIN_HOOK, |m| {
             m.attr_be32(NFTA_HOOK_HOOKNUM, b.hook.number());
             m.attr_be32(NFTA_HOOK_PRIORITY, b.priority as u32);
+            if let Some(dev) = &b.device {
+                m.attr_str(NFTA_HOOK_DEV, dev);
+            }
         });
-        m.attr_be32(NFTA_CHAIN_POLICY, 1); // NF_ACCEPT
+        // Always explicit: on an existing chain this message is an update, and it must set the policy back.
+        m.attr_be32(NFTA_CHAIN_POLICY, b.policy.number());
         m.attr_str(NFTA_CHAIN_TYPE, b.chain_type.as_str());
     }
 }
@@ -227,6 +232,11 @@ fn encode_set(m: &mut MsgBuilder, table: &str, set: &Set) {
     }
     if let Some(ms) = set.timeout_ms {
         m.attr_be64(NFTA_SET_TIMEOUT, ms);
+    }
+    if let Some(n) = set.size {
+        m.nested(NFTA_SET_DESC, |m| {
+            m.attr_be32(NFTA_SET_DESC_SIZE, n);
+        });
     }
     // The kernel requires an ID (it lets later messages of the batch name the set before it has a
     // handle). We always refer to sets by name, so any stable number will do.

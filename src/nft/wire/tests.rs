@@ -119,14 +119,7 @@ fn assert_pinned(actual: &[u8], want: &str) {
 // The objects the pinned, round-trip and text tests share.
 
 fn nat_prerouting() -> Chain {
-    Chain {
-        name: "nat-prerouting".into(),
-        base: Some(BaseHook {
-            hook: Hook::Prerouting,
-            chain_type: ChainType::Nat,
-            priority: -100,
-        }),
-    }
+    Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100)
 }
 
 fn service_ips() -> Set {
@@ -140,6 +133,7 @@ fn service_ips() -> Set {
         data: vec![DataType::Verdict],
         timeout_ms: None,
         dynamic: false,
+        size: None,
     }
 }
 
@@ -150,6 +144,7 @@ fn aff() -> Set {
         data: vec![],
         timeout_ms: Some(10_800_000),
         dynamic: true,
+        size: None,
     }
 }
 
@@ -1147,6 +1142,7 @@ fn all_sets() -> Vec<Set> {
         data,
         timeout_ms: None,
         dynamic: false,
+        size: None,
     };
     use DataType::*;
     vec![
@@ -1175,11 +1171,16 @@ fn all_sets() -> Vec<Set> {
         set("mark-map", vec![Ipv4Addr], vec![Mark]),
         set("proto-vmap", vec![InetProto], vec![Verdict]),
         Set {
+            size: Some(1024),
+            ..set("bounded", vec![Ipv4Addr], vec![])
+        },
+        Set {
             name: "dyn-map".into(),
             key: vec![Ipv4Addr],
             data: vec![Ipv4Addr],
             timeout_ms: Some(60_000),
             dynamic: true,
+            size: None,
         },
         Set {
             name: "dyn-no-timeout".into(),
@@ -1187,6 +1188,7 @@ fn all_sets() -> Vec<Set> {
             data: vec![],
             timeout_ms: None,
             dynamic: true,
+            size: None,
         },
     ]
 }
@@ -1319,15 +1321,20 @@ fn chains_round_trip() {
         (Hook::Postrouting, ChainType::Filter, i32::MIN),
         (Hook::Input, ChainType::Filter, i32::MAX),
     ] {
-        chains.push(Chain {
-            name: format!("{}-{}", chain_type.as_str(), hook.as_str()),
-            base: Some(BaseHook {
-                hook,
-                chain_type,
-                priority,
-            }),
-        });
+        chains.push(Chain::base(
+            &format!("{}-{}", chain_type.as_str(), hook.as_str()),
+            chain_type,
+            hook,
+            priority,
+        ));
     }
+    // What drift can leave behind, read back as it is so that it compares unequal to ours.
+    let mut dropping = Chain::base("dropping", ChainType::Filter, Hook::Forward, 0);
+    dropping.base.as_mut().unwrap().policy = Policy::Drop;
+    chains.push(dropping);
+    let mut bound = Chain::base("bound", ChainType::Filter, Hook::Prerouting, 0);
+    bound.base.as_mut().unwrap().device = Some("eth0".into());
+    chains.push(bound);
     for family in [Family::Ip, Family::Ip6, Family::Inet] {
         for c in &chains {
             let (t, p) = single_payload(family, Op::AddChain(c.clone()));
@@ -1343,6 +1350,8 @@ fn tables_round_trip() {
         let (t, p) = single_payload(family, Op::AddTable);
         assert_eq!(t, NFT_MSG_NEWTABLE);
         assert_eq!(decode_table(&p).unwrap(), (family, TABLE.to_string()));
+        // Flags are sent explicitly, so that the same message wakes a dormant table.
+        assert_eq!(decode_table_flags(&p).unwrap(), 0);
     }
 }
 
