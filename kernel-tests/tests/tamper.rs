@@ -49,7 +49,11 @@ fn list_chain_with_handles(sb: &sandbox::Sandbox, chain: &str) -> String {
         .args(["-a", "list", "chain", "ip", "nftkube", chain])
         .output()
         .expect("running nft");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -238,6 +242,9 @@ fn the_agents_own_commits_cause_no_repair() {
     assert!(!log.contains("changed by someone else"), "{log}");
 }
 
+/// One connection of the black-hole test: when it started, and how it ended.
+type Attempt = (Instant, Result<(), String>);
+
 /// After a repair no client stays black-holed: connections tried while the rules were gone leave conntrack
 /// entries that were never DNATed, and a later connection from the same source port would follow them. The
 /// client's port range is narrowed to 64 ports, so ports come back within a fraction of a second.
@@ -249,8 +256,7 @@ fn no_client_stays_black_holed_after_a_ruleset_flush() {
         .unwrap()
         .expect("narrowing the client's port range");
     let stop = Arc::new(AtomicBool::new(false));
-    // (start of the attempt, outcome) for every connection.
-    let results: Arc<Mutex<Vec<(Instant, Result<(), String>)>>> = Arc::default();
+    let results: Arc<Mutex<Vec<Attempt>>> = Arc::default();
     let (s, r) = (stop.clone(), results.clone());
     let client = sb
         .client()
@@ -293,7 +299,11 @@ fn no_client_stays_black_holed_after_a_ruleset_flush() {
         results.len(),
         late.len()
     );
-    assert!(results.len() > 2000, "too few connections: {}", results.len());
+    assert!(
+        results.len() > 2000,
+        "too few connections: {}",
+        results.len()
+    );
     assert_eq!(before, 0, "failures before the flush");
     assert!(
         late.is_empty(),

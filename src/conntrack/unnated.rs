@@ -183,7 +183,7 @@ mod tests {
             &[node],
         );
         const NAT: u32 = IPS_DST_NAT | 0x8; // DNATed and confirmed
-        // Never DNATed: the reply comes from the frontend itself.
+                                            // Never DNATed: the reply comes from the frontend itself.
         assert!(f.is_black_hole(&entry("10.96.0.10", 80, IPPROTO_TCP, "10.96.0.10", 0x8)));
         assert!(f.is_black_hole(&entry("192.0.2.7", 80, IPPROTO_TCP, "192.0.2.7", 0)));
         assert!(f.is_black_hole(&entry("192.168.1.2", 30080, IPPROTO_TCP, "192.168.1.2", 0)));
@@ -205,7 +205,13 @@ mod tests {
             &[],
         );
         assert!(!cluster_only.is_black_hole(&entry("192.0.2.7", 80, IPPROTO_TCP, "192.0.2.7", 0)));
-        assert!(!cluster_only.is_black_hole(&entry("192.168.1.2", 30080, IPPROTO_TCP, "192.168.1.2", 0)));
+        assert!(!cluster_only.is_black_hole(&entry(
+            "192.168.1.2",
+            30080,
+            IPPROTO_TCP,
+            "192.168.1.2",
+            0
+        )));
     }
 
     #[test]
