@@ -252,8 +252,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                     metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
                     tracing::info!(
                         full = report.full,
-                        repair,
                         changes = report.changes,
+                        repair,
                         bytes = report.bytes,
                         services = state.service_map().len(),
                         changed_services = changes.changed_services.len(),
