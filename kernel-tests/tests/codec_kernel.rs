@@ -186,7 +186,8 @@ fn ip_table() -> TableState {
         data: vec![],
         timeout_ms: Some(3 * 3600 * 1000),
         dynamic: true,
-        size: None,
+        // Explicit: a set that a dynset expression updates gets 65535 from the kernel when it has none.
+        size: Some(1000),
     });
     t.add_set(Set {
         name: "aff-map".into(),
@@ -194,7 +195,7 @@ fn ip_table() -> TableState {
         data: vec![Ipv4Addr],
         timeout_ms: Some(60_000),
         dynamic: true,
-        size: None,
+        size: Some(65535),
     });
     t.add_set(Set {
         name: "seen".into(),
@@ -202,7 +203,7 @@ fn ip_table() -> TableState {
         data: vec![],
         timeout_ms: None,
         dynamic: true,
-        size: None,
+        size: Some(65535),
     });
 
     elements(
@@ -662,7 +663,7 @@ fn ip6_table() -> TableState {
         data: vec![],
         timeout_ms: Some(10_800_000),
         dynamic: true,
-        size: None,
+        size: Some(65535),
     });
     elements(
         &mut t,

@@ -313,3 +313,54 @@ fn no_client_stays_black_holed_after_a_ruleset_flush() {
     );
     assert_eq!(repairs(&agent), 1, "{}", agent.log());
 }
+
+/// A map that a dynset expression updates (affinity) gets an element limit from the kernel; the desired map
+/// says the same limit, so periodic full syncs find nothing to repair (no table replacement every period).
+/// Nothing here lists the ruleset with nft (it cannot list affinity rules).
+#[test]
+fn periodic_full_syncs_with_an_affinity_service_change_nothing() {
+    const STICKY: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: sticky, namespace: demo}
+spec:
+  clusterIP: 10.96.0.50
+  sessionAffinity: ClientIP
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sticky-1, namespace: demo, labels: {kubernetes.io/service-name: sticky}}
+addressType: IPv4
+ports:
+- {name: tcp, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: ["10.244.1.2"]}
+- {addresses: ["10.244.2.2"]}
+"#;
+    let sb = sandbox("nk-taff", 2);
+    let m = Manifests::examples();
+    m.write("sticky.yaml", STICKY);
+    let agent = Agent::start(sb.node(), &m.dir, &["--sync-period", "0.5"]);
+    let full_syncs = || {
+        agent
+            .log()
+            .lines()
+            .filter(|l| l.contains("sync complete") && l.contains("full=true"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    wait_until(SYNC, || full_syncs().len() >= 4)
+        .unwrap_or_else(|_| panic!("no periodic full syncs; log:\n{}", agent.log()));
+    let dst: SocketAddr = "10.96.0.50:80".parse().unwrap();
+    assert!(tcp_request(sb.client(), dst, Duration::from_secs(2)).is_ok());
+    let syncs = full_syncs();
+    for s in &syncs[1..] {
+        assert!(
+            s.contains("changes=0"),
+            "a periodic full sync changed something: {s}\n{}",
+            agent.log()
+        );
+    }
+}

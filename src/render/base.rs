@@ -10,6 +10,9 @@ use crate::nft::ir::*;
 use crate::node::NodePortAddresses;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+/// The affinity map's element limit: the kernel's default for dynamically updated sets.
+const AFFINITY_MAP_SIZE: u32 = 65535;
+
 /// The objects every table has whatever the services: hooks, the fixed chains and the sets.
 pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     let mut t = TableState::new(nft_family(f), TABLE);
@@ -46,7 +49,9 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
         dynamic: true,
-        size: None,
+        // What the kernel gives a set that a dynset expression updates when it has no size (nft_dynset_init):
+        // said explicitly, so that the map reads back as rendered once an affinity rule binds it.
+        size: Some(AFFINITY_MAP_SIZE),
     });
     let port_key = vec![DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
