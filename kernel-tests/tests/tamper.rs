@@ -67,10 +67,10 @@ fn repairs(agent: &Agent) -> usize {
 }
 
 /// A sandbox with the examples programmed and the echo service answering; the ip table as programmed.
-fn steady(tag: &str) -> (sandbox::Sandbox, Manifests, Agent, TableState) {
+fn steady(tag: &str, extra: &[&str]) -> (sandbox::Sandbox, Manifests, Agent, TableState) {
     let sb = sandbox(tag, 3);
     let m = Manifests::examples();
-    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    let agent = Agent::start(sb.node(), &m.dir, extra);
     agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {
         tcp_request(sb.client(), echo(), Duration::from_millis(300)).is_ok()
@@ -86,17 +86,26 @@ fn steady(tag: &str) -> (sandbox::Sandbox, Manifests, Agent, TableState) {
 /// Tampers with `script(sandbox)` and checks the repair: traffic back within `REPAIR` of the tamper, exactly
 /// one repair sync, and the table exactly as before.
 fn tamper_and_check_repair(tag: &str, what: &str, script: impl Fn(&sandbox::Sandbox) -> String) {
-    let (sb, _m, agent, before) = steady(tag);
+    let (sb, _m, agent, before) = steady(tag, &[]);
     let script = script(&sb);
     let tampered_at = Instant::now();
     nft(&sb, &script);
     let applied = tampered_at.elapsed();
-    // Fresh connections, each with a short timeout; the first ones fail while the tables are wrong.
-    let took = wait_until(Duration::from_secs(5), || {
-        tcp_request(sb.client(), echo(), Duration::from_millis(100)).is_ok()
-    })
-    .map(|_| tampered_at.elapsed())
-    .unwrap_or_else(|_| panic!("{what}: traffic never came back; log:\n{}", agent.log()));
+    // Fresh connections, each with a short timeout (the resolution of the measurement); the first ones fail
+    // while the tables are wrong.
+    let took = sb
+        .client()
+        .run(move || loop {
+            if tcp_request_here(echo(), Duration::from_millis(50)).is_ok() {
+                return Some(tampered_at.elapsed());
+            }
+            if tampered_at.elapsed() > Duration::from_secs(5) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        })
+        .unwrap()
+        .unwrap_or_else(|| panic!("{what}: traffic never came back; log:\n{}", agent.log()));
     eprintln!("{what}: nft applied after {applied:?}, traffic back {took:?} after the tamper");
     assert!(took < REPAIR, "{what}: traffic back only after {took:?}");
     // Any second repair (or a repair loop) would show within this time.
@@ -221,7 +230,8 @@ fn a_flushed_ruleset_is_restored() {
 /// periodic full syncs cause no repair.
 #[test]
 fn the_agents_own_commits_cause_no_repair() {
-    let (_sb, m, agent, _) = steady("nk-tself");
+    // Periodic full syncs every second as well: they read the kernel back and must find it as committed.
+    let (_sb, m, agent, _) = steady("nk-tself", &["--sync-period", "1"]);
     let slices = m.read("endpointslices.yaml");
     let fewer = without_endpoint(&slices, &sandbox::pod_ip_v4(1).to_string());
     let syncs = || agent.log().matches("sync complete").count();
@@ -233,10 +243,25 @@ fn the_agents_own_commits_cause_no_repair() {
         // The follow-up sync that deletes a released chain, and any event of our own commits.
         std::thread::sleep(Duration::from_millis(600));
     }
+    // Quiet for more than a sync period: the last periodic full sync has nothing left to do.
+    std::thread::sleep(Duration::from_millis(1500));
     let log = agent.log();
     assert!(
         log.matches("sync complete").count() >= 7,
         "expected the edits' syncs:\n{log}"
+    );
+    // Periodic full syncs read the kernel back: it is as committed. (One that follows an edit may delete the
+    // chain the edit released; the last ones, a second after the last edit, have nothing at all to do.)
+    let periodic: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("sync complete") && l.contains("full=true"))
+        .skip(1)
+        .collect();
+    assert!(periodic.len() >= 3, "no periodic full syncs:\n{log}");
+    let last = periodic.last().unwrap();
+    assert!(
+        last.contains("changes=0"),
+        "the last full sync changed something: {last}\n{log}"
     );
     assert_eq!(repairs(&agent), 0, "{log}");
     assert!(!log.contains("changed by someone else"), "{log}");
@@ -250,7 +275,7 @@ type Attempt = (Instant, Result<(), String>);
 /// client's port range is narrowed to 64 ports, so ports come back within a fraction of a second.
 #[test]
 fn no_client_stays_black_holed_after_a_ruleset_flush() {
-    let (sb, _m, agent, _) = steady("nk-tbh");
+    let (sb, _m, agent, _) = steady("nk-tbh", &[]);
     sb.client()
         .run(|| std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "40000 40063"))
         .unwrap()
@@ -299,6 +324,12 @@ fn no_client_stays_black_holed_after_a_ruleset_flush() {
         results.len(),
         late.len()
     );
+    let log = agent.log();
+    let cleaned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("never DNATed deleted"))
+        .collect();
+    eprintln!("agent: {cleaned:?}");
     assert!(
         results.len() > 2000,
         "too few connections: {}",
