@@ -226,6 +226,24 @@ fn a_flushed_ruleset_is_restored() {
     tamper_and_check_repair("nk-tflrs", "ruleset flushed", |_| "flush ruleset".into());
 }
 
+#[test]
+fn a_foreign_base_chain_is_removed() {
+    tamper_and_check_repair("nk-tfchain", "foreign drop-all forward chain", |_| {
+        "add chain ip nftkube intruder { type filter hook forward priority 0; policy drop; }".into()
+    });
+}
+
+#[test]
+fn a_foreign_set_and_element_are_removed() {
+    // Nothing here stops traffic: the repair is checked by the table read back and the single repair sync.
+    tamper_and_check_repair("nk-tfset", "foreign set and element", |_| {
+        "add set ip nftkube intruders { type ipv4_addr; size 16; }\n\
+         add element ip nftkube intruders { 192.0.2.1 }\n\
+         add element ip nftkube cluster-ips { 10.96.0.99 }\n"
+            .into()
+    });
+}
+
 /// The agent's own commits are not drift: manifest edits (partial syncs, chains created and released) and
 /// periodic full syncs cause no repair.
 #[test]
