@@ -8,7 +8,7 @@ use nftkube::nft::ir::{Family, TableState};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,53 @@ fn a_hook_priority_change_is_undone() {
          add chain ip nftkube nat-prerouting { type nat hook prerouting priority 50; policy accept; }\n"
             .into()
     });
+}
+
+/// The repair re-creates a base chain inside one batch: connections going through it all along never notice.
+/// Here the tamper itself keeps traffic working (nat at priority 50 still DNATs), so any failure would be the
+/// repair's.
+#[test]
+fn replacing_a_chain_with_another_priority_drops_no_connection() {
+    let (sb, _m, agent, before) = steady("nk-tprio2", &[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (s, o, f) = (stop.clone(), ok.clone(), failed.clone());
+    let client = sb
+        .client()
+        .spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                match tcp_request_here(echo(), Duration::from_secs(2)) {
+                    Ok(a) if parse_answer(&a).is_some() => o.fetch_add(1, Ordering::SeqCst),
+                    _ => f.fetch_add(1, Ordering::SeqCst),
+                };
+            }
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    nft(
+        &sb,
+        "flush chain ip nftkube nat-prerouting\n\
+         delete chain ip nftkube nat-prerouting\n\
+         add chain ip nftkube nat-prerouting { type nat hook prerouting priority 50; policy accept; }\n\
+         add rule ip nftkube nat-prerouting jump services\n",
+    );
+    wait_until(Duration::from_secs(5), || repairs(&agent) == 1)
+        .unwrap_or_else(|_| panic!("no repair; log:\n{}", agent.log()));
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    client.join().unwrap();
+    let (ok, failed) = (ok.load(Ordering::SeqCst), failed.load(Ordering::SeqCst));
+    eprintln!("connections across the tamper and the repair: {ok} answered, {failed} failed");
+    assert!(ok > 50, "too few connections to mean anything: {ok}");
+    assert_eq!(
+        failed, 0,
+        "connections failed across the chain's replacement"
+    );
+    assert_eq!(
+        dump_table(sb.node(), Family::Ip).expect("our table"),
+        before
+    );
+    assert_eq!(repairs(&agent), 1, "{}", agent.log());
 }
 
 #[test]
