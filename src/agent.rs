@@ -110,12 +110,9 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let monitor = start_monitor(&mut engine)?;
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
+    let frontend_kinds = crate::conntrack::FrontendKinds::ALL;
     let mut conntrack = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
-        kinds: crate::conntrack::FrontendKinds {
-            external_ips: true,
-            load_balancer_ips: true,
-            node_ports: true,
-        },
+        kinds: frontend_kinds,
         ..Default::default()
     });
 
@@ -141,6 +138,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let mut backoff = Duration::from_secs(1);
     let mut retry_at: Option<Instant> = None;
     let mut last_poll: Option<Instant> = None;
+    // Someone else changed our tables and the full sync that repairs it has not succeeded yet.
+    let mut repairing = false;
 
     while !stop.load(Ordering::SeqCst) {
         if last_poll.is_none_or(|t| t.elapsed() >= poll_interval) {
@@ -201,7 +200,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         if monitor.drift.detected.swap(false, Ordering::SeqCst) {
             // Someone changed our tables: read them back and repair now, bypassing the debounce.
             engine.force_full_sync();
-            metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
+            repairing = true;
             dirty = true;
             last_sync = None;
             if synced {
@@ -234,11 +233,27 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                     if report.full {
                         last_full = Instant::now();
                     }
+                    if report.full && report.changes > 0 {
+                        // Rules were missing or wrong until now: connections tried meanwhile may have left
+                        // entries that would keep a reused source port away from the service.
+                        let frontends = crate::conntrack::Frontends::of(
+                            &state,
+                            frontend_kinds,
+                            &cfg.nodeport_addresses,
+                            &cfg.node_ips,
+                        );
+                        conntrack.clear_black_holes(&frontends);
+                    }
+                    let repair = std::mem::take(&mut repairing);
+                    if repair {
+                        metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
+                    }
                     metrics::record_sync(report.full, report.elapsed);
                     metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
                     tracing::info!(
                         full = report.full,
                         changes = report.changes,
+                        repair,
                         bytes = report.bytes,
                         transactions = report.transactions,
                         services = state.service_map().len(),

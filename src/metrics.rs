@@ -135,7 +135,7 @@ pub fn now_unix_ms() -> u64 {
 pub static SYNC_FULL_DURATION: Histogram = Histogram::sync_durations();
 pub static SYNC_PARTIAL_DURATION: Histogram = Histogram::sync_durations();
 pub static SYNC_FAILURES: AtomicU64 = AtomicU64::new(0);
-/// Full syncs started because someone changed our tables (the event monitor).
+/// Successful full syncs that followed someone else changing our tables (noticed by the event monitor).
 pub static REPAIRS: AtomicU64 = AtomicU64::new(0);
 /// Unix time (ms) of the last successful sync.
 pub static LAST_SYNC_UNIX_MS: AtomicU64 = AtomicU64::new(0);

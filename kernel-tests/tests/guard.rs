@@ -4,7 +4,7 @@ use kernel_tests::sandbox::{self, tcp_request};
 use kernel_tests::*;
 use nftkube::netns::NetNs;
 use nftkube::nft::build::{Field, RuleBuilder};
-use nftkube::nft::ir::{BaseHook, Chain, ChainType, CmpOp, Family, Hook};
+use nftkube::nft::ir::{Chain, ChainType, CmpOp, Family, Hook};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
 use std::io::Write;
@@ -43,14 +43,7 @@ fn mark_for_drop(node: &NetNs, prerouting_dport: u16, output_daddr: Ipv4Addr) {
             tx.push(
                 Family::Ip,
                 t,
-                Op::AddChain(Chain {
-                    name: name.into(),
-                    base: Some(BaseHook {
-                        hook,
-                        chain_type: ChainType::Filter,
-                        priority: -300,
-                    }),
-                }),
+                Op::AddChain(Chain::base(name, ChainType::Filter, hook, -300)),
             );
         }
         let tcp = || RuleBuilder::new().cmp(Field::L4Proto, CmpOp::Eq, vec![6]);

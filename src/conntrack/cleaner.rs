@@ -3,6 +3,7 @@
 use super::filter::StaleFilter;
 use super::plan::{collect_targets, resolve, FrontendIndex, FrontendKinds, Pending, Targets};
 use super::socket::{probe, CtSocket, Features};
+use super::unnated::Frontends;
 use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
 use super::Metrics;
 use crate::model::{Changes, ClusterState, Protocol};
@@ -234,6 +235,85 @@ impl Cleaner {
                 None
             }
         }
+    }
+
+    /// After a repair: deletes the TCP, UDP and SCTP flows to `frontends` that were never DNATed (see
+    /// [`super::unnated`]). Logs the outcome; a failure is logged and not retried (the next repair, or the
+    /// entries' own timeouts, take care of them).
+    pub fn clear_black_holes(&mut self, frontends: &Frontends) -> Option<CleanupReport> {
+        if frontends.is_empty() {
+            return None;
+        }
+        if self.opts.dump_filters {
+            // Probe once, outside the timed cleanup (it creates a namespace: a one-off cost).
+            self.features();
+        }
+        let start = Instant::now();
+        let r = self.clear_black_holes_inner(frontends, start);
+        match r {
+            Ok(r) => {
+                self.metrics.record(&r);
+                tracing::info!(
+                    dumps = r.dumps,
+                    scanned = r.scanned,
+                    stale = r.stale,
+                    deleted = r.deleted,
+                    gone = r.gone,
+                    errors = r.errors,
+                    elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
+                    "conntrack: flows to services that were never DNATed deleted"
+                );
+                Some(r)
+            }
+            Err(e) => {
+                self.metrics.record_failure(start.elapsed());
+                self.socket = None;
+                tracing::error!("conntrack: deleting flows that were never DNATed failed: {e}");
+                None
+            }
+        }
+    }
+
+    fn clear_black_holes_inner(
+        &mut self,
+        frontends: &Frontends,
+        start: Instant,
+    ) -> Result<CleanupReport, CleanupError> {
+        let features = match self.opts.dump_filters {
+            true => self.features(),
+            false => Features::default(),
+        };
+        let mut report = CleanupReport::default();
+        let sock = self.socket()?;
+        let mut stale = Vec::new();
+        for d in frontends.dumps(|family| features.dump_proto(family)) {
+            report.dumps += 1;
+            sock.dump(&d, |e| {
+                report.scanned += 1;
+                if frontends.is_black_hole(&e) {
+                    stale.push(e);
+                }
+            })
+            .map_err(|source| CleanupError::Netlink {
+                what: "dump",
+                source,
+            })?;
+        }
+        report.stale = stale.len();
+        for e in stale.iter().take(LOGGED_ENTRIES) {
+            tracing::debug!(orig = %e.orig, status = e.status, "conntrack: deleting a flow that was never DNATed");
+        }
+        let outcome = sock
+            .delete(&stale)
+            .map_err(|source| CleanupError::Netlink {
+                what: "delete",
+                source,
+            })?;
+        report.deleted = outcome.deleted;
+        report.gone = outcome.gone;
+        report.errors = outcome.errors.len();
+        report.elapsed = start.elapsed();
+        Ok(report)
     }
 
     fn socket(&mut self) -> Result<&mut CtSocket, CleanupError> {

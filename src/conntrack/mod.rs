@@ -17,12 +17,14 @@ pub mod cleaner;
 pub mod filter;
 pub mod plan;
 pub mod socket;
+pub mod unnated;
 pub mod wire;
 
 pub use cleaner::{plan_dumps, Cleaner, CleanerOptions, CleanupError, CleanupReport};
 pub use filter::{Frontend, NodePort, Reason, StaleFilter};
 pub use plan::{build_filter, FrontendIndex, FrontendKinds, Pending, Targets};
 pub use socket::{probe, CtSocket, DeleteOutcome, Features};
+pub use unnated::Frontends;
 pub use wire::{DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, ZoneScope};
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -39,9 +39,11 @@ impl FakeKernel {
             let key = (c.family, c.table.clone());
             let what = c.to_string();
             if let Op::AddTable = c.op {
+                // On an existing table: an update to flags 0, as NEWTABLE without NLM_F_EXCL is.
                 tables
                     .entry(key.clone())
-                    .or_insert_with(|| TableState::new(c.family, c.table.clone()));
+                    .or_insert_with(|| TableState::new(c.family, c.table.clone()))
+                    .flags = 0;
                 continue;
             }
             if let Op::DeleteTable = c.op {
@@ -55,9 +57,13 @@ impl FakeKernel {
                 .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
             match &c.op {
                 Op::AddTable | Op::DeleteTable => unreachable!(),
-                Op::AddChain(ch) => {
-                    t.add_chain(ch.clone());
-                }
+                Op::AddChain(ch) => match t.chains.get_mut(&ch.name) {
+                    None => {
+                        t.add_chain(ch.clone());
+                    }
+                    Some(existing) => update_chain(&mut existing.chain, ch)
+                        .map_err(|errno| fail(i, errno, what.clone()))?,
+                },
                 Op::FlushChain(name) => {
                     t.chains
                         .get_mut(name)
@@ -173,6 +179,20 @@ impl FakeKernel {
             }
         }
         Ok(())
+    }
+}
+
+/// NEWCHAIN on an existing chain, as the kernel treats it: a base chain's policy changes; another type,
+/// hook, priority or device is refused (EOPNOTSUPP), and so is a hook for a regular chain (EEXIST).
+fn update_chain(have: &mut Chain, want: &Chain) -> Result<(), i32> {
+    match (&mut have.base, &want.base) {
+        (_, None) => Ok(()),
+        (None, Some(_)) => Err(libc::EEXIST),
+        (Some(h), Some(w)) if h.updatable_to(w) => {
+            h.policy = w.policy;
+            Ok(())
+        }
+        (Some(_), Some(_)) => Err(libc::EOPNOTSUPP),
     }
 }
 

@@ -108,13 +108,58 @@ impl ChainType {
     }
 }
 
-/// Where a base chain attaches. Base chains always have policy accept here: we only ever add behaviour for
-/// traffic we own and let everything else through to other tables.
+/// What a base chain does with a packet that no rule decided on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Policy {
+    Drop,
+    Accept,
+}
+
+impl Policy {
+    /// The netfilter verdict number the kernel stores (NF_DROP, NF_ACCEPT).
+    pub fn number(self) -> u32 {
+        match self {
+            Policy::Drop => 0,
+            Policy::Accept => 1,
+        }
+    }
+    pub fn from_number(v: u32) -> Option<Policy> {
+        match v {
+            0 => Some(Policy::Drop),
+            1 => Some(Policy::Accept),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Drop => "drop",
+            Policy::Accept => "accept",
+        }
+    }
+}
+
+/// Where a base chain attaches. Our base chains always have policy accept: we only ever add behaviour for
+/// traffic we own and let everything else through to other tables. The policy and the device are modelled
+/// anyway, so that a chain read back from the kernel with another policy (or bound to a device) compares
+/// unequal and gets repaired.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BaseHook {
     pub hook: Hook,
     pub chain_type: ChainType,
     pub priority: i32,
+    pub policy: Policy,
+    /// The device of an ingress / egress (netdev) hook; None on the hooks we use.
+    pub device: Option<String>,
+}
+
+impl BaseHook {
+    /// Whether a chain attached as `self` can become `other` by an update (NEWCHAIN on the existing chain):
+    /// the kernel changes a base chain's policy in place, but refuses another type, hook, priority or device
+    /// (EOPNOTSUPP), so those need the chain replaced.
+    pub fn updatable_to(&self, other: &BaseHook) -> bool {
+        (self.hook, self.chain_type, self.priority, &self.device)
+            == (other.hook, other.chain_type, other.priority, &other.device)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -132,6 +177,8 @@ impl Chain {
                 hook,
                 chain_type,
                 priority,
+                policy: Policy::Accept,
+                device: None,
             }),
         }
     }
@@ -311,6 +358,9 @@ impl Set {
         f
     }
 }
+
+/// A dormant table's base chains are unhooked (`nft add table ... { flags dormant; }`).
+pub const TABLE_F_DORMANT: u32 = 0x1;
 
 pub const SET_F_ANONYMOUS: u32 = 0x1;
 pub const SET_F_CONSTANT: u32 = 0x2;
@@ -726,6 +776,9 @@ pub struct SetState {
 pub struct TableState {
     pub family: Family,
     pub name: String,
+    /// NFT_TABLE_F_* flags: ours are always 0; read back, `TABLE_F_DORMANT` means every hook of the table is
+    /// detached (all its rules silently off).
+    pub flags: u32,
     pub sets: BTreeMap<String, SetState>,
     pub chains: BTreeMap<String, ChainState>,
 }
@@ -735,6 +788,7 @@ impl TableState {
         TableState {
             family,
             name: name.into(),
+            flags: 0,
             sets: BTreeMap::new(),
             chains: BTreeMap::new(),
         }

@@ -188,10 +188,19 @@ impl NftSocket {
         family: Family,
         name: &str,
     ) -> Result<Option<TableState>, DumpError> {
-        if !self.list_tables(family)?.iter().any(|n| n == name) {
-            return Ok(None);
+        let tables = self.dump(NFT_MSG_GETTABLE, family, None, None)?;
+        let mut found = None;
+        for p in &tables {
+            let (f, n) = wire::decode_table(p)?;
+            if f == family && n == name {
+                found = Some(wire::decode_table_flags(p)?);
+            }
         }
+        let Some(flags) = found else {
+            return Ok(None);
+        };
         let mut state = TableState::new(family, name);
+        state.flags = flags;
         for p in self.dump(NFT_MSG_GETCHAIN, family, Some(name), None)? {
             let (t, chain) = wire::decode_chain(&p)?;
             if t == name {

@@ -19,18 +19,26 @@ pub fn render_table(t: &TableState) -> String {
         .collect();
     let mut out = String::new();
     let _ = writeln!(out, "table {} {} {{", t.family.as_str(), t.name);
+    if t.flags & TABLE_F_DORMANT != 0 {
+        let _ = writeln!(out, "\tflags dormant");
+    }
     for s in t.sets.values() {
         render_set(&mut out, s);
     }
     for (c, rules) in t.chains.values().zip(rules) {
         let _ = writeln!(out, "\tchain {} {{", c.chain.name);
         if let Some(b) = &c.chain.base {
+            let device = match &b.device {
+                Some(d) => format!(" device \"{d}\""),
+                None => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "\t\ttype {} hook {} priority {}; policy accept;",
+                "\t\ttype {} hook {}{device} priority {}; policy {};",
                 b.chain_type.as_str(),
                 b.hook.as_str(),
-                b.priority
+                b.priority,
+                b.policy.as_str()
             );
         }
         for r in rules {

@@ -111,6 +111,7 @@ impl<'a> Desired<'a> {
         TableState {
             family: self.family,
             name: self.name.to_owned(),
+            flags: 0,
             sets: self
                 .sets
                 .iter()

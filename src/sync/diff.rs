@@ -40,6 +40,10 @@ pub fn diff_table<'a>(
         }
     };
 
+    if old.flags != 0 {
+        // Dormant (or any other flag): an update of the existing table to flags 0 re-attaches its hooks.
+        tx.push(fam, name, Op::AddTable);
+    }
     for (n, s) in &new.sets {
         if !old.sets.contains_key(*n) {
             tx.push(fam, name, Op::AddSet(s.set.clone()));
@@ -58,6 +62,7 @@ pub fn diff_table<'a>(
     for c in &fresh {
         add_rules(tx, fam, name, c);
     }
+    let replaced = replace_or_update_base_chains(tx, fam, name, old, &new);
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
     // Dispatch (verdict maps) is withdrawn first and published last, so that even when a big transaction is
     // committed in chunks no packet reaches a service whose other elements are not all in place.
@@ -84,6 +89,7 @@ pub fn diff_table<'a>(
     }
     for (n, c) in &new.chains {
         match old.chains.get(*n) {
+            _ if replaced.contains(n) => {} // re-created above, with its rules
             Some(o) if o.rules == c.rules => {}
             // The flush and the new rules are one group: a cut between them would leave the chain empty.
             Some(o) => tx.group(|g| {
@@ -102,7 +108,9 @@ pub fn diff_table<'a>(
         .values()
         .filter(|c| !new.chains.contains_key(c.chain.name.as_str()))
         .partition(|c| referenced(old, &c.chain.name));
-    for c in &stale {
+    // Deferred chains are flushed now all the same: their rules may name a set or chain deleted below
+    // (someone else's objects, added to our table together).
+    for c in stale.iter().chain(&deferred) {
         if !c.rules.is_empty() {
             tx.push(fam, name, Op::FlushChain(c.chain.name.clone()));
         }
@@ -116,6 +124,42 @@ pub fn diff_table<'a>(
         }
     }
     deferred.iter().map(|c| c.chain.name.clone()).collect()
+}
+
+/// Brings every base chain both states have to its desired attachment: a different policy is changed in place
+/// (NEWCHAIN on the existing chain), a different type, hook, priority or device cannot be, so the chain is
+/// deleted and created again with its rules, inside this same batch (nothing ever sees it missing). Returns
+/// the names of the re-created chains.
+fn replace_or_update_base_chains<'n>(
+    tx: &mut Plan,
+    fam: Family,
+    table: &str,
+    old: &TableState,
+    new: &Desired<'n>,
+) -> Vec<&'n str> {
+    let mut replaced = Vec::new();
+    for (n, c) in &new.chains {
+        let (Some(o), Some(want)) = (old.chains.get(*n), &c.chain.base) else {
+            continue;
+        };
+        let Some(have) = &o.chain.base else { continue };
+        if have == want {
+            continue;
+        }
+        if have.updatable_to(want) {
+            tx.push(fam, table, Op::AddChain(c.chain.clone()));
+            continue;
+        }
+        // A base chain is never a jump target, so nothing else needs to change for it to go.
+        if !o.rules.is_empty() {
+            tx.push(fam, table, Op::FlushChain(n.to_string()));
+        }
+        tx.push(fam, table, Op::DeleteChain(n.to_string()));
+        tx.push(fam, table, Op::AddChain(c.chain.clone()));
+        add_rules(tx, fam, table, c);
+        replaced.push(*n);
+    }
+    replaced
 }
 
 /// Whether any element or rule of `t` jumps or goes to `chain`.
@@ -135,16 +179,19 @@ fn referenced(t: &TableState, chain: &str) -> bool {
     by_element || by_rule
 }
 
-/// Whether `old` can be turned into `new` object by object: every set both have is the same definition and
-/// every chain both have attaches the same way.
+/// Whether `old` can be turned into `new` object by object: every set both have is the same definition (a
+/// set in use by rules cannot be altered or swapped alone), and every chain both have is a base chain on both
+/// sides or a regular chain on both (base chains are re-created in place; a regular chain may be a jump
+/// target, which the kernel does not let go).
 fn compatible(old: &TableState, new: &Desired) -> bool {
     new.sets
         .iter()
         .all(|(n, s)| old.sets.get(*n).is_none_or(|o| o.set == *s.set))
-        && new
-            .chains
-            .iter()
-            .all(|(n, c)| old.chains.get(*n).is_none_or(|o| o.chain == c.chain))
+        && new.chains.iter().all(|(n, c)| {
+            old.chains
+                .get(*n)
+                .is_none_or(|o| o.chain.base.is_some() == c.chain.base.is_some())
+        })
 }
 
 /// The sets and base chains of `old` that `new` declares differently.

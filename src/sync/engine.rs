@@ -674,6 +674,143 @@ mod tests {
         kernel_matches(&e.backend, &w, &e.unused_chains);
     }
 
+    /// Tampering of every kind the comparison covers: each is repaired by one full sync, after which a full
+    /// sync finds nothing to do.
+    #[test]
+    fn every_kind_of_drift_is_repaired_by_one_full_sync() {
+        use crate::nft::ir::*;
+        type Tamper = fn(&mut TableState);
+        let tampers: [(&str, Tamper); 10] = [
+            ("table made dormant", |t| t.flags = TABLE_F_DORMANT),
+            ("base chain policy drop", |t| {
+                let b = t.chain_mut("filter-forward").chain.base.as_mut().unwrap();
+                b.policy = Policy::Drop;
+            }),
+            ("hook priority changed", |t| {
+                let b = t.chain_mut("nat-prerouting").chain.base.as_mut().unwrap();
+                b.priority = 50;
+            }),
+            ("foreign rule at the head of services", |t| {
+                let rules = &mut t.chain_mut("services").rules;
+                let drop = Rule {
+                    exprs: vec![Expr::Verdict(Verdict::Drop)],
+                    comment: None,
+                };
+                rules.insert(0, drop);
+            }),
+            ("rules reordered", |t| {
+                t.chain_mut("firewall").rules.reverse()
+            }),
+            ("element verdict changed", |t| {
+                let s = t.set_mut("service-ips");
+                let e = s.elements.pop_first().unwrap();
+                s.elements.insert(Element {
+                    value: Some(ElementValue::Verdict(Verdict::Drop)),
+                    ..e
+                });
+            }),
+            ("foreign element", |t| {
+                let s = t.set_mut("cluster-ips");
+                s.elements.insert(Element {
+                    key: vec![10, 96, 9, 9].into(),
+                    value: None,
+                });
+            }),
+            (
+                "foreign chain and set, the chain used by a foreign rule",
+                |t| {
+                    t.add_set(Set {
+                        size: Some(16),
+                        ..Set::new("evil", vec![DataType::Ipv4Addr], vec![])
+                    });
+                    let evil =
+                        t.add_chain(Chain::base("evil", ChainType::Filter, Hook::Forward, 0));
+                    evil.rules.push(Rule {
+                        exprs: vec![Expr::Lookup {
+                            set: "evil".into(),
+                            sreg: REG_1,
+                            dreg: None,
+                            invert: false,
+                        }],
+                        comment: None,
+                    });
+                    t.add_chain(Chain::regular("evil-target"));
+                    t.chain_mut("services").rules.push(Rule {
+                        exprs: vec![Expr::Verdict(Verdict::Jump("evil-target".into()))],
+                        comment: None,
+                    });
+                },
+            ),
+            ("set definition changed", |t| {
+                t.set_mut("cluster-ips").set.size = Some(8);
+            }),
+            ("map flushed", |t| {
+                t.set_mut("service-endpoints").elements.clear()
+            }),
+        ];
+        for (what, tamper) in tampers {
+            let mut e = SyncEngine::new(FakeKernel::default());
+            let mut w = World::default();
+            w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+            w.full(&mut e);
+            let t = e
+                .backend
+                .tables
+                .get_mut(&(Family::Ip, "nftkube".into()))
+                .unwrap();
+            tamper(t);
+            let r = w.full(&mut e);
+            assert!(r.changes > 0, "{what}: nothing repaired");
+            // Chains released by the repair (someone else's, still referenced) go with the next sync.
+            w.partial(&mut e, &[]);
+            kernel_matches(&e.backend, &w, &BTreeSet::new());
+            assert_eq!(w.full(&mut e).changes, 0, "{what}: not converged");
+        }
+    }
+
+    #[test]
+    fn a_policy_is_changed_in_place_and_a_priority_by_replacing_the_chain() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let w = World::default();
+        w.full(&mut e);
+        let t = e
+            .backend
+            .tables
+            .get_mut(&(Family::Ip, "nftkube".into()))
+            .unwrap();
+        t.flags = crate::nft::ir::TABLE_F_DORMANT;
+        let b = t.chain_mut("filter-forward").chain.base.as_mut().unwrap();
+        b.policy = crate::nft::ir::Policy::Drop;
+        let b = t.chain_mut("nat-output").chain.base.as_mut().unwrap();
+        b.priority = 0;
+        let tables = w.tables();
+        let current = e
+            .backend
+            .tables
+            .get(&(Family::Ip, "nftkube".into()))
+            .cloned();
+        let mut plan = Plan::default();
+        diff_table(&mut plan, current.as_ref(), Desired::of(&tables[0]));
+        let ops: Vec<String> = plan.describe().collect();
+        let expected = [
+            "add table ip nftkube",
+            "flush chain nat-output of table ip nftkube",
+            "delete chain nat-output of table ip nftkube",
+            "add chain nat-output to table ip nftkube",
+            "add rule to chain nat-output of table ip nftkube",
+            "add chain filter-forward to table ip nftkube",
+        ];
+        let mut sorted_ops = ops.clone();
+        sorted_ops.sort();
+        let mut sorted_expected: Vec<String> = expected.iter().map(|s| s.to_string()).collect();
+        sorted_expected.sort();
+        assert_eq!(sorted_ops, sorted_expected, "{ops:#?}");
+        // Nothing else is touched: no table replacement, the other chains stay.
+        assert_eq!(ops[0], "add table ip nftkube");
+        w.full(&mut e);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+    }
+
     #[test]
     fn delete_tables_removes_only_ours() {
         let mut k = FakeKernel::default();

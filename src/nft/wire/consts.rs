@@ -34,6 +34,7 @@ pub const NFTA_CHAIN_POLICY: u16 = 5;
 pub const NFTA_CHAIN_TYPE: u16 = 7;
 pub const NFTA_HOOK_HOOKNUM: u16 = 1;
 pub const NFTA_HOOK_PRIORITY: u16 = 2;
+pub const NFTA_HOOK_DEV: u16 = 3;
 
 pub const NFTA_RULE_TABLE: u16 = 1;
 pub const NFTA_RULE_CHAIN: u16 = 2;

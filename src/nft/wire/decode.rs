@@ -51,6 +51,12 @@ pub fn decode_table(payload: &[u8]) -> Result<(Family, String), DecodeError> {
     ))
 }
 
+/// A table message's NFT_TABLE_F_* flags (0 when absent).
+pub fn decode_table_flags(payload: &[u8]) -> Result<u32, DecodeError> {
+    let (_, a) = split(payload, "table")?;
+    Ok(be32(&a, NFTA_TABLE_FLAGS).unwrap_or(0))
+}
+
 /// A chain message: (table, chain).
 pub fn decode_chain(payload: &[u8]) -> Result<(String, Chain), DecodeError> {
     let (_, a) = split(payload, "chain")?;
@@ -69,10 +75,24 @@ pub fn decode_chain(payload: &[u8]) -> Result<(String, Chain), DecodeError> {
                 .and_then(|t| t.str())
                 .and_then(ChainType::parse)
                 .unwrap_or(ChainType::Filter);
+            // The kernel always dumps a base chain's policy; a value we do not know must not read as ours.
+            let policy = be32(&a, NFTA_CHAIN_POLICY)
+                .map(|p| {
+                    Policy::from_number(p)
+                        .ok_or_else(|| err("chain", format!("{name}: policy {p}")))
+                })
+                .transpose()?
+                .unwrap_or(Policy::Accept);
+            let device = h
+                .get(NFTA_HOOK_DEV)
+                .and_then(|d| d.str())
+                .map(str::to_owned);
             Some(BaseHook {
                 hook,
                 chain_type,
                 priority,
+                policy,
+                device,
             })
         }
     };
@@ -103,7 +123,8 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
     let timeout_ms = a.get(NFTA_SET_TIMEOUT).and_then(|t| t.be64());
     let size = a
         .get(NFTA_SET_DESC)
-        .and_then(|d| be32(&d.nested(), NFTA_SET_DESC_SIZE));
+        .and_then(|d| be32(&d.nested(), NFTA_SET_DESC_SIZE))
+        .filter(|&n| n != 0);
     let udata = a.get(NFTA_SET_USERDATA).map(|u| u.payload).unwrap_or(&[]);
     let (key_typeof, data_typeof) = crate::nft::udata::parse_typeof(udata);
     let set = Set {

@@ -99,6 +99,7 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
             create,
             Box::new(move |m: &mut MsgBuilder| {
                 m.attr_str(NFTA_TABLE_NAME, table);
+                // Explicit: on an existing table this message is an update, and flags 0 wakes a dormant one.
                 m.attr_be32(NFTA_TABLE_FLAGS, 0);
             }),
         )],
@@ -279,8 +280,12 @@ fn encode_chain(m: &mut MsgBuilder, table: &str, chain: &Chain) {
         m.nested(NFTA_CHAIN_HOOK, |m| {
             m.attr_be32(NFTA_HOOK_HOOKNUM, b.hook.number());
             m.attr_be32(NFTA_HOOK_PRIORITY, b.priority as u32);
+            if let Some(dev) = &b.device {
+                m.attr_str(NFTA_HOOK_DEV, dev);
+            }
         });
-        m.attr_be32(NFTA_CHAIN_POLICY, 1); // NF_ACCEPT
+        // Always explicit: on an existing chain this message is an update, and it must set the policy back.
+        m.attr_be32(NFTA_CHAIN_POLICY, b.policy.number());
         m.attr_str(NFTA_CHAIN_TYPE, b.chain_type.as_str());
     }
 }

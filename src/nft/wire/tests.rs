@@ -119,14 +119,7 @@ fn assert_pinned(actual: &[u8], want: &str) {
 // The objects the pinned, round-trip and text tests share.
 
 fn nat_prerouting() -> Chain {
-    Chain {
-        name: "nat-prerouting".into(),
-        base: Some(BaseHook {
-            hook: Hook::Prerouting,
-            chain_type: ChainType::Nat,
-            priority: -100,
-        }),
-    }
+    Chain::base("nat-prerouting", ChainType::Nat, Hook::Prerouting, -100)
 }
 
 fn service_ips() -> Set {
@@ -1213,6 +1206,10 @@ fn all_sets() -> Vec<Set> {
             ..set("dyn-map", vec![Ipv4Addr], vec![Ipv4Addr])
         },
         Set {
+            size: Some(1024),
+            ..set("bounded", vec![Ipv4Addr], vec![])
+        },
+        Set {
             dynamic: true,
             ..set("dyn-no-timeout", vec![Ipv6Addr, InetService], vec![])
         },
@@ -1360,15 +1357,20 @@ fn chains_round_trip() {
         (Hook::Postrouting, ChainType::Filter, i32::MIN),
         (Hook::Input, ChainType::Filter, i32::MAX),
     ] {
-        chains.push(Chain {
-            name: format!("{}-{}", chain_type.as_str(), hook.as_str()),
-            base: Some(BaseHook {
-                hook,
-                chain_type,
-                priority,
-            }),
-        });
+        chains.push(Chain::base(
+            &format!("{}-{}", chain_type.as_str(), hook.as_str()),
+            chain_type,
+            hook,
+            priority,
+        ));
     }
+    // What drift can leave behind, read back as it is so that it compares unequal to ours.
+    let mut dropping = Chain::base("dropping", ChainType::Filter, Hook::Forward, 0);
+    dropping.base.as_mut().unwrap().policy = Policy::Drop;
+    chains.push(dropping);
+    let mut bound = Chain::base("bound", ChainType::Filter, Hook::Prerouting, 0);
+    bound.base.as_mut().unwrap().device = Some("eth0".into());
+    chains.push(bound);
     for family in [Family::Ip, Family::Ip6, Family::Inet] {
         for c in &chains {
             let (t, p) = single_payload(family, Op::AddChain(c.clone()));
@@ -1384,6 +1386,8 @@ fn tables_round_trip() {
         let (t, p) = single_payload(family, Op::AddTable);
         assert_eq!(t, NFT_MSG_NEWTABLE);
         assert_eq!(decode_table(&p).unwrap(), (family, TABLE.to_string()));
+        // Flags are sent explicitly, so that the same message wakes a dormant table.
+        assert_eq!(decode_table_flags(&p).unwrap(), 0);
     }
 }
 
