@@ -35,6 +35,8 @@ pub struct ProxyOptions {
     /// NodeCIDR: `render.cluster_cidrs` come from this node's podCIDRs (API source), and nothing is
     /// programmed before they are known. The other modes are in `render.local_detector`.
     pub detect_local: DetectLocal,
+    /// Elements per transaction above which a sync is committed in several (`--max-transaction-elements`).
+    pub max_transaction_elements: usize,
 }
 
 impl ProxyOptions {
@@ -48,6 +50,7 @@ impl ProxyOptions {
             nodeport_cidrs: Vec::new(),
             admin: None,
             detect_local: DetectLocal::ClusterCidr,
+            max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
         }
     }
 
@@ -66,6 +69,7 @@ impl ProxyOptions {
             nodeport_cidrs: r.nodeport_cidrs,
             admin: Some(r.admin),
             detect_local: r.detect_local,
+            max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
         }
     }
 }
@@ -107,6 +111,7 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let socket = NftSocket::open()
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
+    engine.set_max_transaction_elements(opts.max_transaction_elements);
     let monitor = start_monitor(&mut engine)?;
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).

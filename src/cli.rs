@@ -157,6 +157,10 @@ pub struct ProxyArgs {
     /// Accepted for kube-proxy compatibility: nftkube always programs nf_tables.
     #[arg(long)]
     pub proxy_mode: Option<String>,
+    /// A sync bigger than this many set elements is committed as several transactions, so that none holds
+    /// the kernel's nf_tables lock for long (changes that belong together are never cut apart).
+    #[arg(long, default_value_t = crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_transaction_elements: u64,
 }
 
 impl ProxyArgs {
@@ -226,7 +230,10 @@ impl ProxyArgs {
                 crate::render::LocalDetector::BridgeInterface(b.clone())
             }
         };
-        Ok(ProxyOptions::from_resolved(r, render))
+        let mut opts = ProxyOptions::from_resolved(r, render);
+        opts.max_transaction_elements =
+            usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
+        Ok(opts)
     }
 }
 

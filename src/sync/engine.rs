@@ -57,6 +57,8 @@ pub struct SyncEngine<B: Backend> {
     /// Of the last sync: how many transactions, and the longest one.
     transactions: usize,
     longest_transaction: Duration,
+    /// Element operations per transaction above which a plan is cut (`--max-transaction-elements`).
+    max_transaction_elements: usize,
 }
 
 impl<B: Backend> SyncEngine<B> {
@@ -67,7 +69,13 @@ impl<B: Backend> SyncEngine<B> {
             unused_chains: BTreeSet::new(),
             transactions: 0,
             longest_transaction: Duration::ZERO,
+            max_transaction_elements: MAX_ELEMENTS_PER_TRANSACTION,
         }
+    }
+
+    /// Cuts plans into transactions of at most `n` elements (other objects count one; groups stay whole).
+    pub fn set_max_transaction_elements(&mut self, n: usize) {
+        self.max_transaction_elements = n.max(1);
     }
 
     pub fn backend(&mut self) -> &mut B {
@@ -271,7 +279,7 @@ impl<B: Backend> SyncEngine<B> {
             }
         }
         let (mut bytes, mut total) = (0, Duration::ZERO);
-        for part in plan.parts(MAX_ELEMENTS_PER_TRANSACTION) {
+        for part in plan.parts(self.max_transaction_elements) {
             let start = Instant::now();
             match self.backend.commit(&part) {
                 Ok(b) => bytes += b,
