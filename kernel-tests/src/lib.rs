@@ -500,4 +500,16 @@ impl ContinuousClient {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().expect("client thread")
     }
+
+    /// Stops it and fails unless it tried more than `min_tries` connections and none failed `during` what.
+    #[track_caller]
+    pub fn assert_never_failed(self, min_tries: usize, during: &str) {
+        let (tries, failures) = self.stop();
+        assert!(tries > min_tries, "only {tries} connections tried");
+        assert!(
+            failures.is_empty(),
+            "{} of {tries} connections failed during {during}: {failures:?}",
+            failures.len()
+        );
+    }
 }

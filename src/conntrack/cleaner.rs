@@ -303,15 +303,7 @@ impl Cleaner {
         for e in stale.iter().take(LOGGED_ENTRIES) {
             tracing::debug!(orig = %e.orig, status = e.status, "conntrack: deleting a flow that was never DNATed");
         }
-        let outcome = sock
-            .delete(&stale)
-            .map_err(|source| CleanupError::Netlink {
-                what: "delete",
-                source,
-            })?;
-        report.deleted = outcome.deleted;
-        report.gone = outcome.gone;
-        report.errors = outcome.errors.len();
+        delete_into(sock, &stale, &mut report)?;
         report.elapsed = start.elapsed();
         Ok(report)
     }
@@ -451,22 +443,29 @@ impl Cleaner {
                 );
             }
         }
-        let sock = self.socket()?;
-        let outcome = sock
-            .delete(&stale)
-            .map_err(|source| CleanupError::Netlink {
-                what: "delete",
-                source,
-            })?;
-        report.deleted = outcome.deleted;
-        report.gone = outcome.gone;
-        report.errors = outcome.errors.len();
-        for (e, err) in outcome.errors.iter().take(5) {
-            tracing::warn!(entry = %e.orig, zone = e.zone.id(), "conntrack delete failed: {err}");
-        }
+        delete_into(self.socket()?, &stale, &mut report)?;
         report.elapsed = start.elapsed();
         Ok(report)
     }
+}
+
+/// Deletes `stale` by exact tuple and counts the outcome into `report`; failures are logged (the first few).
+fn delete_into(
+    sock: &mut CtSocket,
+    stale: &[Entry],
+    report: &mut CleanupReport,
+) -> Result<(), CleanupError> {
+    let outcome = sock.delete(stale).map_err(|source| CleanupError::Netlink {
+        what: "delete",
+        source,
+    })?;
+    report.deleted = outcome.deleted;
+    report.gone = outcome.gone;
+    report.errors = outcome.errors.len();
+    for (e, err) in outcome.errors.iter().take(5) {
+        tracing::warn!(entry = %e.orig, zone = e.zone.id(), "conntrack delete failed: {err}");
+    }
+    Ok(())
 }
 
 /// The dumps that see every entry `filter` may find stale, as narrow as the kernel allows: per address when

@@ -59,12 +59,7 @@ impl Planned<'_> {
                 elements,
             } => {
                 let elements = elements.into_iter().cloned().collect();
-                let op = if add {
-                    Op::AddElements { set, elements }
-                } else {
-                    Op::DeleteElements { set, elements }
-                };
-                part.push(family, &table, op);
+                part.push(family, &table, element_op(add, set, elements));
             }
             Planned::Group(g) => g.into_iter().for_each(|p| p.append_to(part)),
         }
@@ -173,6 +168,14 @@ impl<'a> Plan<'a> {
     }
 }
 
+fn element_op(add: bool, set: String, elements: Vec<Element>) -> Op {
+    if add {
+        Op::AddElements { set, elements }
+    } else {
+        Op::DeleteElements { set, elements }
+    }
+}
+
 impl fmt::Display for Planned<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -264,12 +267,7 @@ impl Iterator for Parts<'_> {
                 p.elements.by_ref().take(self.max - load).cloned().collect();
             load += elements.len();
             let set = p.set.clone();
-            let op = if p.add {
-                Op::AddElements { set, elements }
-            } else {
-                Op::DeleteElements { set, elements }
-            };
-            part.push(p.family, &p.table, op);
+            part.push(p.family, &p.table, element_op(p.add, set, elements));
             if p.elements.len() == 0 {
                 self.pending = None;
             }
