@@ -15,11 +15,11 @@
 //! backend, and the endpoint map values differ as they would in a cluster.
 //!
 //! Run as root: `cargo bench --bench affinity -- 2,10,100` (also run by `bash ci/bench`).
-//! `NFTKUBE_BENCH_AFFINITY_PROBES` sets the timed probes per variant and E (default 600).
+//! `NFTKUBE_BENCH_AFFINITY_PROBES` sets the timed probes per variant and E (default 1000).
 
 use nftkube::model::*;
 use nftkube::netns::{add_address, unique_name};
-use nftkube::nft::ir::{Element, Family};
+use nftkube::nft::ir::{Element, ElementValue, Family};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
 use nftkube::nft::Backend;
@@ -40,17 +40,41 @@ const SETTLE: Duration = Duration::from_millis(1);
 const AFFINITY_SECONDS: u32 = 3 * 3600;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKEND_PORT: u16 = 8080;
+/// The backend pod holding every endpoint address.
+const BACKEND_POD: usize = 1;
+/// A second backend pod, no service's endpoint: only a connection that used a (doctored) affinity entry gets
+/// there (see `check_hits_use_the_entry`).
+const TRAP_POD: usize = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
     Anchor,
     Hit,
     Miss,
+    /// The anchor's service, each probe preceded by a one-element commit to the affinity map (of an entry no
+    /// connection uses), like a miss probe: shows what the commit before a miss costs by itself.
+    AnchorAfterCommit,
 }
 
-const VARIANTS: [Variant; 3] = [Variant::Anchor, Variant::Hit, Variant::Miss];
+const VARIANTS: [Variant; 4] = [
+    Variant::Anchor,
+    Variant::Hit,
+    Variant::Miss,
+    Variant::AnchorAfterCommit,
+];
 
-/// The services of one endpoint count: their ClusterIPs, indexed like `VARIANTS`.
+impl Variant {
+    /// Which of the group's services the variant connects to.
+    fn service(self) -> usize {
+        match self {
+            Variant::Anchor | Variant::AnchorAfterCommit => 0,
+            Variant::Hit => 1,
+            Variant::Miss => 2,
+        }
+    }
+}
+
+/// The services of one endpoint count: the ClusterIPs of the anchor, hit and miss services.
 struct Group {
     endpoints: usize,
     frontends: [Ipv4Addr; 3],
@@ -59,7 +83,7 @@ struct Group {
 /// Timings of one endpoint count, indexed like `VARIANTS`.
 struct Samples {
     endpoints: usize,
-    times: [Vec<Duration>; 3],
+    times: [Vec<Duration>; 4],
 }
 
 fn main() {
@@ -83,9 +107,9 @@ fn main() {
     let probes: usize = std::env::var("NFTKUBE_BENCH_AFFINITY_PROBES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(600);
+        .unwrap_or(1000);
 
-    let sb = Sandbox::build(&unique_name("nkbench-aff"), 1).unwrap();
+    let sb = Sandbox::build(&unique_name("nkbench-aff"), TRAP_POD).unwrap();
     sb.start_backends(BACKEND_PORT, 5353).unwrap();
     let backends = backend_addresses(&sb, *counts.iter().max().unwrap());
     let groups: Vec<Group> = counts
@@ -106,13 +130,14 @@ fn main() {
     print_table(&results, probes);
 }
 
-/// Gives the backend pod `count` addresses (its own 10.244.1.2 first), all answered by its wildcard server.
+/// Gives the backend pod `count` addresses (its own 10.244.1.2 first, `pod_ip_v4(BACKEND_POD)`), all answered by its wildcard server.
 fn backend_addresses(sb: &Sandbox, count: usize) -> Vec<Ipv4Addr> {
+    let [a, b, c, d] = sandbox::pod_ip_v4(BACKEND_POD).octets();
     let addrs: Vec<Ipv4Addr> = (0..count)
-        .map(|k| Ipv4Addr::new(10, 244, 1, 2 + k as u8))
+        .map(|k| Ipv4Addr::new(a, b, c, d + k as u8))
         .collect();
     let extra = addrs[1..].to_vec();
-    sb.pod(1)
+    sb.pod(BACKEND_POD)
         .run(move || {
             for a in extra {
                 add_address(sandbox::POD_IFNAME, a.into(), 24).unwrap();
@@ -142,8 +167,12 @@ fn program(sb: &Sandbox, groups: &[Group], backends: &[Ipv4Addr]) {
     let mut endpoints = EndpointsMap::new();
     for g in groups {
         for (v, ip) in VARIANTS.iter().zip(g.frontends) {
+            // VARIANTS[..3] name the three services (the fourth reuses the anchor's).
             let name = ServicePortName {
-                service: NamespacedName::new("bench", format!("{v:?}-{}", g.endpoints).to_lowercase()),
+                service: NamespacedName::new(
+                    "bench",
+                    format!("{v:?}-{}", g.endpoints).to_lowercase(),
+                ),
                 port: "p80".into(),
                 protocol: Protocol::Tcp,
             };
@@ -151,7 +180,10 @@ fn program(sb: &Sandbox, groups: &[Group], backends: &[Ipv4Addr]) {
             if *v != Variant::Anchor {
                 sp.session_affinity_timeout = Some(AFFINITY_SECONDS);
             }
-            let eps = backends[..g.endpoints].iter().map(|&a| endpoint(a)).collect();
+            let eps = backends[..g.endpoints]
+                .iter()
+                .map(|&a| endpoint(a))
+                .collect();
             endpoints.insert(name.clone(), eps);
             services.insert(name, sp);
         }
@@ -178,7 +210,10 @@ fn entries_for(nft: &mut NftSocket, frontend: Ipv4Addr) -> Vec<Element> {
     nft.read_set(Family::Ip, TABLE, MAP_AFFINITY)
         .unwrap()
         .into_iter()
-        .filter(|e| e.key.get(4..8) == Some(&frontend.octets()[..]))
+        .filter(|e| {
+            let client = sandbox::pod_ip_v4(0).octets();
+            e.key.get(..8) == Some(&[client, frontend.octets()].concat()[..])
+        })
         .collect()
 }
 
@@ -215,9 +250,63 @@ fn resolve_neighbours(backends: &[Ipv4Addr]) {
     }
 }
 
-/// Runs in the client pod. Rounds of one probe per group and variant, the order rotating each round so no
-/// variant always follows the same one; the miss variant's entry is deleted before its probe, and every probe
-/// waits the same `SETTLE` first.
+/// An affinity entry no connection ever looks up (a client address nobody has), deleted and added back in
+/// turn before each `AnchorAfterCommit` probe, so that variant pays the same kind of commit a miss does.
+struct Decoy {
+    element: Element,
+    present: bool,
+}
+
+impl Decoy {
+    /// Copies a real entry (for its layout) under a client address nobody has and a frontend no service has.
+    fn new(nft: &mut NftSocket, from: Ipv4Addr) -> Decoy {
+        let mut element = entries_for(nft, from).remove(0);
+        let mut key = element.key.to_vec();
+        key[..8].copy_from_slice(&[10, 244, 0, 250, 10, 96, 255, 250]);
+        element.key = key.into();
+        Decoy {
+            element,
+            present: false,
+        }
+    }
+
+    fn toggle(&mut self, nft: &mut NftSocket) {
+        // The same read a miss's `forget` does.
+        let _ = entries_for(nft, Ipv4Addr::UNSPECIFIED);
+        let elements = vec![self.element.clone()];
+        let set = MAP_AFFINITY.into();
+        let op = if self.present {
+            Op::DeleteElements { set, elements }
+        } else {
+            Op::AddElements { set, elements }
+        };
+        let mut tx = Transaction::default();
+        tx.push(Family::Ip, TABLE, op);
+        nft.commit(&tx).unwrap();
+        self.present = !self.present;
+    }
+}
+
+/// A small xorshift: the probe order of each round is shuffled, so that no variant always follows the same
+/// one, without a dependency and the same in every run.
+struct Shuffle(u64);
+
+impl Shuffle {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn apply<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+    }
+}
+
+/// Runs in the client pod. Rounds of one probe per group and variant in a shuffled order; every probe waits
+/// the same `SETTLE` after its preparation (the miss's delete, the decoy's commit, nothing for the others).
 fn measure(
     groups: &[Group],
     backends: &[Ipv4Addr],
@@ -236,37 +325,71 @@ fn measure(
     for g in groups {
         probe(g.frontends[2]);
     }
-    let mut hit_entries: Vec<Option<Element>> = vec![None; groups.len()];
+    let mut decoy = Decoy::new(&mut nft, groups[0].frontends[2]);
+    let mut order: Vec<(usize, Variant)> = (0..groups.len())
+        .flat_map(|g| VARIANTS.map(|v| (g, v)))
+        .collect();
+    let mut shuffle = Shuffle(0x9e37_79b9_7f4a_7c15);
     for round in 0..WARMUP + probes {
-        for k in 0..groups.len() * VARIANTS.len() {
-            let slot = (k + round) % (groups.len() * VARIANTS.len());
-            let (gi, vi) = (slot / VARIANTS.len(), slot % VARIANTS.len());
-            let frontend = groups[gi].frontends[vi];
-            if VARIANTS[vi] == Variant::Miss {
-                forget(&mut nft, frontend);
+        shuffle.apply(&mut order);
+        for &(gi, v) in &order {
+            let frontend = groups[gi].frontends[v.service()];
+            match v {
+                Variant::Miss => forget(&mut nft, frontend),
+                Variant::AnchorAfterCommit => decoy.toggle(&mut nft),
+                Variant::Anchor | Variant::Hit => {}
             }
             std::thread::sleep(SETTLE);
             let t = probe(frontend);
             if round >= WARMUP {
-                out[gi].times[vi].push(t);
+                out[gi].times[v as usize].push(t);
             }
         }
-        check_hits(&mut nft, groups, &mut hit_entries);
     }
+    check_hits_use_the_entry(&mut nft, groups);
     out
 }
 
-/// The hit variant must really hit: its entry keeps the endpoint of the first connection. A lookup that
-/// missed would pick again at random and overwrite it (with 2 endpoints, half the time).
-fn check_hits(nft: &mut NftSocket, groups: &[Group], seen: &mut [Option<Element>]) {
-    for (g, seen) in groups.iter().zip(seen) {
-        let now = entries_for(nft, g.frontends[1]);
-        assert_eq!(now.len(), 1, "one hit entry for {}", g.frontends[1]);
-        let value = &now[0].value;
-        match seen {
-            Some(first) => assert_eq!(&first.value, value, "hit entry changed endpoint"),
-            None => *seen = Some(now[0].clone()),
-        }
+/// The hit variant must really hit, that is the `lb-aff-<n>` chain must take the entry before choosing. The
+/// endpoint reached cannot be told from an answer (the one backend pod answers for all its addresses) and the
+/// record never overwrites an existing entry's endpoint, so the check is a trap: point each hit entry at the
+/// trap pod, which is no endpoint of any service. Only a connection that used the entry can reach it.
+fn check_hits_use_the_entry(nft: &mut NftSocket, groups: &[Group]) {
+    let mut tx = Transaction::default();
+    for g in groups {
+        let mut entry = entries_for(nft, g.frontends[1]);
+        assert_eq!(entry.len(), 1, "one hit entry for {}", g.frontends[1]);
+        let mut trap = entry.remove(0);
+        let Some(ElementValue::Data(value)) = &trap.value else {
+            panic!("affinity entry without an endpoint: {trap:?}")
+        };
+        // Value: endpoint address (4 bytes) . port (network order, in a 4-byte register).
+        let mut bytes = value.to_vec();
+        bytes[..4].copy_from_slice(&sandbox::pod_ip_v4(TRAP_POD).octets());
+        tx.push(
+            Family::Ip,
+            TABLE,
+            Op::DeleteElements {
+                set: MAP_AFFINITY.into(),
+                elements: vec![trap.clone()],
+            },
+        );
+        trap.value = Some(ElementValue::Data(bytes.into()));
+        tx.push(
+            Family::Ip,
+            TABLE,
+            Op::AddElements {
+                set: MAP_AFFINITY.into(),
+                elements: vec![trap],
+            },
+        );
+    }
+    nft.commit(&tx).unwrap();
+    for g in groups {
+        let dst = SocketAddr::new(IpAddr::V4(g.frontends[1]), 80);
+        let answer = sandbox::tcp_request_here(dst, PROBE_TIMEOUT).expect("trap probe");
+        let pod = sandbox::parse_answer(&answer).map(|(pod, _)| pod);
+        assert_eq!(pod, Some(TRAP_POD), "the hit entry was not used: {answer}");
     }
 }
 
@@ -285,21 +408,23 @@ fn print_table(results: &[Samples], probes: usize) {
     println!(
         "ClientIP affinity, new TCP connection (connect, one answer, close), {probes} probes per cell; µs median / p90"
     );
-    println!("| endpoints | no affinity (anchor) | hit | miss | hit / anchor | miss / anchor |");
-    println!("|---|---|---|---|---|---|");
+    println!("| endpoints | no affinity (anchor) | hit | miss | anchor after a commit (control) | hit / anchor | miss / anchor | control / anchor |");
+    println!("|---|---|---|---|---|---|---|---|");
     for s in results {
         let med: Vec<Duration> = s.times.iter().map(|t| quantile(t, 0.5)).collect();
         let p90: Vec<Duration> = s.times.iter().map(|t| quantile(t, 0.9)).collect();
         let cell = |i: usize| format!("{} / {}", us(med[i]), us(p90[i]));
         let ratio = |i: usize| format!("{:.2}", med[i].as_secs_f64() / med[0].as_secs_f64());
         println!(
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             s.endpoints,
             cell(0),
             cell(1),
             cell(2),
+            cell(3),
             ratio(1),
-            ratio(2)
+            ratio(2),
+            ratio(3)
         );
     }
 }
