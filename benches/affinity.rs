@@ -420,7 +420,7 @@ fn quantile(v: &[Duration], q: f64) -> Duration {
 }
 
 fn us(d: Duration) -> String {
-    format!("{:.0}", d.as_secs_f64() * 1e6)
+    format!("{:.1}", d.as_secs_f64() * 1e6)
 }
 
 fn print_table(results: &[Samples], probes: usize) {
