@@ -100,6 +100,8 @@ fn a_client_whose_endpoint_leaves_moves_at_once() {
     assert_eq!(before.len(), 1, "{before:?}");
     let gone = *before.iter().next().unwrap();
 
+    // Traffic flows as soon as the commit is in, before the sync is logged: count from a logged one.
+    agent.wait_syncs(1, SYNC);
     let syncs = agent.log().matches("sync complete").count();
     let line = format!("- {{addresses: [\"10.244.{gone}.2\"]}}\n");
     assert!(long.contains(&line), "test bug: no {line}");
