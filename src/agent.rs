@@ -399,8 +399,8 @@ pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport_cidrs: &[Cidr]) {
 /// A failed read keeps what the last good one gave: a transient rtnetlink error (ENOBUFS while the routing
 /// table churns, a dump interrupted by a change) says nothing about the addresses, and withdrawing every
 /// NodePort for it would cut live traffic. With no good read yet (the first one, at startup) there is nothing
-/// to keep: NodePorts are not served until a read succeeds, retried at every full sync (the first sync of
-/// `proxy` is one). Either way it is logged with the error.
+/// to keep: NodePorts are not served (but with a zero CIDR, which needs no address) until a read succeeds,
+/// retried at every full sync (the first sync of `proxy` is one). Either way it is logged with the error.
 pub fn refresh_node_addresses_from(
     cfg: &mut RenderConfig,
     nodeport_cidrs: &[Cidr],
@@ -416,7 +416,10 @@ pub fn refresh_node_addresses_from(
             cfg.node_ips = node.addresses.iter().map(|a| a.ip).collect();
         }
         Err(e) if cfg.nodeport_addresses == crate::node::NodePortAddresses::None => {
-            tracing::warn!(error = %e, "reading the node failed and no NodePort address is known: NodePorts are not served until a read succeeds (retried at the next full sync)");
+            // A zero CIDR needs no address (the kernel's fib tells local ones), so it is served all the same.
+            cfg.nodeport_addresses =
+                crate::node::resolve_nodeport_addresses(nodeport_cidrs, &[], &[]);
+            tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed and none of its addresses is known: NodePorts are not served on them until a read succeeds (retried at the next full sync)");
         }
         Err(e) => {
             tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed: keeping its last known addresses (read again at the next full sync)");
@@ -476,12 +479,16 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_first_read_serves_no_node_port_until_a_read_succeeds() {
+    fn a_failed_first_read_serves_node_ports_on_no_address_until_a_read_succeeds() {
         let mut cfg = RenderConfig::default();
         refresh_node_addresses_from(&mut cfg, &[], failed);
         assert_eq!(cfg.nodeport_addresses, NodePortAddresses::None);
         assert!(cfg.node_ips.is_empty());
         refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.200.1")));
         assert_eq!(cfg.nodeport_addresses, served_on("192.168.200.1"));
+        // Every local address needs none read: the kernel tells them.
+        let mut cfg = RenderConfig::default();
+        refresh_node_addresses_from(&mut cfg, &["0.0.0.0/0".parse().unwrap()], failed);
+        assert_eq!(cfg.nodeport_addresses, NodePortAddresses::AllLocal);
     }
 }

@@ -8,9 +8,9 @@
 //! pool, the main thread): whatever runs there next would silently operate on the wrong namespace.
 //!
 //! The configuration helpers ([`set_link_up`], [`create_veth`], [`add_address`], [`add_route`],
-//! [`replace_route_multipath`], [`set_sysctl`])
-//! act on the namespace of the thread that calls them, so callers use them inside `ns.run(..)`. As a guard they
-//! refuse to modify the namespace of pid 1 (the host's) or of this process's main thread.
+//! [`replace_route_multipath`], [`set_sysctl`]) act on the namespace of the thread that calls them, so callers use
+//! them inside `ns.run(..)`. As a guard they refuse to modify the namespace of pid 1 (the host's) or of this
+//! process's main thread.
 //!
 //! Namespaces: `/run/netns/NAME` is an empty file with the namespace's nsfs inode bind-mounted on it, which keeps
 //! the namespace alive with no process in it. Deleting unmounts and unlinks the file; the namespace itself goes
