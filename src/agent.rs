@@ -389,20 +389,40 @@ pub fn cleanup() -> anyhow::Result<usize> {
 }
 
 /// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from
-/// them: where NodePorts are served (from `--nodeport-addresses`) and the node's own IPs. If the addresses
-/// cannot be read, NodePorts are not served (and that is logged).
+/// them: where NodePorts are served (from `--nodeport-addresses`) and the node's own IPs.
 pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport_cidrs: &[Cidr]) {
-    let read = crate::node::addresses().and_then(|a| Ok((a, crate::node::default_route_links()?)));
-    match read {
-        Ok((addresses, primary)) => {
+    refresh_node_addresses_from(cfg, nodeport_cidrs, crate::node::read);
+}
+
+/// `refresh_node_addresses` with the read given, so a test can make it fail.
+///
+/// A failed read keeps what the last good one gave: a transient rtnetlink error (ENOBUFS while the routing
+/// table churns, a dump interrupted by a change) says nothing about the addresses, and withdrawing every
+/// NodePort for it would cut live traffic. With no good read yet (the first one, at startup) there is nothing
+/// to keep: NodePorts are not served (but with a zero CIDR, which needs no address) until a read succeeds,
+/// retried at every full sync (the first sync of `proxy` is one). Either way it is logged with the error.
+pub fn refresh_node_addresses_from(
+    cfg: &mut RenderConfig,
+    nodeport_cidrs: &[Cidr],
+    read: impl FnOnce() -> Result<crate::node::NodeView, crate::node::ReadError>,
+) {
+    match read() {
+        Ok(node) => {
+            cfg.nodeport_addresses = crate::node::resolve_nodeport_addresses(
+                nodeport_cidrs,
+                &node.addresses,
+                &node.primary_links,
+            );
+            cfg.node_ips = node.addresses.iter().map(|a| a.ip).collect();
+        }
+        Err(e) if cfg.nodeport_addresses == crate::node::NodePortAddresses::None => {
+            // A zero CIDR needs no address (the kernel's fib tells local ones), so it is served all the same.
             cfg.nodeport_addresses =
-                crate::node::resolve_nodeport_addresses(nodeport_cidrs, &addresses, &primary);
-            cfg.node_ips = addresses.iter().map(|a| a.ip).collect();
+                crate::node::resolve_nodeport_addresses(nodeport_cidrs, &[], &[]);
+            tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed and none of its addresses is known: NodePorts are not served on them until a read succeeds (retried at the next full sync)");
         }
         Err(e) => {
-            tracing::error!("reading the node's addresses: {e}; NodePorts are not served");
-            cfg.nodeport_addresses = crate::node::NodePortAddresses::None;
-            cfg.node_ips.clear();
+            tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed: keeping its last known addresses (read again at the next full sync)");
         }
     }
 }
@@ -414,4 +434,61 @@ pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, String> {
         .filter(|p| !p.is_empty())
         .map(|p| p.parse::<Cidr>())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::{NodeAddress, NodePortAddresses, NodeView, ReadError};
+
+    fn node(ip: &str) -> NodeView {
+        NodeView {
+            addresses: vec![NodeAddress {
+                ifindex: 2,
+                ip: ip.parse().unwrap(),
+            }],
+            primary_links: vec![2],
+        }
+    }
+
+    fn failed() -> Result<NodeView, ReadError> {
+        Err(ReadError::Routes(std::io::Error::from_raw_os_error(
+            libc::ENOBUFS,
+        )))
+    }
+
+    fn served_on(ip: &str) -> NodePortAddresses {
+        NodePortAddresses::Only(vec![ip.parse().unwrap()])
+    }
+
+    #[test]
+    fn a_failed_read_keeps_the_last_known_addresses() {
+        let mut cfg = RenderConfig::default();
+        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.200.1")));
+        assert_eq!(cfg.nodeport_addresses, served_on("192.168.200.1"));
+        let before = cfg.clone();
+        refresh_node_addresses_from(&mut cfg, &[], failed);
+        assert_eq!(cfg, before);
+        // The next good read replaces them.
+        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.201.1")));
+        assert_eq!(cfg.nodeport_addresses, served_on("192.168.201.1"));
+        assert_eq!(
+            cfg.node_ips,
+            vec!["192.168.201.1".parse::<std::net::IpAddr>().unwrap()]
+        );
+    }
+
+    #[test]
+    fn a_failed_first_read_serves_node_ports_on_no_address_until_a_read_succeeds() {
+        let mut cfg = RenderConfig::default();
+        refresh_node_addresses_from(&mut cfg, &[], failed);
+        assert_eq!(cfg.nodeport_addresses, NodePortAddresses::None);
+        assert!(cfg.node_ips.is_empty());
+        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.200.1")));
+        assert_eq!(cfg.nodeport_addresses, served_on("192.168.200.1"));
+        // Every local address needs none read: the kernel tells them.
+        let mut cfg = RenderConfig::default();
+        refresh_node_addresses_from(&mut cfg, &["0.0.0.0/0".parse().unwrap()], failed);
+        assert_eq!(cfg.nodeport_addresses, NodePortAddresses::AllLocal);
+    }
 }

@@ -7,9 +7,10 @@
 //! for that purpose ([`NetNs::run`], [`NetNs::spawn`]). Never `setns` a shared thread (a tokio worker, a thread
 //! pool, the main thread): whatever runs there next would silently operate on the wrong namespace.
 //!
-//! The configuration helpers ([`set_link_up`], [`create_veth`], [`add_address`], [`add_route`], [`set_sysctl`])
-//! act on the namespace of the thread that calls them, so callers use them inside `ns.run(..)`. As a guard they
-//! refuse to modify the namespace of pid 1 (the host's) or of this process's main thread.
+//! The configuration helpers ([`set_link_up`], [`create_veth`], [`add_address`], [`add_route`],
+//! [`replace_route_multipath`], [`set_sysctl`]) act on the namespace of the thread that calls them, so callers use
+//! them inside `ns.run(..)`. As a guard they refuse to modify the namespace of pid 1 (the host's) or of this
+//! process's main thread.
 //!
 //! Namespaces: `/run/netns/NAME` is an empty file with the namespace's nsfs inode bind-mounted on it, which keeps
 //! the namespace alive with no process in it. Deleting unmounts and unlinks the file; the namespace itself goes
@@ -17,7 +18,7 @@
 
 use crate::netlink::{
     Attrs, MsgBuilder, NetlinkError, NlSocket, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
-    NLM_F_REQUEST,
+    NLM_F_REPLACE, NLM_F_REQUEST,
 };
 use std::ffi::CString;
 use std::fs::File;
@@ -54,6 +55,7 @@ const IFA_F_NODAD: u32 = 0x02;
 const RTA_DST: u16 = 1;
 const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
+const RTA_MULTIPATH: u16 = 9;
 const RT_TABLE_MAIN: u8 = 254;
 const RTPROT_BOOT: u8 = 3;
 const RT_SCOPE_UNIVERSE: u8 = 0;
@@ -721,21 +723,7 @@ pub fn add_route(
         } else {
             RT_SCOPE_LINK
         };
-        // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags (u32)
-        m.raw(&[
-            family(&dst),
-            prefix,
-            0,
-            0,
-            RT_TABLE_MAIN,
-            RTPROT_BOOT,
-            scope,
-            RTN_UNICAST,
-            0,
-            0,
-            0,
-            0,
-        ]);
+        m.raw(&rtmsg(&dst, prefix, scope));
         if prefix > 0 {
             m.attr(RTA_DST, &addr_bytes(&dst));
         }
@@ -747,6 +735,75 @@ pub fn add_route(
         }
         m
     })
+}
+
+/// Sets the route to `dst/prefix` in the main table to one with several next hops (ECMP, `ip route replace
+/// DST nexthop via GW dev DEV nexthop ...`), replacing the route there was. Each hop is (gateway, device).
+pub fn replace_route_multipath(
+    dst: IpAddr,
+    prefix: u8,
+    hops: &[(IpAddr, &str)],
+) -> Result<(), NetnsError> {
+    check_prefix(&dst, prefix)?;
+    let context = || format!("replacing the route to {dst}/{prefix} with next hops {hops:?}");
+    if hops.is_empty() || hops.iter().any(|(g, _)| g.is_ipv4() != dst.is_ipv4()) {
+        return Err(NetnsError::Invalid(format!(
+            "{}: needs next hops whose gateways are of the destination's family",
+            context()
+        )));
+    }
+    ensure_private_namespace(context)?;
+    let mut next_hops = Vec::new();
+    for (gateway, dev) in hops {
+        next_hops.extend(rtnexthop(link_index(dev)?, gateway));
+    }
+    rt_request(context, |seq| {
+        let mut m = MsgBuilder::new(
+            RTM_NEWROUTE,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+            seq,
+        );
+        m.raw(&rtmsg(&dst, prefix, RT_SCOPE_UNIVERSE));
+        if prefix > 0 {
+            m.attr(RTA_DST, &addr_bytes(&dst));
+        }
+        m.attr(RTA_MULTIPATH, &next_hops);
+        m
+    })
+}
+
+/// `struct rtnexthop { len: u16, flags: u8, hops: u8, ifindex: i32 }` followed by its RTA_GATEWAY, one entry
+/// of an RTA_MULTIPATH payload (each padded to 4 bytes).
+fn rtnexthop(ifindex: u32, gateway: &IpAddr) -> Vec<u8> {
+    let gw = addr_bytes(gateway);
+    let len = 8 + 4 + gw.len();
+    let mut b = Vec::with_capacity(len);
+    b.extend_from_slice(&(len as u16).to_ne_bytes());
+    b.extend_from_slice(&[0, 0]);
+    b.extend_from_slice(&ifindex.to_ne_bytes());
+    b.extend_from_slice(&((4 + gw.len()) as u16).to_ne_bytes());
+    b.extend_from_slice(&RTA_GATEWAY.to_ne_bytes());
+    b.extend_from_slice(&gw);
+    b
+}
+
+/// `struct rtmsg` for a unicast route of the main table: family, dst_len, src_len, tos, table, protocol,
+/// scope, type, flags (u32).
+fn rtmsg(dst: &IpAddr, prefix: u8, scope: u8) -> [u8; 12] {
+    [
+        family(dst),
+        prefix,
+        0,
+        0,
+        RT_TABLE_MAIN,
+        RTPROT_BOOT,
+        scope,
+        RTN_UNICAST,
+        0,
+        0,
+        0,
+        0,
+    ]
 }
 
 /// `net/ipv4/ip_forward` or `net.ipv4.ip_forward` (dots only when there is no slash: interface names may contain

@@ -5,7 +5,7 @@ use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests, udp_r
 use kernel_tests::*;
 use std::collections::BTreeSet;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(2);
@@ -248,4 +248,113 @@ fn node_ports_are_served_on_the_chosen_node_addresses_only() {
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
     let text = nftkube::nft::text::render_table(&t);
     assert!(text.contains("fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports"), "{text}");
+}
+
+/// The node's second uplink, to ext as the first, on 192.168.201.0/24 and fd00:201::/64.
+const UPLINK2: &str = "eth1";
+
+fn uplink2_ip(host: u8, v6: bool) -> IpAddr {
+    if v6 {
+        Ipv6Addr::new(0xfd00, 0x201, 0, 0, 0, 0, 0, host.into()).into()
+    } else {
+        Ipv4Addr::new(192, 168, 201, host).into()
+    }
+}
+
+/// Adds a second veth between the node and ext, then makes each of the node's default routes (IPv4, IPv6) one
+/// route with a next hop through each uplink, as a node with bonded-by-routing uplinks has.
+fn multipath_default_routes(sb: &sandbox::Sandbox) {
+    use nftkube::netns::{add_address, create_veth, replace_route_multipath, set_link_up};
+    let ext = sb.ext();
+    let node_end = |host| {
+        move || -> Result<(), nftkube::netns::NetnsError> {
+            set_link_up(UPLINK2)?;
+            add_address(UPLINK2, uplink2_ip(host, false), 24)?;
+            add_address(UPLINK2, uplink2_ip(host, true), 64)
+        }
+    };
+    sb.node()
+        .run(|| create_veth(UPLINK2, UPLINK2, ext).and_then(|()| node_end(1)()))
+        .unwrap()
+        .expect("the node's second uplink");
+    ext.run(node_end(2)).unwrap().expect("ext's end of it");
+    sb.node()
+        .run(|| {
+            replace_route_multipath(
+                Ipv4Addr::UNSPECIFIED.into(),
+                0,
+                &[
+                    (sandbox::ext_ip_v4().into(), sandbox::NODE_UPLINK),
+                    (uplink2_ip(2, false), UPLINK2),
+                ],
+            )?;
+            replace_route_multipath(
+                Ipv6Addr::UNSPECIFIED.into(),
+                0,
+                &[
+                    (sandbox::ext_ip_v6().into(), sandbox::NODE_UPLINK),
+                    (uplink2_ip(2, true), UPLINK2),
+                ],
+            )
+        })
+        .unwrap()
+        .expect("multipath default routes");
+}
+
+/// The oracle's view of the node's default routes, when `ip` may be used: each must list both next hops.
+fn assert_default_routes_are_multipath(sb: &sandbox::Sandbox) {
+    if !oracles() {
+        return;
+    }
+    for family in ["-4", "-6"] {
+        let out = command_in(sb.node(), "ip")
+            .args([family, "route", "show", "default"])
+            .output()
+            .expect("running ip (apt-get install iproute2)");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.matches("nexthop").count() == 2
+                && text.contains(sandbox::NODE_UPLINK)
+                && text.contains(UPLINK2),
+            "ip {family} route show default:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn node_ports_are_served_on_every_uplink_of_a_multipath_default_route() {
+    let sb = sandbox("nk-mpath", 3);
+    multipath_default_routes(&sb);
+    assert_default_routes_are_multipath(&sb);
+    let m = Manifests::examples();
+    m.write("web.yaml", MANIFEST);
+    m.write("web6.yaml", MANIFEST_V6);
+    let primary = [
+        node_port(sandbox::node_ip_v4().into(), 30080),
+        node_port(uplink2_ip(1, false), 30080),
+        node_port(sandbox::node_ip_v6().into(), 30090),
+        node_port(uplink2_ip(1, true), 30090),
+    ];
+
+    // Default --nodeport-addresses: the primary addresses, those of both next hops' links.
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    for dst in primary {
+        wait_until(SYNC, || served(sb.ext(), dst, Duration::from_millis(300))).unwrap_or_else(
+            |_| {
+                panic!(
+                    "NodePort {dst} never served from outside; log:\n{}",
+                    agent.log()
+                )
+            },
+        );
+        let (pods, _) = tally(&tcp_requests(sb.ext(), dst, 20, T));
+        assert_eq!(pods, [1, 2].into(), "{dst}");
+    }
+    // Still only the primary addresses: not the node's address on a pod's link.
+    let pod_link = node_port(sandbox::pod_gateway_v4(0).into(), 30080);
+    assert!(
+        !served(sb.client(), pod_link, Duration::from_millis(500)),
+        "{pod_link} is no primary address"
+    );
 }
