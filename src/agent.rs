@@ -37,6 +37,9 @@ pub struct ProxyOptions {
     pub detect_local: DetectLocal,
     /// Elements per transaction above which a sync is committed in several (`--max-transaction-elements`).
     pub max_transaction_elements: usize,
+    /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
+    /// at the first cleanup).
+    pub conntrack_features: Option<crate::conntrack::Features>,
 }
 
 impl ProxyOptions {
@@ -51,6 +54,7 @@ impl ProxyOptions {
             admin: None,
             detect_local: DetectLocal::ClusterCidr,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
+            conntrack_features: None,
         }
     }
 
@@ -70,6 +74,7 @@ impl ProxyOptions {
             admin: Some(r.admin),
             detect_local: r.detect_local,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
+            conntrack_features: None,
         }
     }
 }
@@ -120,6 +125,9 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
         kinds: frontend_kinds,
         ..Default::default()
     });
+    if let Some(f) = opts.conntrack_features {
+        conntrack.set_features(f);
+    }
 
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));

@@ -10,6 +10,7 @@ pub mod model;
 pub mod netlink;
 pub mod netns;
 pub mod nft;
+pub mod privs;
 pub mod node;
 pub mod render;
 pub mod sandbox;

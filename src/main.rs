@@ -24,6 +24,31 @@ fn install_signal_handlers() {
     }
 }
 
+/// Probes what needs more than CAP_NET_ADMIN, drops every other capability, then runs the proxy loop.
+///
+/// The drop happens here, on the main thread while it is the only one (the conntrack probe's thread has
+/// ended; the source, monitor and admin threads are spawned by `run_proxy`), so every thread inherits the
+/// reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
+/// privileges.
+fn start_proxy(mut opts: nftkube::agent::ProxyOptions) -> anyhow::Result<()> {
+    // The probe creates a scratch network namespace (CAP_SYS_ADMIN): before the drop, never again after.
+    opts.conntrack_features = Some(nftkube::conntrack::probe_features());
+    let ports = opts
+        .admin
+        .iter()
+        .flat_map(|a| [a.healthz, a.metrics])
+        .flatten()
+        .map(|a| a.port());
+    let dropped = nftkube::privs::drop_to(nftkube::privs::needed(ports))
+        .map_err(|e| anyhow::anyhow!("dropping capabilities: {e}"))?;
+    tracing::info!(
+        kept = format!("{:#x}", dropped.kept),
+        bounding = format!("{:#x}", dropped.bounding),
+        "capabilities dropped (kept: CAP_NET_ADMIN, and CAP_NET_BIND_SERVICE for a healthz or metrics port below 1024); no_new_privs set"
+    );
+    nftkube::agent::run_proxy(&opts, &STOP)
+}
+
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
 fn usage_error(e: &str) -> ExitCode {
     eprintln!("nftkube: {e}");
@@ -65,7 +90,7 @@ fn main() -> ExitCode {
                 sub.and_then(|m| m.value_source(id)) == Some(clap::parser::ValueSource::CommandLine)
             };
             match args.options(&given) {
-                Ok(opts) => nftkube::agent::run_proxy(&opts, &STOP),
+                Ok(opts) => start_proxy(opts),
                 Err(e) => return usage_error(&e),
             }
         }

@@ -53,6 +53,31 @@ impl Default for CleanerOptions {
     }
 }
 
+/// Probes the kernel's ctnetlink filters in a scratch namespace (needs CAP_SYS_ADMIN: `nftkube proxy` does
+/// it before dropping that), logging what it found; without them (or on failure), per-family dumps.
+pub fn probe_features() -> Features {
+    let start = Instant::now();
+    match probe() {
+        Ok(f) => {
+            tracing::info!(
+                elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
+                dump_proto_v4 = f.dump_proto_v4,
+                dump_proto_v6 = f.dump_proto_v6,
+                dump_addr_v4 = f.dump_addr_v4,
+                dump_addr_v6 = f.dump_addr_v6,
+                filtered_delete_v4 = f.filtered_delete_v4,
+                filtered_delete_v6 = f.filtered_delete_v6,
+                "conntrack: kernel features probed"
+            );
+            f
+        }
+        Err(e) => {
+            tracing::warn!("conntrack: cannot probe kernel filters ({e}); dumping per address family");
+            Features::default()
+        }
+    }
+}
+
 /// What one cleanup did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CleanupReport {
@@ -140,28 +165,7 @@ impl Cleaner {
             return f;
         }
         let f = if self.opts.probe {
-            let start = Instant::now();
-            match probe() {
-                Ok(f) => {
-                    tracing::info!(
-                        elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
-                        dump_proto_v4 = f.dump_proto_v4,
-                        dump_proto_v6 = f.dump_proto_v6,
-                        dump_addr_v4 = f.dump_addr_v4,
-                        dump_addr_v6 = f.dump_addr_v6,
-                        filtered_delete_v4 = f.filtered_delete_v4,
-                        filtered_delete_v6 = f.filtered_delete_v6,
-                        "conntrack: kernel features probed"
-                    );
-                    f
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "conntrack: cannot probe kernel filters ({e}); dumping per address family"
-                    );
-                    Features::default()
-                }
-            }
+            probe_features()
         } else {
             Features::default()
         };
