@@ -240,6 +240,10 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
             }
             match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
                 Ok(report) => {
+                    if report.full {
+                        // The health check servers follow the addresses NodePorts are now served on.
+                        observer.nodeport_addresses(&cfg.nodeport_addresses);
+                    }
                     observer.sync_succeeded(&report, &changes.changed_services, &state);
                     // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
                     conntrack.after_sync(&changes, &state);

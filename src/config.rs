@@ -758,7 +758,6 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             .bind_address_hard_fail
             .or(file.bind_address_hard_fail)
             .unwrap_or(false),
-        health_check_addresses: Vec::new(),
     };
 
     let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {

@@ -8,8 +8,11 @@
 //! distinct `ip:port` over all ports of the service).
 //!
 //! The servers follow the model after each successful sync (as kube-proxy updates them after each
-//! successful sync). One listener per port on all addresses by default (dual-stack `[::]`, or `0.0.0.0`
-//! without IPv6); a port that cannot be bound is logged and retried every 5 s.
+//! successful sync). As kube-proxy's, they listen on the NodePort addresses (what `--nodeport-addresses`
+//! resolves to at each full sync): one listener per port and address, or one on all addresses (dual-stack
+//! `[::]`, or `0.0.0.0` without IPv6) when NodePorts are served on every local address; none when no
+//! address matched. When the addresses change, every server is rebound on the new ones. A port that cannot
+//! be bound is logged and retried every 5 s.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -21,6 +24,7 @@ use tokio::sync::watch;
 use super::health::ProxyHealth;
 use super::http::{self, Handler, Request, Response};
 use crate::model::{ClusterState, NamespacedName, ServiceType, TrafficPolicy};
+use crate::node::NodePortAddresses;
 
 /// What one health check port reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +35,14 @@ pub struct HcService {
 
 /// Desired servers: healthCheckNodePort → service.
 pub type HcDesired = BTreeMap<u16, HcService>;
+
+/// What the servers should be: which ports, on which addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HcConfig {
+    pub ports: HcDesired,
+    /// The NodePort addresses (`None`, the default until the first full sync resolved them: no server).
+    pub addresses: NodePortAddresses,
+}
 
 /// The health check port of a service and its local ready endpoint count; None for a service that needs
 /// no health check (not a LoadBalancer with `externalTrafficPolicy: Local` and a healthCheckNodePort).
@@ -91,37 +103,57 @@ impl Drop for Running {
     }
 }
 
-/// Binds `port` on each of `bind` (all addresses when empty).
-fn bind(bind: &[IpAddr], port: u16) -> std::io::Result<Vec<tokio::net::TcpListener>> {
+/// Binds `port` on each NodePort address (on all addresses for `AllLocal`; nothing for `None`).
+fn bind(addresses: &NodePortAddresses, port: u16) -> std::io::Result<Vec<tokio::net::TcpListener>> {
     let listen = |ip: IpAddr| -> std::io::Result<tokio::net::TcpListener> {
         let l = std::net::TcpListener::bind(SocketAddr::new(ip, port))?;
         l.set_nonblocking(true)?;
         tokio::net::TcpListener::from_std(l)
     };
-    if bind.is_empty() {
+    match addresses {
         // Dual-stack where IPv6 exists (Linux's default bindv6only=0), else IPv4 only.
-        return match listen(IpAddr::V6(Ipv6Addr::UNSPECIFIED)) {
+        NodePortAddresses::AllLocal => match listen(IpAddr::V6(Ipv6Addr::UNSPECIFIED)) {
             Ok(l) => Ok(vec![l]),
             Err(_) => Ok(vec![listen(IpAddr::V4(Ipv4Addr::UNSPECIFIED))?]),
-        };
+        },
+        NodePortAddresses::Only(ips) => ips.iter().map(|ip| listen(*ip)).collect(),
+        NodePortAddresses::None => Ok(Vec::new()),
     }
-    bind.iter().map(|ip| listen(*ip)).collect()
 }
 
-/// Keeps one server per desired port until the sender goes away.
-pub async fn run(mut rx: watch::Receiver<HcDesired>, addrs: Vec<IpAddr>, health: Arc<ProxyHealth>) {
+/// Drops every running server when the addresses changed (they are rebound on the new ones), and those
+/// whose port is no longer wanted.
+fn stop_outdated(
+    running: &mut HashMap<u16, Running>,
+    bound_on: &mut NodePortAddresses,
+    want: &HcConfig,
+) {
+    if *bound_on != want.addresses {
+        if !running.is_empty() {
+            tracing::info!(addresses = ?want.addresses, "health check servers move to the new NodePort addresses");
+        }
+        running.clear();
+        *bound_on = want.addresses.clone();
+    }
+    running.retain(|port, r| {
+        let keep = want.ports.contains_key(port);
+        if !keep {
+            tracing::info!(port, service = %r.entry.read().map(|e| e.service.to_string()).unwrap_or_default(), "health check server stopped");
+        }
+        keep
+    });
+}
+
+/// Keeps one server per desired port, on the desired addresses, until the sender goes away.
+pub async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHealth>) {
     let mut running: HashMap<u16, Running> = HashMap::new();
+    let mut bound_on = NodePortAddresses::None;
     loop {
         let desired = rx.borrow_and_update().clone();
-        running.retain(|port, r| {
-            let keep = desired.contains_key(port);
-            if !keep {
-                tracing::info!(port, service = %r.entry.read().map(|e| e.service.to_string()).unwrap_or_default(), "health check server stopped");
-            }
-            keep
-        });
+        stop_outdated(&mut running, &mut bound_on, &desired);
         let mut failed = false;
-        for (port, svc) in &desired {
+        let serve = desired.addresses != NodePortAddresses::None;
+        for (port, svc) in desired.ports.iter().filter(|_| serve) {
             if let Some(r) = running.get(port) {
                 let mut e = r.entry.write().unwrap_or_else(|e| e.into_inner());
                 if *e != *svc {
@@ -129,7 +161,7 @@ pub async fn run(mut rx: watch::Receiver<HcDesired>, addrs: Vec<IpAddr>, health:
                 }
                 continue;
             }
-            match bind(&addrs, *port) {
+            match bind(&desired.addresses, *port) {
                 Ok(listeners) => {
                     let entry = Arc::new(RwLock::new(svc.clone()));
                     let (e, h) = (entry.clone(), health.clone());
@@ -279,7 +311,11 @@ mod tests {
     /// desired map.
     #[test]
     fn servers_follow_the_desired_map() {
-        let (tx, rx) = watch::channel(HcDesired::new());
+        let (tx, rx) = watch::channel(HcConfig::default());
+        let on = |ip: [u8; 4], ports: HcDesired| HcConfig {
+            ports,
+            addresses: NodePortAddresses::Only(vec![IpAddr::from(ip)]),
+        };
         let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
         let h = health.clone();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -287,7 +323,7 @@ mod tests {
             .build()
             .unwrap();
         let thread = std::thread::spawn(move || {
-            rt.block_on(run(rx, vec![IpAddr::V4(Ipv4Addr::LOCALHOST)], h))
+            rt.block_on(run(rx, h))
         });
         let port = free_port();
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
@@ -307,23 +343,26 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(20));
             }
         };
-        tx.send(HcDesired::from([(
-            port,
-            HcService {
-                service: key.clone(),
-                local_endpoints: 0,
-            },
-        )]))
+        tx.send(on(
+            [127, 0, 0, 1],
+            HcDesired::from([(
+                port,
+                HcService {
+                    service: key.clone(),
+                    local_endpoints: 0,
+                },
+            )]),
+        ))
         .unwrap();
         wait(Some(503));
-        tx.send(HcDesired::from([(
+        let one = HcDesired::from([(
             port,
             HcService {
                 service: key.clone(),
                 local_endpoints: 1,
             },
-        )]))
-        .unwrap();
+        )]);
+        tx.send(on([127, 0, 0, 1], one.clone())).unwrap();
         wait(Some(200));
         let (_, headers, body) = get().unwrap();
         assert!(headers.contains(&("content-type".into(), "application/json".into())));
@@ -340,8 +379,15 @@ mod tests {
         assert_eq!(status, 503);
         assert!(body.contains("\"serviceProxyHealthy\":false"), "{body}");
         health.updated();
+        // The NodePort addresses change: the server moves, the old address refuses.
+        tx.send(on([127, 0, 0, 2], one.clone())).unwrap();
+        wait(None);
+        let moved = SocketAddr::from(([127, 0, 0, 2], port));
+        assert_eq!(http::get(moved, "/", Duration::from_secs(2)).unwrap().0, 200);
+        tx.send(on([127, 0, 0, 1], one)).unwrap();
+        wait(Some(200));
         // Removed from the map: the port closes.
-        tx.send(HcDesired::new()).unwrap();
+        tx.send(on([127, 0, 0, 1], HcDesired::new())).unwrap();
         wait(None);
         drop(tx);
         thread.join().unwrap();

@@ -12,7 +12,7 @@ pub mod http;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -24,7 +24,8 @@ use crate::metrics;
 use crate::model::{ClusterState, NamespacedName};
 use crate::source::{Event, NodeInfo};
 use crate::sync::SyncReport;
-use hc::{HcDesired, HcService};
+use crate::node::NodePortAddresses;
+use hc::{HcConfig, HcDesired, HcService};
 use health::ProxyHealth;
 use http::{Handler, Request, Response};
 
@@ -41,13 +42,11 @@ pub struct AdminOptions {
     pub metrics: Option<SocketAddr>,
     /// A healthz or metrics address that cannot be bound stops startup (else: logged, retried every 5 s).
     pub bind_address_hard_fail: bool,
-    /// Addresses of the healthCheckNodePort servers (empty: all addresses).
-    pub health_check_addresses: Vec<IpAddr>,
 }
 
 /// The running admin servers. Dropping it stops them.
 pub struct Admin {
-    hc: watch::Sender<HcDesired>,
+    hc: watch::Sender<HcConfig>,
     stop: Option<futures::channel::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -103,9 +102,8 @@ impl Admin {
                 }
             }
         }
-        let (hc_tx, hc_rx) = watch::channel(HcDesired::new());
+        let (hc_tx, hc_rx) = watch::channel(HcConfig::default());
         let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
-        let hc_addrs = opts.health_check_addresses.clone();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -116,7 +114,7 @@ impl Admin {
                     for (what, addr, listener, handler) in listeners {
                         tokio::spawn(serve_or_retry(what, addr, listener, handler));
                     }
-                    tokio::spawn(hc::run(hc_rx, hc_addrs, health));
+                    tokio::spawn(hc::run(hc_rx, health));
                     let _ = stop_rx.await;
                 });
             })?;
@@ -129,15 +127,23 @@ impl Admin {
 
     /// Sets the healthCheckNodePort servers to run.
     pub fn set_health_checks(&self, desired: HcDesired) {
-        self.hc.send_if_modified(|cur| {
-            if *cur == desired {
-                false
-            } else {
-                *cur = desired;
-                true
-            }
-        });
+        self.hc.send_if_modified(|cur| replace(&mut cur.ports, desired));
     }
+
+    /// Sets the addresses the healthCheckNodePort servers listen on: the NodePort addresses.
+    pub fn set_health_check_addresses(&self, addresses: &NodePortAddresses) {
+        self.hc
+            .send_if_modified(|cur| replace(&mut cur.addresses, addresses.clone()));
+    }
+}
+
+/// Stores `new` in `cur`; whether that changed it.
+fn replace<T: PartialEq>(cur: &mut T, new: T) -> bool {
+    if *cur == new {
+        return false;
+    }
+    *cur = new;
+    true
 }
 
 impl Drop for Admin {
@@ -341,6 +347,13 @@ impl Observer {
     pub fn sync_started(&self) {
         metrics::SERVICE_CHANGES_PENDING.store(0, Ordering::Relaxed);
         metrics::ENDPOINT_CHANGES_PENDING.store(0, Ordering::Relaxed);
+    }
+
+    /// A full sync committed with these NodePort addresses: the health check servers listen there.
+    pub fn nodeport_addresses(&self, addresses: &NodePortAddresses) {
+        if let Some(admin) = &self.admin {
+            admin.set_health_check_addresses(addresses);
+        }
     }
 
     /// A sync committed: health, programming latency, health check servers.
