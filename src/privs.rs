@@ -129,11 +129,13 @@ fn capget() -> Result<Sets, PrivsError> {
     let mut data = [CapData::default(); 2];
     // SAFETY: capget writes two CapData (the layout of struct __user_cap_data_struct) for version 3 and
     // reads the header; both outlive the call. pid 0 is the calling thread.
-    let r = unsafe { libc::syscall(
+    let r = unsafe {
+        libc::syscall(
             libc::SYS_capget,
             &mut header as *mut CapHeader,
             data.as_mut_ptr(),
-        ) };
+        )
+    };
     if r != 0 {
         return Err(PrivsError::Get(io::Error::last_os_error()));
     }
@@ -158,11 +160,13 @@ fn capset(sets: Sets) -> Result<(), PrivsError> {
     });
     // SAFETY: capset reads the header and two CapData (version 3 layout), which outlive the call; it only
     // changes the calling thread's credentials.
-    let r = unsafe { libc::syscall(
+    let r = unsafe {
+        libc::syscall(
             libc::SYS_capset,
             &mut header as *mut CapHeader,
             data.as_ptr(),
-        ) };
+        )
+    };
     if r != 0 {
         return Err(PrivsError::Set(io::Error::last_os_error()));
     }

@@ -95,11 +95,9 @@ fn cleanup_lines(agent: &Agent) -> Vec<String> {
 /// Waits until the agent's initial sync is complete and TCP to echo answers.
 ///
 /// The rules answer traffic as soon as the initial sync commits, but its "sync complete" line comes only after
-/// its conntrack cleanup, which may take seconds: the first cleanup probes the kernel in a scratch namespace
-/// (namespace creation waits behind the teardown of other namespaces), and every dump walks the kernel's
-/// conntrack hash table, which is shared by all namespaces (another test's 100k entries included). A test
-/// that counted change syncs before that line would take the initial sync for its change and look at the
-/// table before the change's cleanup ran.
+/// its conntrack cleanup, which may take seconds: every dump walks the kernel's conntrack hash table, which is
+/// shared by all namespaces (another test's 100k entries included). A test that counted change syncs before
+/// that line would take the initial sync for its change and look at the table before the change's cleanup ran.
 fn wait_programmed(sb: &Sandbox, agent: &Agent) {
     agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {

@@ -369,8 +369,8 @@ fn health_metrics_and_health_check_node_ports_are_served() {
     let outside = SocketAddr::new(sandbox::node_ip_v4().into(), 10256);
     assert!(get_in(sb.ext(), outside, "/healthz").is_err());
 
-    // The health check node port: two local endpoints.
-    let hc: SocketAddr = "127.0.0.1:32001".parse().unwrap();
+    // The health check node port, on the NodePort addresses (the node's primary ones): two local endpoints.
+    let hc = SocketAddr::new(sandbox::node_ip_v4().into(), 32001);
     wait_until(SYNC, || {
         get_in(sb.node(), hc, "/").is_ok_and(|r| r.0 == 200)
     })
@@ -630,7 +630,12 @@ fn cap_net_admin_is_the_only_capability_needed() {
         200
     );
     wait_until(SYNC, || {
-        get_in(sb.node(), "127.0.0.1:32002".parse().unwrap(), "/").is_ok_and(|r| r.0 == 200)
+        get_in(
+            sb.node(),
+            SocketAddr::new(sandbox::node_ip_v4().into(), 32002),
+            "/",
+        )
+        .is_ok_and(|r| r.0 == 200)
     })
     .unwrap_or_else(|_| panic!("no health check server; log:\n{}", agent.log()));
     // An endpoint goes away: the stale UDP flows are cleaned up. Kernel-side conntrack filters need a

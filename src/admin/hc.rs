@@ -322,9 +322,7 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let thread = std::thread::spawn(move || {
-            rt.block_on(run(rx, h))
-        });
+        let thread = std::thread::spawn(move || rt.block_on(run(rx, h)));
         let port = free_port();
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let key = NamespacedName::new("ns", "lb");
@@ -383,7 +381,10 @@ mod tests {
         tx.send(on([127, 0, 0, 2], one.clone())).unwrap();
         wait(None);
         let moved = SocketAddr::from(([127, 0, 0, 2], port));
-        assert_eq!(http::get(moved, "/", Duration::from_secs(2)).unwrap().0, 200);
+        assert_eq!(
+            http::get(moved, "/", Duration::from_secs(2)).unwrap().0,
+            200
+        );
         tx.send(on([127, 0, 0, 1], one)).unwrap();
         wait(Some(200));
         // Removed from the map: the port closes.

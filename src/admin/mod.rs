@@ -22,9 +22,9 @@ use tokio::sync::watch;
 use crate::conntrack;
 use crate::metrics;
 use crate::model::{ClusterState, NamespacedName};
+use crate::node::NodePortAddresses;
 use crate::source::{Event, NodeInfo};
 use crate::sync::SyncReport;
-use crate::node::NodePortAddresses;
 use hc::{HcConfig, HcDesired, HcService};
 use health::ProxyHealth;
 use http::{Handler, Request, Response};
@@ -127,7 +127,8 @@ impl Admin {
 
     /// Sets the healthCheckNodePort servers to run.
     pub fn set_health_checks(&self, desired: HcDesired) {
-        self.hc.send_if_modified(|cur| replace(&mut cur.ports, desired));
+        self.hc
+            .send_if_modified(|cur| replace(&mut cur.ports, desired));
     }
 
     /// Sets the addresses the healthCheckNodePort servers listen on: the NodePort addresses.

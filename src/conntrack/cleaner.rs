@@ -72,7 +72,9 @@ pub fn probe_features() -> Features {
             f
         }
         Err(e) => {
-            tracing::warn!("conntrack: cannot probe kernel filters ({e}); dumping per address family");
+            tracing::warn!(
+                "conntrack: cannot probe kernel filters ({e}); dumping per address family"
+            );
             Features::default()
         }
     }

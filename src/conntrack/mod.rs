@@ -20,7 +20,9 @@ pub mod socket;
 pub mod unnated;
 pub mod wire;
 
-pub use cleaner::{plan_dumps, probe_features, Cleaner, CleanerOptions, CleanupError, CleanupReport};
+pub use cleaner::{
+    plan_dumps, probe_features, Cleaner, CleanerOptions, CleanupError, CleanupReport,
+};
 pub use filter::{Frontend, NodePort, Reason, StaleFilter};
 pub use plan::{build_filter, FrontendIndex, FrontendKinds, Pending, Targets};
 pub use socket::{probe, CtSocket, DeleteOutcome, Features};
