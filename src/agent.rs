@@ -317,12 +317,8 @@ struct Monitor {
 fn start_monitor(engine: &mut SyncEngine<NftSocket>) -> anyhow::Result<Monitor> {
     let drift = Arc::new(Drift::default());
     let stop = Arc::new(AtomicBool::new(false));
-    let watcher = monitor::Watcher {
-        // Kept current when the engine's socket is replaced after a broken exchange.
-        own_port: engine.backend().port_handle(),
-        table: TABLE.into(),
-        drift: drift.clone(),
-    };
+    // The port handle is kept current when the engine's socket is replaced after a broken exchange.
+    let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone());
     let st = stop.clone();
     let thread = std::thread::Builder::new()
         .name("nft-monitor".into())

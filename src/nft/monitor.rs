@@ -1,6 +1,9 @@
 //! Notices when anyone else changes our tables: subscribes to nf_tables events (as `nft monitor` does) and
 //! raises a flag that makes the agent run a full sync, which reads the kernel back and repairs it. Events
-//! caused by our own commits carry our socket's port id and are ignored. When events are lost (the socket's
+//! caused by our own commits carry our socket's port id and are ignored. The flag goes up once per foreign
+//! transaction, at its NEWGEN (the kernel announces the new generation after the transaction's object
+//! events): raised at the first event instead, a repair sync could start before the rest of the same
+//! transaction arrived, which then asked for a second, needless repair. When events are lost (the socket's
 //! buffer overflowed: ENOBUFS), nobody can say what changed, so that raises the flag too.
 
 use super::wire::consts::*;
@@ -41,15 +44,31 @@ pub fn is_foreign_change(
     Attrs(&payload[4..]).get(1).and_then(|a| a.str()) == Some(table)
 }
 
+/// The event that ends every transaction's events.
+fn is_new_generation(msg_type: u16) -> bool {
+    msg_type >> 8 == NFNL_SUBSYS_NFTABLES && msg_type & 0xff == NFT_MSG_NEWGEN
+}
+
 /// What the monitor thread does with each read of its socket, apart from the socket itself.
 pub struct Watcher {
     /// The port id of the socket the sync engine commits through (it changes when that socket is replaced).
     pub own_port: Arc<AtomicU32>,
     pub table: String,
     pub drift: Arc<Drift>,
+    /// A foreign change to our table was seen in a transaction whose NEWGEN has not come yet.
+    pending: AtomicBool,
 }
 
 impl Watcher {
+    pub fn new(own_port: Arc<AtomicU32>, table: &str, drift: Arc<Drift>) -> Watcher {
+        Watcher {
+            own_port,
+            table: table.into(),
+            drift,
+            pending: AtomicBool::new(false),
+        }
+    }
+
     /// Takes one read: a datagram of events, or the error the read failed with. Lost events raise the
     /// drift flag; any other error stops the monitor.
     pub fn on_read(&self, read: io::Result<&[u8]>) -> io::Result<()> {
@@ -88,13 +107,16 @@ impl Watcher {
         for msg in msgs {
             if is_foreign_change(msg.msg_type, msg.pid, msg.payload, own, &self.table) {
                 self.drift.events.fetch_add(1, Ordering::Relaxed);
-                if !self.drift.detected.swap(true, Ordering::SeqCst) {
+                if !self.pending.swap(true, Ordering::SeqCst) {
                     tracing::warn!(
                         event = msg.msg_type & 0xff,
                         pid = msg.pid,
                         "our table was changed by someone else; repairing"
                     );
                 }
+            } else if is_new_generation(msg.msg_type) && self.pending.swap(false, Ordering::SeqCst)
+            {
+                self.drift.detected.store(true, Ordering::SeqCst);
             }
         }
     }
@@ -150,11 +172,50 @@ mod tests {
     }
 
     fn watcher() -> Watcher {
-        Watcher {
-            own_port: Arc::new(AtomicU32::new(42)),
-            table: "nftkube".into(),
-            drift: Arc::new(Drift::default()),
+        Watcher::new(
+            Arc::new(AtomicU32::new(42)),
+            "nftkube",
+            Arc::new(Drift::default()),
+        )
+    }
+
+    fn datagram(events: &[(u16, u32)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &(kind, pid) in events {
+            let mut m = MsgBuilder::new((NFNL_SUBSYS_NFTABLES << 8) | kind, 0, 0);
+            m.raw(&[2, 0, 0, 0]);
+            if kind != NFT_MSG_NEWGEN {
+                m.attr_str(1, "nftkube");
+            }
+            let mut bytes = m.finish().unwrap();
+            bytes[12..16].copy_from_slice(&pid.to_ne_bytes());
+            out.extend(bytes);
         }
+        out
+    }
+
+    #[test]
+    fn one_foreign_transaction_raises_the_flag_once_at_its_generation() {
+        let w = watcher();
+        // A chain deleted and re-created at another priority, its events split over two reads.
+        w.on_read(Ok(&datagram(&[(NFT_MSG_DELCHAIN, 99)]))).unwrap();
+        assert!(
+            !w.drift.detected.load(Ordering::SeqCst),
+            "not before NEWGEN"
+        );
+        w.on_read(Ok(&datagram(&[
+            (NFT_MSG_NEWCHAIN, 99),
+            (NFT_MSG_NEWGEN, 99),
+        ])))
+        .unwrap();
+        assert!(w.drift.detected.swap(false, Ordering::SeqCst));
+        // Our own transaction's NEWGEN raises nothing.
+        w.on_read(Ok(&datagram(&[
+            (NFT_MSG_NEWCHAIN, 42),
+            (NFT_MSG_NEWGEN, 42),
+        ])))
+        .unwrap();
+        assert!(!w.drift.detected.load(Ordering::SeqCst));
     }
 
     #[test]
@@ -188,7 +249,9 @@ mod tests {
         m.attr_str(1, "nftkube");
         let mut bytes = m.finish().unwrap();
         bytes[12..16].copy_from_slice(&43u32.to_ne_bytes());
+        let gen = datagram(&[(NFT_MSG_NEWGEN, 43)]);
         w.on_read(Ok(&bytes)).unwrap();
+        w.on_read(Ok(&gen)).unwrap();
         assert!(
             w.drift.detected.swap(false, Ordering::SeqCst),
             "43 is not us yet"
@@ -196,6 +259,7 @@ mod tests {
         // The engine's socket was replaced and got port 43: its commits are ours now.
         w.own_port.store(43, Ordering::SeqCst);
         w.on_read(Ok(&bytes)).unwrap();
+        w.on_read(Ok(&gen)).unwrap();
         assert!(!w.drift.detected.load(Ordering::SeqCst));
     }
 }
