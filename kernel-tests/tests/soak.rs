@@ -8,29 +8,36 @@
 //! 3. a restart: the agent stopped (SIGTERM), a new one started over the tables it left.
 //!
 //! **Repair window** of a fault: from the instant just before the test applies it (before `nft` is spawned, or
-//! before SIGTERM) to the end of the sync that undoes it, plus [`GRACE`]. The sync that undoes it is the first
-//! `repair=true` sync after the fault (flush, delete), or the new agent's first sync (restart); its end is the
-//! timestamp of its "sync complete" log line. A connection belongs to a window when its attempt (connect to
-//! answer or error) overlaps the window.
+//! before SIGTERM) to whichever comes later of the end of the sync that undoes it and traffic being back, plus
+//! [`GRACE`]. The sync that undoes it is the first `repair=true` sync after the fault (flush, delete), or the
+//! new agent's first sync (restart); its end is the timestamp of its "sync complete" log line. Traffic is back
+//! when a probe from the client pod (fresh connections, each with a 100 ms connect timeout, from the fault on)
+//! is first answered. A client connection belongs to a window when its attempt (connect to answer or error)
+//! overlaps the window.
 //!
-//! Asserted: no failed connection outside the windows; within each window, the last failed or slow (over
-//! [`SLOW`]) connection ended within [`TRAFFIC_BACK`] of the fault, and the restart window has no failure at
-//! all (the rules stay while no agent runs); exactly one repair sync per tamper, inside its window, and none
-//! anywhere else (in particular not for the churn, for the foreign table, or at the restart); the churned
-//! service's endpoints in the kernel equal the last write within [`CATCH_UP`] after the churn stops; the
-//! foreign table is not brought back.
+//! Asserted: no failed connection outside the windows; traffic back within [`TRAFFIC_BACK`] of each fault,
+//! and no failed connection at all across the restart (the rules stay while no agent runs); exactly one
+//! repair sync per tamper, inside its window, and none anywhere else (in particular not for the churn, for the
+//! foreign table, or at the restart); the churned service's endpoints in the kernel equal the last write within
+//! [`CATCH_UP`] after the churn stops; the foreign table is not brought back.
+//!
+//! The clients give up on a connect after 1 s (a SYN the missing rules black-holed) but wait [`ANSWER_TIMEOUT`]
+//! for the answer of a connection that was established: the handshake through the rules is the kernel's
+//! alone, while the answer comes from a backend thread of this test process, which a machine shared with other
+//! CI jobs (run queues of 7 to 10 on 2 cores) has been seen to stall for more than a second, the agent too.
+//! A data path broken after the handshake still fails.
 //!
 //! The harness's listing invariant runs after the agent's syncs as in every kernel test (each listing is of
-//! the latest state; with 2 000 services one listing takes longer than the ~0.5 s between churn syncs, so it
-//! runs back to back on one thread).
+//! the latest state; with 2 000 services one check, two nfts listing and reloading it, takes longer than the
+//! ~0.5 s between churn syncs, so the checks run back to back on one thread for the whole soak).
 
-use kernel_tests::sandbox::{parse_answer, tcp_request_here};
+use kernel_tests::sandbox::parse_answer;
 use kernel_tests::*;
 use nftkube::nft::ir::{ElementValue, Family};
 use nftkube::render::names::MAP_SERVICE_ENDPOINTS;
 use std::fmt::Write as _;
-use std::io::Write as _;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::io::{Read as _, Write as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,20 +49,25 @@ const SERVICES: usize = 2_000;
 const CHURN_EVERY: Duration = Duration::from_millis(100);
 /// Steady churn before the first fault and after each window closes.
 const STEADY: Duration = Duration::from_secs(10);
-/// Added to the end of the sync that undoes a fault: connections that ended in time but still overlap.
+/// Added to the end of a window: connections that ended in time but still overlap it.
 const GRACE: Duration = Duration::from_secs(1);
-/// Fault to the end of the last failed or slow connection of its window ("traffic back").
-const TRAFFIC_BACK: Duration = Duration::from_secs(3);
-/// A connection slower than this is counted as disrupted when it overlaps a window (locally one takes about a
-/// millisecond; one whose SYN met the missing rules answers only after its retransmission, a second later).
+/// Fault to traffic back. Typically 0.1 to 1 s; the bound leaves room for the stalls of a shared machine (the
+/// agent re-parses every manifest when the churned one changes, and a repair waits for that parse).
+const TRAFFIC_BACK: Duration = Duration::from_secs(10);
+/// How long the sync that undoes a fault may take to appear in the log.
+const REPAIR: Duration = Duration::from_secs(20);
+/// A connection slower than this that overlaps a window is reported as delayed (locally one takes about a
+/// millisecond; one whose SYN met the missing rules is answered after its retransmission, a second later).
 const SLOW: Duration = Duration::from_millis(200);
-/// The sync that undoes a fault must end within this (the window's bound without grace).
-const REPAIR: Duration = Duration::from_secs(5);
 /// After the churn stops, the kernel holds its last write within this.
-const CATCH_UP: Duration = Duration::from_secs(3);
+const CATCH_UP: Duration = Duration::from_secs(10);
 const FIRST_SYNC: Duration = Duration::from_secs(60);
-/// Each client's connect and read timeout (as `ContinuousClient`'s).
+/// The clients' connect timeout (as `ContinuousClient`'s).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long the clients wait for the answer on an established connection.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The traffic-back probe's connect timeout: the resolution of its measurement.
+const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_millis(100);
 
 const RESTART: &str = "restart";
 const CHURN_IP: Ipv4Addr = Ipv4Addr::new(10, 97, 0, 1);
@@ -114,7 +126,7 @@ fn churn_slices(endpoints: &[Ipv4Addr]) -> String {
 struct Churn {
     stop: Arc<AtomicBool>,
     last: Arc<Mutex<Vec<Ipv4Addr>>>,
-    thread: JoinHandle<(u32, Duration)>,
+    thread: Option<JoinHandle<(u32, Duration)>>,
 }
 
 impl Churn {
@@ -142,15 +154,30 @@ impl Churn {
             }
             (g - 1, start.elapsed())
         });
-        Churn { stop, last, thread }
+        Churn {
+            stop,
+            last,
+            thread: Some(thread),
+        }
     }
 
     /// Stops it: (writes made, for how long, the endpoints of the last one).
-    fn stop(self) -> (u32, Duration, Vec<Ipv4Addr>) {
+    fn stop(mut self) -> (u32, Duration, Vec<Ipv4Addr>) {
         self.stop.store(true, Ordering::Relaxed);
-        let (writes, took) = self.thread.join().expect("churn thread");
+        let thread = self.thread.take().expect("running");
+        let (writes, took) = thread.join().expect("churn thread");
         let last = self.last.lock().unwrap().clone();
         (writes, took, last)
+    }
+}
+
+/// A failing test stops the churn before the manifests' directory goes.
+impl Drop for Churn {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -179,6 +206,20 @@ fn churn_in_kernel(sb: &sandbox::Sandbox) -> Vec<Ipv4Addr> {
         .expect("entering the node namespace")
 }
 
+/// One TCP request from the calling thread's namespace: the backend's answer, or why there is none.
+fn request(dst: SocketAddr, connect: Duration) -> Result<(), String> {
+    let mut s = TcpStream::connect_timeout(&dst, connect).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(ANSWER_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)
+        .map_err(|e| format!("answer: {e}"))?;
+    match parse_answer(answer.trim_end()) {
+        Some(_) => Ok(()),
+        None => Err(format!("odd answer {answer:?}")),
+    }
+}
+
 /// One connection: when it started and ended (wall clock, to compare with the agent's log), and its error.
 struct Attempt {
     start: SystemTime,
@@ -190,7 +231,7 @@ struct Attempt {
 struct Client {
     name: &'static str,
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<Vec<Attempt>>,
+    thread: Option<JoinHandle<Vec<Attempt>>>,
 }
 
 impl Client {
@@ -203,11 +244,7 @@ impl Client {
                 let mut attempts = Vec::new();
                 while !flag.load(Ordering::Relaxed) {
                     let start = SystemTime::now();
-                    let error = match tcp_request_here(dst, CONNECT_TIMEOUT) {
-                        Ok(a) if parse_answer(&a).is_some() => None,
-                        Ok(a) => Some(format!("odd answer {a:?}")),
-                        Err(e) => Some(e.to_string()),
-                    };
+                    let error = request(dst, CONNECT_TIMEOUT).err();
                     attempts.push(Attempt {
                         start,
                         end: SystemTime::now(),
@@ -219,13 +256,49 @@ impl Client {
             })
             .expect("entering the client's namespace")
         });
-        Client { name, stop, thread }
+        Client {
+            name,
+            stop,
+            thread: Some(thread),
+        }
     }
 
-    fn stop(self) -> (&'static str, Vec<Attempt>) {
+    fn stop(mut self) -> (&'static str, Vec<Attempt>) {
         self.stop.store(true, Ordering::Relaxed);
-        (self.name, self.thread.join().expect("client thread"))
+        let thread = self.thread.take().expect("running");
+        (self.name, thread.join().expect("client thread"))
     }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Fresh connections from the client pod, from `fault` on, until one is answered: when traffic was back.
+fn traffic_back(sb: &sandbox::Sandbox, agent: &Agent, what: &str, fault: SystemTime) -> SystemTime {
+    let back = sb
+        .client()
+        .run(move || loop {
+            if request(echo(), PROBE_CONNECT_TIMEOUT).is_ok() {
+                return Some(SystemTime::now());
+            }
+            if since(SystemTime::now(), fault) > TRAFFIC_BACK {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        })
+        .expect("entering the client's namespace");
+    back.unwrap_or_else(|| {
+        panic!(
+            "{what}: traffic not back within {TRAFFIC_BACK:?}; log:\n{}",
+            agent.log()
+        )
+    })
 }
 
 /// Runs an nft script in the node namespace; panics if nft refuses it.
@@ -315,11 +388,13 @@ struct Window {
     fault: SystemTime,
     /// End of the sync that undid it.
     repaired: SystemTime,
+    /// The probe's first answer.
+    back: SystemTime,
 }
 
 impl Window {
     fn end(&self) -> SystemTime {
-        self.repaired + GRACE
+        self.repaired.max(self.back) + GRACE
     }
 
     fn overlaps(&self, a: &Attempt) -> bool {
@@ -337,17 +412,13 @@ impl Window {
                 continue;
             }
             d.overlapping += 1;
-            let slow = since(a.end, a.start) > SLOW;
             if let Some(e) = &a.error {
                 d.failed.push(format!(
                     "{name} +{} ms: {e}",
                     since(a.start, self.fault).as_millis()
                 ));
-            } else if slow {
+            } else if since(a.end, a.start) > SLOW {
                 d.slow += 1;
-            }
-            if a.error.is_some() || slow {
-                d.traffic_back = d.traffic_back.max(since(a.end, self.fault));
             }
         }
         d
@@ -362,8 +433,6 @@ struct Disruption {
     failed: Vec<String>,
     /// Answered, but slower than `SLOW` (a SYN retransmitted once the rules were back).
     slow: usize,
-    /// From the fault to the end of the last failed or slow connection (zero if none).
-    traffic_back: Duration,
 }
 
 /// Waits for the first sync after `fault` that `undoes` it; its end.
@@ -420,11 +489,13 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
     std::thread::sleep(STEADY);
     let fault = SystemTime::now();
     nft(&sb, "flush ruleset");
+    let back = traffic_back(&sb, &agent, "flush", fault);
     let repaired = wait_repaired(&agent, "flush", fault, |s| s.repair);
     windows.push(Window {
         what: "nft flush ruleset",
         fault,
         repaired,
+        back,
     });
 
     // 2. Delete every table, a foreign one too, in one batch.
@@ -442,11 +513,13 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
         .collect();
     let fault = SystemTime::now();
     nft(&sb, &script);
+    let back = traffic_back(&sb, &agent, "tables deleted", fault);
     let repaired = wait_repaired(&agent, "tables deleted", fault, |s| s.repair);
     windows.push(Window {
         what: "every table deleted",
         fault,
         repaired,
+        back,
     });
 
     // 3. Restart: a new agent over the tables the first one leaves.
@@ -456,11 +529,13 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
     let first_log = agent.log();
     drop(agent);
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    let repaired = wait_repaired(&agent, "restart", fault, |_| true);
+    let back = traffic_back(&sb, &agent, RESTART, fault);
+    let repaired = wait_repaired(&agent, RESTART, fault, |_| true);
     windows.push(Window {
         what: RESTART,
         fault,
         repaired,
+        back,
     });
 
     std::thread::sleep(STEADY);
@@ -469,19 +544,18 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
     let attempts: Vec<(&str, Vec<Attempt>)> = clients.into_iter().map(Client::stop).collect();
     let soak = since(SystemTime::now(), soak_start);
 
-    // Report.
+    // Report (one line per window, for the soak's record).
     for w in &windows {
         let d = w.disruption(&attempts);
         eprintln!(
-            "window {:<20} repair sync ended {:>4} ms after the fault; {} connections overlap the window: {} \
-             failed ({:?}), {} slower than {SLOW:?}; traffic back {} ms after the fault",
-            w.what,
+            "window {:<20} repair_ms={} back_ms={} overlapping={} failed={} slow={} {:?}",
+            w.what.replace(' ', "-"),
             since(w.repaired, w.fault).as_millis(),
+            since(w.back, w.fault).as_millis(),
             d.overlapping,
             d.failed.len(),
-            d.failed,
             d.slow,
-            d.traffic_back.as_millis()
+            d.failed
         );
     }
     let total: usize = attempts.iter().map(|(_, a)| a.len()).sum();
@@ -491,7 +565,7 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
         caught_up
     );
 
-    // Traffic: nothing failed outside the windows; inside, traffic came back in time.
+    // Traffic: nothing failed outside the windows, nothing across the restart.
     for (name, list) in &attempts {
         assert!(list.len() > 1000, "{name}: only {} connections", list.len());
         let outside: Vec<String> = list
@@ -507,29 +581,18 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
             .collect();
         assert!(
             outside.is_empty(),
-            "{name}: {} connections failed outside the repair windows: {outside:?}\nfirst agent's log:\n{first_log}",
-            outside.len()
+            "{name}: {} connections failed outside the repair windows: {outside:?}\nfirst agent's log:\n{first_log}\nsecond agent's log:\n{}",
+            outside.len(),
+            agent.log()
         );
     }
-    for w in &windows {
-        let d = w.disruption(&attempts);
-        assert!(
-            d.traffic_back <= TRAFFIC_BACK,
-            "{}: traffic back only {:?} after the fault: {} failed ({:?}), {} slow",
-            w.what,
-            d.traffic_back,
-            d.failed.len(),
-            d.failed,
-            d.slow
-        );
-        if w.what == RESTART {
-            assert!(
-                d.failed.is_empty(),
-                "connections failed across the restart (the rules stay in place): {:?}",
-                d.failed
-            );
-        }
-    }
+    let restart = windows[2].disruption(&attempts);
+    assert!(
+        restart.failed.is_empty(),
+        "connections failed across the restart (the rules stay in place): {:?}\nsecond agent's log:\n{}",
+        restart.failed,
+        agent.log()
+    );
 
     // Repairs: one per tamper, inside its window; none for the churn, the foreign table or the restart.
     let repairs: Vec<SystemTime> = {
