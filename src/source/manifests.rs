@@ -769,6 +769,27 @@ mod tests {
         assert!(events.is_empty() && errors.is_empty());
     }
 
+    /// The fuzz target's entry point reads bytes as the source reads a file: format by extension, errors
+    /// naming the path, invalid UTF-8 reported.
+    #[test]
+    fn parse_file_reads_bytes_like_a_file() {
+        let yaml = format!("{}---\nkind: Service\n", service("web", "10.96.0.1"));
+        let (events, errors) = parse_file(Path::new("a.yaml"), yaml.as_bytes());
+        assert_eq!(names(&events), ["svc+ demo/web (1 ports)"]);
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].to_string().starts_with("a.yaml document 1"),
+            "{}",
+            errors[0]
+        );
+        let (events, errors) =
+            parse_file(Path::new("a.json"), b"{\"kind\": \"List\", \"items\": [7]}");
+        assert!(events.is_empty());
+        assert_eq!(errors[0].reason, "items[0]: not an object");
+        let (_, errors) = parse_file(Path::new("a.yaml"), b"\xff");
+        assert_eq!(errors[0].reason, "cannot read: not UTF-8");
+    }
+
     #[test]
     fn malformed_document_next_to_valid_ones() {
         let dir = TempDir::new("malformed");
