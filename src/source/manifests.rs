@@ -372,10 +372,27 @@ fn report(snap: &mut Snapshot, err: SourceError) {
     snap.errors.push(err);
 }
 
+/// One file's content as the source reads it: the Applied events of its objects (in key order) and its
+/// errors. `path` names the file in errors and decides JSON (`.json`) or YAML. The fuzz target's entry point
+/// (`fuzz/`); the source itself reads through the same code with the file's bytes.
+pub fn parse_file(path: &Path, bytes: &[u8]) -> (Vec<Event>, Vec<SourceError>) {
+    let mut snap = Snapshot::default();
+    read_bytes(path, Ok(bytes), &mut snap);
+    let events = snap
+        .objects
+        .into_iter()
+        .map(|(key, (object, _))| applied(key, object))
+        .collect();
+    (events, snap.errors)
+}
+
 fn read_file(path: &Path, snap: &mut Snapshot) {
-    let text = match std::fs::read(path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| String::from_utf8(b).map_err(|_| "not UTF-8".to_string()))
+    let bytes = std::fs::read(path).map_err(|e| e.to_string());
+    read_bytes(path, bytes.as_deref().map_err(Clone::clone), snap);
+}
+
+fn read_bytes(path: &Path, bytes: Result<&[u8], String>, snap: &mut Snapshot) {
+    let text = match bytes.and_then(|b| std::str::from_utf8(b).map_err(|_| "not UTF-8".to_string()))
     {
         Ok(t) => t,
         Err(e) => {
@@ -395,9 +412,9 @@ fn read_file(path: &Path, snap: &mut Snapshot) {
     let is_json = path.extension().is_some_and(|e| e == "json");
     let shared_path = Arc::new(path.to_path_buf());
     let documents = if is_json {
-        vec![text]
+        vec![text.to_owned()]
     } else {
-        split_documents(&text)
+        split_documents(text)
     };
     for (index, doc) in documents.iter().enumerate() {
         let parsed: Result<Value, String> = if is_json {
@@ -750,6 +767,27 @@ mod tests {
         // Nothing changed: nothing to report.
         let (events, errors) = src.poll();
         assert!(events.is_empty() && errors.is_empty());
+    }
+
+    /// The fuzz target's entry point reads bytes as the source reads a file: format by extension, errors
+    /// naming the path, invalid UTF-8 reported.
+    #[test]
+    fn parse_file_reads_bytes_like_a_file() {
+        let yaml = format!("{}---\nkind: Service\n", service("web", "10.96.0.1"));
+        let (events, errors) = parse_file(Path::new("a.yaml"), yaml.as_bytes());
+        assert_eq!(names(&events), ["svc+ demo/web (1 ports)"]);
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].to_string().starts_with("a.yaml document 1"),
+            "{}",
+            errors[0]
+        );
+        let (events, errors) =
+            parse_file(Path::new("a.json"), b"{\"kind\": \"List\", \"items\": [7]}");
+        assert!(events.is_empty());
+        assert_eq!(errors[0].reason, "items[0]: not an object");
+        let (_, errors) = parse_file(Path::new("a.yaml"), b"\xff");
+        assert_eq!(errors[0].reason, "cannot read: not UTF-8");
     }
 
     #[test]
