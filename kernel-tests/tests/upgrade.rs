@@ -3,7 +3,10 @@
 //!
 //! The fixtures are the batches the previous release (commit 65f86d8) committed for the examples, and for
 //! the examples with a ClientIP-affinity service (`fixtures/upgrade-sticky.yaml`, the affinity shape nft could
-//! not list): encoded by that release's own codec into empty tables, replayed here byte for byte.
+//! not list): encoded by that release's own codec into empty tables, replayed here byte for byte. They were
+//! made in a checkout of 65f86d8 by a throwaway program: `agent::plan` of the manifests (node-1, the sandbox's
+//! cluster CIDRs and node addresses as NodePort addresses), then AddTable, AddSet, AddChain, AddRule and
+//! AddElements for every object of both tables, `wire::encode_batch(&tx, 1)`, the bytes written as they are.
 
 use kernel_tests::sandbox;
 use kernel_tests::*;
