@@ -168,17 +168,7 @@ fn add_addresses(sb: &Sandbox, pod: usize, skip: usize, count: usize) -> Vec<Ipv
 }
 
 fn endpoint(ip: Ipv4Addr) -> Endpoint {
-    Endpoint {
-        ip: ip.into(),
-        port: BACKEND_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: None,
-        zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
-    }
+    Endpoint::ready(ip.into(), BACKEND_PORT)
 }
 
 /// One full sync through the library in the node namespace: every group's services.

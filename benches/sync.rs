@@ -261,17 +261,7 @@ fn service(i: usize) -> ServicePort {
 }
 
 fn endpoint(ip: IpAddr) -> Endpoint {
-    Endpoint {
-        ip,
-        port: 8080,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: None,
-        zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
-    }
+    Endpoint::ready(ip, 8080)
 }
 
 fn endpoints_of(i: usize, count: usize) -> Vec<Endpoint> {

@@ -513,3 +513,47 @@ impl ContinuousClient {
         );
     }
 }
+
+/// Runs an nft script (`nft -f -`) in `ns`: a tamper, or a ruleset a test needs. Panics if nft refuses it.
+pub fn nft_script(ns: &NetNs, script: &str) {
+    use std::io::Write;
+    let mut child = command_in(ns, "nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running nft (apt-get install nftables)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "nft -f refused:\n{script}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `n` ClusterIP services `bulk-<i>` (10.100.0.0/16), each with two endpoints nobody answers on
+/// (10.200.0.0/16 and 10.201.0.0/16): about six set elements each, for tests that need a big table.
+pub fn many_services(n: usize) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for i in 0..n {
+        let (hi, lo) = (i / 250, i % 250 + 1);
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: bulk-{i}, namespace: bulk}}\n\
+             spec:\n  clusterIP: 10.100.{hi}.{lo}\n  ports:\n  - {{name: tcp, port: 80, protocol: TCP}}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: bulk-{i}-a, namespace: bulk, labels: {{kubernetes.io/service-name: bulk-{i}}}}}\n\
+             addressType: IPv4\nports:\n- {{name: tcp, port: 8080, protocol: TCP}}\nendpoints:\n\
+             - {{addresses: [\"10.200.{hi}.{lo}\"]}}\n- {{addresses: [\"10.201.{hi}.{lo}\"]}}\n"
+        );
+    }
+    out
+}

@@ -4,32 +4,12 @@
 //! every connection while a restarted agent programs a thousand new ones around them.
 
 use kernel_tests::*;
-use std::fmt::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 const SYNC: Duration = Duration::from_secs(60);
 const SERVICES: usize = 1_000;
 const CHUNK: &str = "500";
-
-/// `n` ClusterIP services (10.100.0.0/16), each with two endpoints nobody answers on (10.200-201.0.0/16): about
-/// six elements each, so the first sync of all of them is a dozen transactions of at most `CHUNK` elements.
-fn many_services(n: usize) -> String {
-    let mut out = String::new();
-    for i in 0..n {
-        let (hi, lo) = (i / 250, i % 250 + 1);
-        let _ = write!(
-            out,
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: bulk-{i}, namespace: bulk}}\n\
-             spec:\n  clusterIP: 10.100.{hi}.{lo}\n  ports:\n  - {{name: tcp, port: 80, protocol: TCP}}\n\
-             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: bulk-{i}-a, namespace: bulk, labels: {{kubernetes.io/service-name: bulk-{i}}}}}\n\
-             addressType: IPv4\nports:\n- {{name: tcp, port: 8080, protocol: TCP}}\nendpoints:\n\
-             - {{addresses: [\"10.200.{hi}.{lo}\"]}}\n- {{addresses: [\"10.201.{hi}.{lo}\"]}}\n"
-        );
-    }
-    out
-}
 
 #[test]
 fn a_chunked_first_sync_never_fails_a_connection_to_a_service_that_exists() {

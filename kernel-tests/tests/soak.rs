@@ -36,9 +36,8 @@ use kernel_tests::*;
 use nftkube::nft::ir::{ElementValue, Family};
 use nftkube::render::names::MAP_SERVICE_ENDPOINTS;
 use std::fmt::Write as _;
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -78,24 +77,6 @@ const CHURN_SLICES: &str = "churn-slices.yaml";
 
 fn echo() -> SocketAddr {
     "10.96.0.10:80".parse().unwrap()
-}
-
-/// `n` ClusterIP services (10.100.0.0/16), each with two endpoints nobody answers on (10.200-201.0.0/16).
-fn many_services(n: usize) -> String {
-    let mut out = String::new();
-    for i in 0..n {
-        let (hi, lo) = (i / 250, i % 250 + 1);
-        let _ = write!(
-            out,
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: bulk-{i}, namespace: bulk}}\n\
-             spec:\n  clusterIP: 10.100.{hi}.{lo}\n  ports:\n  - {{name: tcp, port: 80, protocol: TCP}}\n\
-             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: bulk-{i}-a, namespace: bulk, labels: {{kubernetes.io/service-name: bulk-{i}}}}}\n\
-             addressType: IPv4\nports:\n- {{name: tcp, port: 8080, protocol: TCP}}\nendpoints:\n\
-             - {{addresses: [\"10.200.{hi}.{lo}\"]}}\n- {{addresses: [\"10.201.{hi}.{lo}\"]}}\n"
-        );
-    }
-    out
 }
 
 /// The churned service's endpoints at generation `g`: one to three addresses (so the endpoint count, hence the
@@ -301,29 +282,6 @@ fn traffic_back(sb: &sandbox::Sandbox, agent: &Agent, what: &str, fault: SystemT
     })
 }
 
-/// Runs an nft script in the node namespace; panics if nft refuses it.
-fn nft(sb: &sandbox::Sandbox, script: &str) {
-    let mut child = command_in(sb.node(), "nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running nft (apt-get install nftables)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(script.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "nft -f refused:\n{script}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Every table in the node namespace, as `FAMILY NAME`.
 fn tables(sb: &sandbox::Sandbox) -> Vec<String> {
     let out = command_in(sb.node(), "nft")
@@ -488,7 +446,7 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
     // 1. Flush the ruleset.
     std::thread::sleep(STEADY);
     let fault = SystemTime::now();
-    nft(&sb, "flush ruleset");
+    nft_script(sb.node(), "flush ruleset");
     let back = traffic_back(&sb, &agent, "flush", fault);
     let repaired = wait_repaired(&agent, "flush", fault, |s| s.repair);
     windows.push(Window {
@@ -512,7 +470,7 @@ fn a_minute_of_churn_and_faults_fails_no_connection_outside_the_repair_windows()
         .map(|t| format!("delete table {t}\n"))
         .collect();
     let fault = SystemTime::now();
-    nft(&sb, &script);
+    nft_script(sb.node(), &script);
     let back = traffic_back(&sb, &agent, "tables deleted", fault);
     let repaired = wait_repaired(&agent, "tables deleted", fault, |s| s.repair);
     windows.push(Window {

@@ -117,17 +117,7 @@ fn model() -> (ServiceMap, EndpointsMap, RenderConfig) {
     };
     let sp = ServicePort::cluster_ip(spn.clone(), vec![echo().ip()], 80);
     let eps = (1..=3)
-        .map(|i| Endpoint {
-            ip: sandbox::pod_ip_v4(i).into(),
-            port: BACKEND_TCP_PORT,
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: None,
-            zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
-        })
+        .map(|i| Endpoint::ready(sandbox::pod_ip_v4(i).into(), BACKEND_TCP_PORT))
         .collect();
     let cfg = RenderConfig {
         cluster_cidrs: vec![sandbox::CLUSTER_CIDR_V4.parse().unwrap()],

@@ -212,27 +212,7 @@ impl Cleaner {
         filter.node_port_addresses = self.opts.node_port_addresses.clone();
         match self.cleanup(&filter) {
             Ok(r) => {
-                let level_info = r.deleted > 0 || r.errors > 0 || r.filtered_deletes > 0;
-                macro_rules! log {
-                    ($lvl:ident) => {
-                        tracing::$lvl!(
-                            dumps = r.dumps,
-                            scanned = r.scanned,
-                            stale = r.stale,
-                            deleted = r.deleted,
-                            gone = r.gone,
-                            errors = r.errors,
-                            filtered_deletes = r.filtered_deletes,
-                            elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
-                            "conntrack cleanup"
-                        )
-                    };
-                }
-                if level_info {
-                    log!(info);
-                } else {
-                    log!(debug);
-                }
+                log_report(&r, "conntrack cleanup");
                 Some(r)
             }
             Err(e) => {
@@ -259,16 +239,7 @@ impl Cleaner {
         match r {
             Ok(r) => {
                 self.metrics.record(&r);
-                tracing::info!(
-                    dumps = r.dumps,
-                    scanned = r.scanned,
-                    stale = r.stale,
-                    deleted = r.deleted,
-                    gone = r.gone,
-                    errors = r.errors,
-                    elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
-                    "conntrack: flows to services that were never DNATed deleted"
-                );
+                log_report(&r, "conntrack: flows to services that were never DNATed");
                 Some(r)
             }
             Err(e) => {
@@ -452,6 +423,31 @@ impl Cleaner {
         delete_into(self.socket()?, &stale, &mut report)?;
         report.elapsed = start.elapsed();
         Ok(report)
+    }
+}
+
+/// One line per cleanup: at info when it deleted or failed to delete something, else at debug (a cleanup
+/// that finds nothing runs after many syncs).
+fn log_report(r: &CleanupReport, what: &str) {
+    macro_rules! log {
+        ($lvl:ident) => {
+            tracing::$lvl!(
+                dumps = r.dumps,
+                scanned = r.scanned,
+                stale = r.stale,
+                deleted = r.deleted,
+                gone = r.gone,
+                errors = r.errors,
+                filtered_deletes = r.filtered_deletes,
+                elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
+                "{what}"
+            )
+        };
+    }
+    if r.deleted > 0 || r.errors > 0 || r.filtered_deletes > 0 {
+        log!(info);
+    } else {
+        log!(debug);
     }
 }
 

@@ -259,6 +259,23 @@ pub struct Endpoint {
     pub node_hints: Vec<String>,
 }
 
+impl Endpoint {
+    /// A ready, serving endpoint with no node, zone or hints (tests, benchmarks, simple sources).
+    pub fn ready(ip: IpAddr, port: u16) -> Endpoint {
+        Endpoint {
+            ip,
+            port,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: None,
+            zone: None,
+            zone_hints: vec![],
+            node_hints: vec![],
+        }
+    }
+}
+
 /// All service ports, keyed by name.
 pub type ServiceMap = BTreeMap<ServicePortName, ServicePort>;
 /// Endpoints per service port, sorted and deduplicated by (ip, port).

@@ -386,17 +386,7 @@ mod tests {
 
     fn eps(ips: &[&str]) -> Vec<Endpoint> {
         ips.iter()
-            .map(|e| Endpoint {
-                ip: e.parse().unwrap(),
-                port: 8080,
-                ready: true,
-                serving: true,
-                terminating: false,
-                node_name: None,
-                zone: None,
-                zone_hints: vec![],
-                node_hints: vec![],
-            })
+            .map(|e| Endpoint::ready(e.parse().unwrap(), 8080))
             .collect()
     }
 
