@@ -365,10 +365,7 @@ fn no_client_stays_black_holed_after_a_ruleset_flush() {
         late.len()
     );
     let log = agent.log();
-    let cleaned: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("never DNATed"))
-        .collect();
+    let cleaned: Vec<&str> = log.lines().filter(|l| l.contains("never DNATed")).collect();
     eprintln!("agent: {cleaned:?}");
     assert!(
         results.len() > 2000,

@@ -172,16 +172,21 @@ pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = Msg<'_>> {
         if len < NLMSG_HDRLEN || len > buf.len() {
             return None;
         }
-        let msg = Msg {
-            msg_type: u16::from_ne_bytes(buf[4..6].try_into().unwrap()),
-            flags: u16::from_ne_bytes(buf[6..8].try_into().unwrap()),
-            seq: u32::from_ne_bytes(buf[8..12].try_into().unwrap()),
-            pid: u32::from_ne_bytes(buf[12..16].try_into().unwrap()),
-            payload: &buf[NLMSG_HDRLEN..len],
-        };
+        let msg = msg_of(buf, len);
         buf = &buf[align4(len).min(buf.len())..];
         Some(msg)
     })
+}
+
+/// The message at the start of `buf`, whose length field (checked by the caller) says `len`.
+fn msg_of(buf: &[u8], len: usize) -> Msg<'_> {
+    Msg {
+        msg_type: u16::from_ne_bytes(buf[4..6].try_into().unwrap()),
+        flags: u16::from_ne_bytes(buf[6..8].try_into().unwrap()),
+        seq: u32::from_ne_bytes(buf[8..12].try_into().unwrap()),
+        pid: u32::from_ne_bytes(buf[12..16].try_into().unwrap()),
+        payload: &buf[NLMSG_HDRLEN..len],
+    }
 }
 
 /// Splits a datagram into messages; any byte that is not part of a whole message makes it malformed
@@ -199,13 +204,7 @@ pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, String> {
                 buf.len()
             ));
         }
-        out.push(Msg {
-            msg_type: u16::from_ne_bytes(buf[4..6].try_into().unwrap()),
-            flags: u16::from_ne_bytes(buf[6..8].try_into().unwrap()),
-            seq: u32::from_ne_bytes(buf[8..12].try_into().unwrap()),
-            pid: u32::from_ne_bytes(buf[12..16].try_into().unwrap()),
-            payload: &buf[NLMSG_HDRLEN..len],
-        });
+        out.push(msg_of(buf, len));
         buf = &buf[align4(len).min(buf.len())..];
     }
     Ok(out)

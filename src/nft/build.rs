@@ -92,15 +92,7 @@ impl Field {
 
 /// Loads the fields as one concatenated key starting at REG_1, each in the next free 4-byte registers.
 pub fn load_concat(fields: &[Field]) -> Vec<Expr> {
-    let mut slot = 0u32;
-    fields
-        .iter()
-        .map(|f| {
-            let reg = reg_at_slot(slot);
-            slot += crate::netlink::align4(f.data_type().len()) as u32 / 4;
-            f.load(reg)
-        })
-        .collect()
+    load_concat_at(fields, 0).0
 }
 
 /// Loads the fields as one concatenated key starting at 4-byte register slot `slot`; returns the expressions

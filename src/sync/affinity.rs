@@ -10,8 +10,23 @@
 //! entry's key minus its client is the frontend part of an endpoint-map key minus its slot.
 
 use crate::nft::ir::{Element, ElementValue, Family};
-use crate::render::names::{MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS};
+use crate::render::names::{
+    PieceSet, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES, MAP_NODEPORT_ENDPOINTS,
+    MAP_SERVICE_ENDPOINTS,
+};
+use crate::render::Piece;
 use std::collections::HashSet;
+
+/// Whether a service port's pieces give it ClientIP affinity (its frontends are in the affinity maps).
+pub fn has_affinity(pieces: &[Piece]) -> bool {
+    let affinity = [
+        PieceSet::named(MAP_AFFINITY_SERVICES),
+        PieceSet::named(MAP_AFFINITY_NODEPORTS),
+    ];
+    pieces
+        .iter()
+        .any(|p| matches!(p, Piece::Element { set, .. } if affinity.contains(set)))
+}
 
 /// (frontend key without slot, endpoint) pairs of one family's endpoint maps.
 #[derive(Debug, Default)]

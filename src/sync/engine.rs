@@ -159,6 +159,10 @@ impl<B: Backend> SyncEngine<B> {
     ) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
         let index = self.index.as_mut().ok_or(SyncError::NeedsFullSync)?;
+        // Only a service with ClientIP affinity (before or after) can leave affinity entries behind.
+        let affinity_touched = updates.iter().any(|(port, new)| {
+            affinity::has_affinity(new) || affinity::has_affinity(index.pieces_of(port))
+        });
         let delta = index.replace(updates);
         let mut tx = Plan::default();
         let table = TABLE;
@@ -208,7 +212,11 @@ impl<B: Backend> SyncEngine<B> {
             tx.push(*family, table, Op::FlushChain(chain.clone()));
             tx.push(*family, table, Op::DeleteChain(chain.clone()));
         }
-        let removed_endpoints = removed_endpoint_pairs(&delta);
+        let removed_endpoints = if affinity_touched {
+            removed_endpoint_pairs(&delta)
+        } else {
+            Vec::new()
+        };
         let changes = tx.len();
         let (bytes, commit_time) = self.commit(tx)?;
         for c in ready {

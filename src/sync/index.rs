@@ -72,6 +72,11 @@ impl Index {
     }
 
     /// Service ports of a service currently committed (a range of the name-ordered map: O(log n)).
+    /// The committed pieces of one service port.
+    pub fn pieces_of(&self, port: &ServicePortName) -> &[Piece] {
+        self.pieces.get(port).map(Vec::as_slice).unwrap_or(&[])
+    }
+
     pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
         let first = ServicePortName {
             service: service.clone(),
