@@ -16,3 +16,4 @@ pub mod render;
 pub mod sandbox;
 pub mod source;
 pub mod sync;
+pub mod yaml;

@@ -420,7 +420,7 @@ fn read_bytes(path: &Path, bytes: Result<&[u8], String>, snap: &mut Snapshot) {
         let parsed: Result<Value, String> = if is_json {
             serde_json::from_str(doc).map_err(|e| format!("invalid JSON: {e}"))
         } else {
-            serde_yaml::from_str(doc).map_err(|e| format!("invalid YAML: {e}"))
+            crate::yaml::parse_document(doc).map_err(|e| format!("invalid YAML: {e}"))
         };
         let mut ctx = DocContext {
             path: &shared_path,
@@ -1107,7 +1107,7 @@ mod tests {
             "list.yaml",
             &format!(
                 "apiVersion: v1\nkind: List\nitems:\n- {}\n- kind: ConfigMap\n  metadata: {{name: x}}\n",
-                serde_json::to_string(&serde_yaml::from_str::<Value>(&service("a", "10.96.0.1")).unwrap()).unwrap()
+                serde_json::to_string(&crate::yaml::parse_document(&service("a", "10.96.0.1")).unwrap()).unwrap()
             ),
         );
         dir.write(
