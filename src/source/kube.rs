@@ -512,7 +512,12 @@ impl KubeSource {
     /// Builds the client (reads the kubeconfig or the in-cluster service account; a configuration error
     /// is returned here) and starts watching. Does not wait for the API to answer.
     pub fn start(opts: KubeOptions) -> anyhow::Result<KubeSource> {
-        let (tx, rx) = mpsc::channel();
+        KubeSource::start_notifying(opts, std::sync::Arc::new(|| {}))
+    }
+
+    /// [`KubeSource::start`], calling `notify` after each batch it queues.
+    pub fn start_notifying(opts: KubeOptions, notify: super::Notify) -> anyhow::Result<KubeSource> {
+        let (tx, rx) = super::Outbox::channel(notify);
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -625,7 +630,7 @@ async fn client(opts: &KubeOptions) -> Result<kube::Client, String> {
 type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
 
 /// Runs the three watchers until the receiver goes away.
-async fn run(client: kube::Client, node_name: String, tx: mpsc::Sender<Vec<Event>>) {
+async fn run(client: kube::Client, node_name: String, tx: super::Outbox) {
     let proxied = watcher::Config::default()
         .labels(PROXY_LABEL_SELECTOR)
         .any_semantic();
