@@ -50,14 +50,18 @@ struct Gated {
 }
 
 impl Walk for Gated {
-    fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
+    fn cleanup(
+        &mut self,
+        filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError> {
         self.walks += 1;
         let n = self.walks;
         self.events.push(format!("walk {n} started"));
         self.gate
             .recv_timeout(WAIT)
             .expect("the test never let the walk go");
-        let r = self.inner.cleanup(filter);
+        let r = self.inner.cleanup_checked(filter, still_stale);
         self.events.push(format!("walk {n} ended"));
         r
     }

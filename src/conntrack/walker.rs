@@ -156,12 +156,24 @@ impl Walker {
     /// Deletes the entries `filter` finds stale, in the calling thread's namespace (the socket is opened there
     /// on first use). Records the metrics.
     pub fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
+        self.cleanup_checked(filter, &|_| true)
+    }
+
+    /// [`Self::cleanup`], sparing the entries found stale that `still_stale` no longer finds stale when it
+    /// is asked, after the dumps and right before the deletes (a walk that runs beside later commits asks
+    /// about their endpoints: see [`super::worker`]). Kernel-side filtered deletes, if enabled, are not
+    /// asked.
+    pub fn cleanup_checked(
+        &mut self,
+        filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError> {
         if !filter.is_empty() && (self.opts.dump_filters || self.opts.filtered_delete) {
             // Probe once, outside the timed cleanup (it creates a namespace: a one-off cost).
             self.features();
         }
         let start = Instant::now();
-        let r = self.cleanup_inner(filter, start);
+        let r = self.cleanup_inner(filter, still_stale, start);
         match &r {
             Ok(report) => self.metrics.record(report),
             Err(_) => {
@@ -176,6 +188,7 @@ impl Walker {
     fn cleanup_inner(
         &mut self,
         filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
         start: Instant,
     ) -> Result<CleanupReport, CleanupError> {
         let mut report = CleanupReport::default();
@@ -262,6 +275,14 @@ impl Walker {
         }
         if probed && features != features_before {
             self.features = Some(features);
+        }
+        let found = stale.len();
+        stale.retain(|e| still_stale(e));
+        if stale.len() < found {
+            tracing::debug!(
+                spared = found - stale.len(),
+                "conntrack: entries that a later commit made healthy again are kept"
+            );
         }
         report.stale = stale.len();
         if tracing::enabled!(tracing::Level::DEBUG) {

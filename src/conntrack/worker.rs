@@ -7,6 +7,12 @@
 //! turn when the next commit's targets come is merged with them and resolved again against the newer state
 //! (what a retry does too), so a slow walk never lets a backlog grow. The targets of a failed walk come back to
 //! the planner and are looked at again after the next commit.
+//!
+//! A walk in progress while a later commit lands was planned against the older state: an endpoint that the
+//! later commit adds back (or makes serving again) gets new flows that the older filter finds stale. So each
+//! commit also resolves the running walk's targets against its own state, and the walk deletes only what
+//! both filters find stale (asked right before the deletes: a flow confirmed between that question and its
+//! delete, a window of microseconds, can still go; it is re-balanced by the rules on its next packet).
 
 use super::cleaner::{
     log_black_holes, log_cleanup, Cleaner, CleanupError, CleanupReport, Planner, Queued,
@@ -15,6 +21,7 @@ use super::filter::StaleFilter;
 use super::plan::Targets;
 use super::unnated::Frontends;
 use super::walker::Walker;
+use super::wire::Entry;
 use super::Metrics;
 use crate::model::{Changes, ClusterState};
 use std::collections::VecDeque;
@@ -30,15 +37,24 @@ pub const STOP_DEADLINE: Duration = Duration::from_secs(5);
 /// The kernel half of a cleanup, as the worker thread uses it ([`Walker`]; tests put a fake or a wrapper
 /// in its place).
 pub trait Walk: Send + 'static {
-    /// Deletes the entries `filter` finds stale.
-    fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError>;
+    /// Deletes the entries `filter` finds stale, but those that `still_stale`, asked after the dumps and
+    /// right before the deletes, no longer finds stale.
+    fn cleanup(
+        &mut self,
+        filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError>;
     /// Deletes the flows to `frontends` that were never DNATed.
     fn clear_black_holes(&mut self, frontends: &Frontends) -> Result<CleanupReport, CleanupError>;
 }
 
 impl Walk for Walker {
-    fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
-        Walker::cleanup(self, filter)
+    fn cleanup(
+        &mut self,
+        filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError> {
+        self.cleanup_checked(filter, still_stale)
     }
 
     fn clear_black_holes(&mut self, frontends: &Frontends) -> Result<CleanupReport, CleanupError> {
@@ -57,6 +73,8 @@ enum Work {
 }
 
 struct Job {
+    /// Numbers the jobs, so a refreshed filter is matched to its walk.
+    id: u64,
     work: Work,
     /// The commits this job follows (several when waiting jobs were merged).
     first_commit: u64,
@@ -74,6 +92,20 @@ struct Queue {
     abandon: bool,
     /// A job is in progress (taken from `jobs`, its outcome not yet handed back).
     busy: bool,
+    /// The cleanup in progress: its job and targets.
+    running: Option<(u64, Targets)>,
+    /// Its targets resolved against the newest commit's state (see [`CleanupQueue::after_sync`]).
+    refreshed: Option<(u64, Arc<StaleFilter>)>,
+}
+
+impl Queue {
+    /// Whether `e`, found stale by job `id`'s filter, is still stale as of the newest commit.
+    fn still_stale(&self, id: u64, e: &Entry) -> bool {
+        match &self.refreshed {
+            Some((job, filter)) if *job == id => filter.is_stale(e),
+            _ => true,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -106,6 +138,8 @@ pub struct CleanupQueue {
     metrics: Arc<Metrics>,
     /// Commits reported so far (`after_sync` calls): numbers the jobs in the logs.
     commits: u64,
+    /// Jobs queued so far.
+    jobs: u64,
 }
 
 impl CleanupQueue {
@@ -143,6 +177,7 @@ impl CleanupQueue {
             thread: Some(thread),
             metrics,
             commits: 0,
+            jobs: 0,
         })
     }
 
@@ -153,12 +188,17 @@ impl CleanupQueue {
 
     /// A sync committed: queues the walk for what its changes (and those of failed syncs and walks before it)
     /// made stale. Returns at once.
+    ///
+    /// A walk in progress was planned against an older state: its targets are resolved again against this
+    /// one, and it spares what this commit made healthy (an endpoint added back serves new flows that the
+    /// older filter would find stale).
     pub fn after_sync(&mut self, changes: &Changes, state: &ClusterState) {
         self.commits += 1;
         while let Ok(targets) = self.failed.try_recv() {
             self.planner.retry_later(targets);
         }
         let mut targets = self.planner.take_targets(changes, state);
+        self.refresh_running(state);
         let mut first_commit = self.commits;
         if let Some((waiting, first)) = self.take_waiting_clean() {
             // Not started yet: it runs once, with this commit's targets, judged against this state.
@@ -269,6 +309,21 @@ impl CleanupQueue {
         true
     }
 
+    /// Resolves the targets of the cleanup in progress, if any, against `state`, for its last check.
+    fn refresh_running(&self, state: &ClusterState) {
+        let Some((id, targets)) = self.shared.lock().running.clone() else {
+            return;
+        };
+        let filter = Arc::new(self.planner.resolve(targets, state).filter);
+        let mut q = self.shared.lock();
+        if q.running
+            .as_ref()
+            .is_some_and(|(running, _)| *running == id)
+        {
+            q.refreshed = Some((id, filter));
+        }
+    }
+
     /// The newest job if it is a cleanup that has not started: its targets and first commit.
     fn take_waiting_clean(&mut self) -> Option<(Targets, u64)> {
         let mut q = self.shared.lock();
@@ -289,7 +344,9 @@ impl CleanupQueue {
     }
 
     fn push(&mut self, work: Work, first_commit: u64) {
+        self.jobs += 1;
         let job = Job {
+            id: self.jobs,
             work,
             first_commit,
             last_commit: self.commits,
@@ -320,7 +377,9 @@ fn work<W: Walk>(mut walker: W, shared: &Shared, failed: &mpsc::Sender<Targets>)
         };
         match job.work {
             Work::Clean { targets, filter } => {
-                let result = walker.cleanup(&filter);
+                shared.lock().running = Some((job.id, targets.clone()));
+                let still_stale = |e: &Entry| shared.lock().still_stale(job.id, e);
+                let result = walker.cleanup(&filter, &still_stale);
                 if log_cleanup(&result, Some(queued)).is_none() {
                     // The planner may be gone at shutdown: then nobody retries, as nobody syncs.
                     let _ = failed.send(targets);
@@ -332,6 +391,8 @@ fn work<W: Walk>(mut walker: W, shared: &Shared, failed: &mpsc::Sender<Targets>)
         }
         let mut q = shared.lock();
         q.busy = false;
+        q.running = None;
+        q.refreshed = None;
         if q.jobs.is_empty() {
             shared.idle.notify_all();
         }

@@ -17,7 +17,8 @@ const T: Duration = Duration::from_secs(10);
 /// What the fake walker was asked to do, in order.
 #[derive(Debug, Clone)]
 enum Seen {
-    Clean(StaleFilter),
+    /// The filter, and what `still_stale` said of each probe once the walk was let go.
+    Clean(StaleFilter, Vec<bool>),
     BlackHoles(Frontends),
 }
 
@@ -28,13 +29,19 @@ struct Fake {
     started: mpsc::Sender<usize>,
     gate: Option<mpsc::Receiver<()>>,
     fail: Vec<usize>,
+    /// Entries `still_stale` is asked about.
+    probes: Vec<Entry>,
     busy: Arc<AtomicBool>,
     /// Disconnected when the fake is dropped, i.e. when the worker thread ends.
     _alive: mpsc::Sender<()>,
 }
 
 impl Fake {
-    fn walk(&mut self, what: Seen) -> Result<CleanupReport, CleanupError> {
+    fn walk(
+        &mut self,
+        what: Seen,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError> {
         assert!(!self.busy.swap(true, Ordering::SeqCst), "two walks at once");
         let n = {
             let mut seen = self.seen.lock().unwrap();
@@ -46,6 +53,9 @@ impl Fake {
             gate.recv_timeout(T)
                 .expect("the test never let the walk go");
         }
+        if let Seen::Clean(_, answers) = &mut self.seen.lock().unwrap()[n - 1] {
+            *answers = self.probes.iter().map(still_stale).collect();
+        }
         self.busy.store(false, Ordering::SeqCst);
         if self.fail.contains(&n) {
             return Err(CleanupError::Open(std::io::Error::other("injected")));
@@ -55,11 +65,15 @@ impl Fake {
 }
 
 impl Walk for Fake {
-    fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
-        self.walk(Seen::Clean(filter.clone()))
+    fn cleanup(
+        &mut self,
+        filter: &StaleFilter,
+        still_stale: &dyn Fn(&Entry) -> bool,
+    ) -> Result<CleanupReport, CleanupError> {
+        self.walk(Seen::Clean(filter.clone(), Vec::new()), still_stale)
     }
     fn clear_black_holes(&mut self, frontends: &Frontends) -> Result<CleanupReport, CleanupError> {
-        self.walk(Seen::BlackHoles(frontends.clone()))
+        self.walk(Seen::BlackHoles(frontends.clone()), &|_| true)
     }
 }
 
@@ -74,6 +88,10 @@ struct Harness {
 
 impl Harness {
     fn new(gated: bool, fail: &[usize]) -> Harness {
+        Harness::with_probes(gated, fail, Vec::new())
+    }
+
+    fn with_probes(gated: bool, fail: &[usize], probes: Vec<Entry>) -> Harness {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (started_tx, started) = mpsc::channel();
         let (permits, gate) = mpsc::channel();
@@ -83,6 +101,7 @@ impl Harness {
             started: started_tx,
             gate: gated.then_some(gate),
             fail: fail.to_vec(),
+            probes,
             busy: Arc::new(AtomicBool::new(false)),
             _alive: alive_tx,
         };
@@ -118,7 +137,7 @@ impl Harness {
 
     fn clean(&self, i: usize) -> StaleFilter {
         match &self.seen()[i] {
-            Seen::Clean(f) => f.clone(),
+            Seen::Clean(f, _) => f.clone(),
             other => panic!("walk {i} was {other:?}"),
         }
     }
@@ -239,6 +258,35 @@ fn walks_run_one_at_a_time_in_commit_order_and_a_waiting_walk_takes_later_target
     let deleted = h.clean(3);
     assert!(deleted.is_stale(&flow(ECHO, "10.244.1.2:5353")));
     assert!(!deleted.is_stale(&flow(OTHER, "10.244.4.2:5353")));
+    h.queue.stop();
+}
+
+#[test]
+fn a_walk_in_progress_spares_what_a_later_commit_made_healthy() {
+    let b = flow(ECHO, "10.244.2.2:5353");
+    let gone = flow(ECHO, "10.244.9.9:5353");
+    let mut h = Harness::with_probes(true, &[], vec![b.clone(), gone.clone()]);
+    two_services(&mut h);
+    h.permits.send(()).unwrap();
+    // Walk 2 (B removed from echo) is in progress when commit 3 adds B back.
+    h.state.apply_slice(slice("echo", &["10.244.1.2"]));
+    h.commit();
+    h.wait_started(2);
+    h.state
+        .apply_slice(slice("echo", &["10.244.1.2", "10.244.2.2"]));
+    h.commit();
+    h.permits.send(()).unwrap();
+    assert!(h.queue.wait_idle(T));
+    let seen = h.seen();
+    let Seen::Clean(filter, answers) = &seen[1] else {
+        panic!("{seen:?}")
+    };
+    assert!(filter.is_stale(&b), "stale as planned at commit 2");
+    assert_eq!(
+        answers,
+        &[false, true],
+        "B's flow is healthy again at commit 3; a flow to no endpoint is still stale"
+    );
     h.queue.stop();
 }
 
