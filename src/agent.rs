@@ -142,13 +142,15 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
-    let mut conntrack = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
+    let mut cleaner = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
         kinds: crate::conntrack::FrontendKinds::ALL,
         ..Default::default()
     });
     if let Some(f) = opts.conntrack_features {
-        conntrack.set_features(f);
+        cleaner.set_features(f);
     }
+    // Its thread inherits this one's network namespace, whose conntrack table it cleans.
+    let conntrack = crate::conntrack::CleanupQueue::start(cleaner)?;
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));
     let admin = match &opts.admin {
@@ -159,6 +161,7 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     let drift = monitor.drift.clone();
     let mut proxy = ProxyLoop::new(opts, source, engine, conntrack, observer, drift);
     let result = proxy.run(&inbox);
+    proxy.finish();
     drop(monitor);
     tracing::info!("stopping; rules stay in place");
     result

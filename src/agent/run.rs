@@ -9,7 +9,7 @@ use super::wake::{Inbox, Wake};
 use super::{refresh_node_addresses, sync_once, ProxyOptions};
 use crate::admin::Observer;
 use crate::config::DetectLocal;
-use crate::conntrack::{Cleaner, FrontendKinds, Frontends};
+use crate::conntrack::{CleanupQueue, FrontendKinds, Frontends};
 use crate::metrics;
 use crate::model::ClusterState;
 use crate::nft::monitor::Drift;
@@ -40,7 +40,8 @@ pub(super) struct ProxyLoop<'a> {
     pub source: ProxySource,
     pub state: ClusterState,
     pub engine: SyncEngine<NftSocket>,
-    pub conntrack: Cleaner,
+    /// Conntrack cleanup on a thread of its own: a sync never waits for a walk.
+    pub conntrack: CleanupQueue,
     pub observer: Observer,
     pub cfg: RenderConfig,
     pub drift: Arc<Drift>,
@@ -65,7 +66,7 @@ impl ProxyLoop<'_> {
         opts: &'a ProxyOptions,
         source: ProxySource,
         engine: SyncEngine<NftSocket>,
-        conntrack: Cleaner,
+        conntrack: CleanupQueue,
         observer: Observer,
         drift: Arc<Drift>,
     ) -> ProxyLoop<'a> {
@@ -89,6 +90,11 @@ impl ProxyLoop<'_> {
             next_check: now + opts.sync_period,
             next_full_read: now + opts.full_read_period,
         }
+    }
+
+    /// Ends the conntrack worker (its queued walks finish, within a bound).
+    pub fn finish(self) {
+        self.conntrack.stop();
     }
 
     /// Runs until a stop is asked. An error only for what kube-proxy also exits on (podCIDRs changed).
@@ -274,7 +280,8 @@ impl ProxyLoop<'_> {
                 }
                 self.observer
                     .sync_succeeded(&report, &changes.changed_services, &self.state);
-                // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
+                // The rules are in: queue the deletion of the UDP / SCTP flows this round (and failed ones) made
+                // stale; the walk runs beside the loop, after this commit.
                 self.conntrack.after_sync(&changes, &self.state);
                 if report.full && report.changes > 0 {
                     // Rules were missing or wrong until now: connections tried meanwhile may have left
@@ -285,7 +292,7 @@ impl ProxyLoop<'_> {
                         &self.cfg.nodeport_addresses,
                         &self.cfg.node_ips,
                     );
-                    self.conntrack.clear_black_holes(&frontends);
+                    self.conntrack.clear_black_holes(frontends);
                 }
                 let repair = std::mem::take(&mut self.repair);
                 if repair {

@@ -1,6 +1,7 @@
 //! Sources of cluster state: they turn kube objects (from files or from the API) into model events.
 //! The only layer that sees kube types; everything below gets [`Event`]s.
 
+pub mod backoff;
 pub mod convert;
 pub mod kube;
 pub mod manifests;
