@@ -3,12 +3,31 @@
 
 use crate::model::Cidr;
 use crate::netlink::route::RouteSocket;
-use netlink_packet_core::DecodeError;
-use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressScope};
-use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteMessage};
+use netlink_packet_core::Parseable;
+use netlink_packet_core::{DecodeError, NlaBuffer, NlasIterator, ParseableParametrized};
+use netlink_packet_route::address::{
+    AddressAttribute, AddressHeader, AddressMessage, AddressScope,
+};
+use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteLwEnCapType, RouteMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use std::io;
 use std::net::IpAddr;
+
+// Which answers and attributes a node read decodes (linux/rtnetlink.h, if_addr.h). The node is read at every
+// full sync, and decoding whole messages (every attribute of every address: cache info, labels, flags...)
+// made `read` 1.6 times slower than before netlink-packet-route (benches/rtnetlink.rs); so each answer's
+// fixed header and only these attributes go through netlink-packet-route's parsers, and an attribute
+// nobody reads can never fail a read either.
+const RTM_NEWADDR: u16 = 20;
+const RTM_NEWROUTE: u16 = 24;
+const IFA_ADDRESS: u16 = 1;
+const IFA_LOCAL: u16 = 2;
+const RTA_OIF: u16 = 4;
+const RTA_MULTIPATH: u16 = 9;
+const RTA_TABLE: u16 = 15;
+/// `struct ifaddrmsg` and `struct rtmsg`, before the attributes.
+const IFADDRMSG_LEN: usize = 8;
+const RTMSG_LEN: usize = 12;
 
 /// One address configured on one of the node's links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,26 +36,41 @@ pub struct NodeAddress {
     pub ip: IpAddr,
 }
 
-fn dump(what: &str, request: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let answers = RouteSocket::open()?
-        .dump(what, request)
-        .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))?;
-    Ok(decoded(what, answers))
+/// The answers of a dump: (message type, payload).
+fn dump(what: &str, request: RouteNetlinkMessage) -> io::Result<Vec<(u16, Vec<u8>)>> {
+    RouteSocket::open()?
+        .dump_raw(what, request)
+        .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))
 }
 
-/// The answers that decode. One that does not (an attribute netlink-packet-route cannot read) is skipped
-/// with a warning rather than failing the whole read: the node is read at every full sync, and one exotic
-/// route or address must not freeze the NodePort addresses at their last value.
-fn decoded(
+/// The attributes of `kinds` after a fixed header of `header_len` bytes.
+fn selected<'a>(
+    payload: &'a [u8],
+    header_len: usize,
+    kinds: &'a [u16],
+) -> impl Iterator<Item = Result<NlaBuffer<&'a [u8]>, DecodeError>> + 'a {
+    NlasIterator::new(payload.get(header_len..).unwrap_or_default()).filter(move |nla| match nla {
+        Ok(nla) => kinds.contains(&nla.kind()),
+        Err(_) => true,
+    })
+}
+
+/// Decodes what `f` makes of each answer; one that does not decode is skipped with a warning rather than
+/// failing the whole read: one exotic route or address must not freeze the NodePort addresses at their
+/// last value.
+fn decode_each<T>(
     what: &str,
-    answers: Vec<Result<RouteNetlinkMessage, DecodeError>>,
-) -> Vec<RouteNetlinkMessage> {
+    answers: &[(u16, Vec<u8>)],
+    f: impl Fn(u16, &[u8]) -> Result<Option<T>, DecodeError>,
+) -> Vec<T> {
     answers
-        .into_iter()
-        .filter_map(|answer| {
-            answer
-                .map_err(|e| tracing::warn!(what, "skipping an answer that does not decode: {e}"))
-                .ok()
+        .iter()
+        .filter_map(|(t, p)| match f(*t, p) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(what, "skipping an answer that does not decode: {e}");
+                None
+            }
         })
         .collect()
 }
@@ -71,30 +105,33 @@ pub fn addresses() -> io::Result<Vec<NodeAddress>> {
     Ok(global_addresses(&dump("dumping addresses", request)?))
 }
 
-/// The global-scope, non-loopback addresses among an address dump's messages.
-fn global_addresses(msgs: &[RouteNetlinkMessage]) -> Vec<NodeAddress> {
-    msgs.iter()
-        .filter_map(|m| match m {
-            RouteNetlinkMessage::NewAddress(a) => Some(a),
-            _ => None,
-        })
-        .filter(|a| !matches!(a.header.scope, AddressScope::Host | AddressScope::Link))
-        .filter_map(|a| {
-            // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links.
-            let find = |local: bool| {
-                a.attributes.iter().find_map(|attr| match (attr, local) {
-                    (AddressAttribute::Local(ip), true)
-                    | (AddressAttribute::Address(ip), false) => Some(*ip),
-                    _ => None,
-                })
-            };
-            let ip = find(true).or_else(|| find(false))?;
-            (!ip.is_loopback()).then_some(NodeAddress {
-                ifindex: a.header.index,
+/// The global-scope, non-loopback addresses among an address dump's answers.
+fn global_addresses(answers: &[(u16, Vec<u8>)]) -> Vec<NodeAddress> {
+    decode_each("reading addresses", answers, |t, p| {
+        if t != RTM_NEWADDR {
+            return Ok(None);
+        }
+        let header = AddressHeader::parse(p)?;
+        if matches!(header.scope, AddressScope::Host | AddressScope::Link) {
+            return Ok(None);
+        }
+        // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links.
+        let (mut local, mut address) = (None, None);
+        for nla in selected(p, IFADDRMSG_LEN, &[IFA_LOCAL, IFA_ADDRESS]) {
+            match AddressAttribute::parse(&nla?)? {
+                AddressAttribute::Local(ip) => local = Some(ip),
+                AddressAttribute::Address(ip) => address = Some(ip),
+                _ => {}
+            }
+        }
+        Ok(local
+            .or(address)
+            .filter(|ip| !ip.is_loopback())
+            .map(|ip| NodeAddress {
+                ifindex: header.index,
                 ip,
-            })
-        })
-        .collect()
+            }))
+    })
 }
 
 /// Links that carry a default route in the main table: the node's primary interfaces.
@@ -103,53 +140,42 @@ pub fn default_route_links() -> io::Result<Vec<u32>> {
     Ok(links_of_default_routes(&dump("dumping routes", request)?))
 }
 
-/// The links the default routes of the main table leave through, each once, from a route dump's messages.
-fn links_of_default_routes(msgs: &[RouteNetlinkMessage]) -> Vec<u32> {
-    let mut out = Vec::new();
-    let routes = msgs.iter().filter_map(|m| match m {
-        RouteNetlinkMessage::NewRoute(r) => Some(r),
-        _ => None,
-    });
-    for route in routes {
-        if route.header.destination_prefix_length != 0
-            || table(route) != RouteHeader::RT_TABLE_MAIN as u32
-        {
-            continue;
+/// The links the default routes of the main table leave through, each once, from a route dump's answers.
+fn links_of_default_routes(answers: &[(u16, Vec<u8>)]) -> Vec<u32> {
+    let per_route = decode_each("reading routes", answers, |t, p| {
+        if t != RTM_NEWROUTE {
+            return Ok(None);
         }
-        for link in links(route) {
-            if !out.contains(&link) {
-                out.push(link);
+        let header = RouteHeader::parse(p)?;
+        if header.destination_prefix_length != 0 {
+            return Ok(None);
+        }
+        // rtm_table has only 8 bits, so RTA_TABLE overrides it when present.
+        let mut table = header.table as u32;
+        let mut links = Vec::new();
+        let param = (header.address_family, header.kind, RouteLwEnCapType::None);
+        for nla in selected(p, RTMSG_LEN, &[RTA_TABLE, RTA_OIF, RTA_MULTIPATH]) {
+            match RouteAttribute::parse_with_param(&nla?, param)? {
+                RouteAttribute::Table(t) => table = t,
+                // A single next hop; a route with several (ECMP) lists them in RTA_MULTIPATH instead. A next
+                // hop the kernel marks dead or link-down still counts: its link is an uplink all the same,
+                // and NodePorts should not come and go with a cable's carrier.
+                RouteAttribute::Oif(i) => links.push(i),
+                RouteAttribute::MultiPath(hops) => {
+                    links.extend(hops.iter().map(|h| h.interface_index))
+                }
+                _ => {}
             }
+        }
+        Ok((table == RouteHeader::RT_TABLE_MAIN as u32).then_some(links))
+    });
+    let mut out = Vec::new();
+    for link in per_route.into_iter().flatten() {
+        if !out.contains(&link) {
+            out.push(link);
         }
     }
     out
-}
-
-/// `rtm_table` has only 8 bits, so RTA_TABLE overrides it when present.
-fn table(route: &RouteMessage) -> u32 {
-    route
-        .attributes
-        .iter()
-        .find_map(|a| match a {
-            RouteAttribute::Table(t) => Some(*t),
-            _ => None,
-        })
-        .unwrap_or(route.header.table as u32)
-}
-
-/// RTA_OIF for a single next hop; a route with several (ECMP) has none and lists them in RTA_MULTIPATH.
-/// A next hop the kernel marks dead or link-down still counts: its link is an uplink all the same, and
-/// NodePorts should not come and go with a cable's carrier.
-fn links(route: &RouteMessage) -> Vec<u32> {
-    route
-        .attributes
-        .iter()
-        .flat_map(|a| match a {
-            RouteAttribute::Oif(i) => vec![*i],
-            RouteAttribute::MultiPath(hops) => hops.iter().map(|h| h.interface_index).collect(),
-            _ => Vec::new(),
-        })
-        .collect()
 }
 
 /// Where NodePorts are served, after kube-proxy's `--nodeport-addresses`.
@@ -198,16 +224,8 @@ pub fn resolve_nodeport_addresses(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::route::decode;
     use crate::netlink::{align4, MsgBuilder};
 
-    const RTM_NEWADDR: u16 = 20;
-    const RTM_NEWROUTE: u16 = 24;
-    const IFA_ADDRESS: u16 = 1;
-    const IFA_LOCAL: u16 = 2;
-    const RTA_OIF: u16 = 4;
-    const RTA_MULTIPATH: u16 = 9;
-    const RTA_TABLE: u16 = 15;
     const RT_TABLE_MAIN: u8 = 254;
     const RTNH_LEN: usize = 8;
 
@@ -219,7 +237,7 @@ mod tests {
     }
 
     /// A message as a dump returns it (type, payload): the fixed header `header`, then the attributes `f`
-    /// writes. Built byte by byte, independently of netlink-packet-route, which then decodes it.
+    /// writes. Built byte by byte, independently of netlink-packet-route, whose parsers then decode it.
     fn raw(msg_type: u16, header: &[u8], f: impl FnOnce(&mut MsgBuilder)) -> (u16, Vec<u8>) {
         let mut m = MsgBuilder::new(msg_type, 0, 0);
         m.raw(header);
@@ -240,11 +258,6 @@ mod tests {
             &[family, dst_len, 0, 0, table, 3, 0, 1, 0, 0, 0, 0],
             f,
         )
-    }
-
-    /// Decodes raw answers the way `dump` does: the ones that do not decode are skipped.
-    fn decode_all(raw: &[(u16, Vec<u8>)]) -> Vec<RouteNetlinkMessage> {
-        decoded("test", raw.iter().map(|(t, p)| decode(*t, p)).collect())
     }
 
     /// One `struct rtnexthop` with its RTA_GATEWAY, as in an RTA_MULTIPATH payload.
@@ -290,7 +303,7 @@ mod tests {
                 m.attr(RTA_MULTIPATH, &v6_hops);
             }),
         ];
-        assert_eq!(links_of_default_routes(&decode_all(&msgs)), vec![2, 7, 9]);
+        assert_eq!(links_of_default_routes(&msgs), vec![2, 7, 9]);
     }
 
     #[test]
@@ -314,7 +327,7 @@ mod tests {
                 m.attr(IFA_LOCAL, &[10, 0, 0, 1]);
             }),
         ];
-        assert_eq!(links_of_default_routes(&decode_all(&msgs)), vec![3]);
+        assert_eq!(links_of_default_routes(&msgs), vec![3]);
     }
 
     #[test]
@@ -337,7 +350,7 @@ mod tests {
                 // A truncated rtmsg.
                 (RTM_NEWROUTE, vec![V4, 0, 0]),
             ];
-            assert_eq!(links_of_default_routes(&decode_all(&msgs)), vec![9]);
+            assert_eq!(links_of_default_routes(&msgs), vec![9]);
         }
     }
 
@@ -383,7 +396,7 @@ mod tests {
             }),
         ];
         assert_eq!(
-            global_addresses(&decode_all(&msgs)),
+            global_addresses(&msgs),
             vec![a(2, "192.168.200.1"), a(4, "10.9.0.1"), a(2, "fd00:200::1")]
         );
     }

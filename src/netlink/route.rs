@@ -54,6 +54,18 @@ impl RouteSocket {
         self.get(what, msg, NLM_F_DUMP)
     }
 
+    /// Dumps what `msg` asks for (NLM_F_DUMP) and returns the answers as they came (type, payload), for
+    /// callers that decode only the parts they read.
+    pub fn dump_raw(
+        &mut self,
+        what: &str,
+        msg: RouteNetlinkMessage,
+    ) -> Result<Vec<(u16, Vec<u8>)>, NetlinkError> {
+        let seq = self.0.reserve_seq(1);
+        self.0
+            .dump_as(what, &encode(msg, NLM_F_REQUEST | NLM_F_DUMP, seq))
+    }
+
     /// Sends `msg` with NLM_F_REQUEST | `flags` (a dump, or a GET with NLM_F_ACK) and decodes every answer.
     pub fn get(
         &mut self,
