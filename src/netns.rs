@@ -16,10 +16,11 @@
 //! the namespace alive with no process in it. Deleting unmounts and unlinks the file; the namespace itself goes
 //! away when the last thread, socket or open fd referring to it is gone.
 
-use crate::netlink::route::RouteSocket;
+use crate::netlink::route::{attributes, RouteSocket, RTM_NEWLINK};
 use crate::netlink::NetlinkError;
 use crate::netlink::{NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
-use netlink_packet_route::link::{LinkAttribute, LinkMessage};
+use netlink_packet_core::{DecodeError, ParseableParametrized};
+use netlink_packet_route::link::{LinkAttribute, LinkHeader, LinkMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use std::ffi::CString;
 use std::fs::File;
@@ -37,6 +38,9 @@ pub const NETNS_RUN_DIR: &str = "/run/netns";
 
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 const IFNAMSIZ: usize = 16;
+/// `struct ifinfomsg`, before a link answer's attributes, and the one attribute read from them.
+const IFINFOMSG_LEN: usize = 16;
+const IFLA_IFNAME: u16 = 3;
 
 /// A failure with the operation it happened in (which namespace, link, address or route).
 #[derive(Debug, thiserror::Error)]
@@ -467,23 +471,42 @@ fn rt_request(
         })
 }
 
-/// The answers of a dump or GET, every one decoded: an answer that does not decode is an error here (these
-/// helpers build test and demo topologies, where a silent gap would mislead).
+/// The answers of a dump or GET, (type, payload).
 fn rt_get(
     context: impl Fn() -> String,
     msg: RouteNetlinkMessage,
     flags: u16,
-) -> Result<Vec<RouteNetlinkMessage>, NetnsError> {
-    let answers = route_socket(&context)?
+) -> Result<Vec<(u16, Vec<u8>)>, NetnsError> {
+    route_socket(&context)?
         .get(&context(), msg, flags)
         .map_err(|cause| NetnsError::Netlink {
             context: context(),
             cause,
-        })?;
-    answers
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .map_err(|e| NetnsError::Invalid(format!("{}: undecodable answer: {e}", context())))
+        })
+}
+
+/// A link answer's index and (if `with_name`) its IFLA_IFNAME, decoded by netlink-packet-route's parsers.
+/// An answer that does not decode is an error here: these helpers build test and demo topologies, where a
+/// silent gap would mislead.
+fn decode_link(
+    context: impl Fn() -> String,
+    payload: &[u8],
+    with_name: bool,
+) -> Result<(u32, Option<String>), NetnsError> {
+    let undecodable =
+        |e: DecodeError| NetnsError::Invalid(format!("{}: undecodable answer: {e}", context()));
+    let header = LinkHeader::parse(payload).map_err(undecodable)?;
+    let mut name = None;
+    let wanted: &[u16] = if with_name { &[IFLA_IFNAME] } else { &[] };
+    for nla in attributes(payload, IFINFOMSG_LEN, wanted) {
+        let nla = nla.map_err(undecodable)?;
+        if let LinkAttribute::IfName(n) =
+            LinkAttribute::parse_with_param(&nla, header.interface_family).map_err(undecodable)?
+        {
+            name = Some(n);
+        }
+    }
+    Ok((header.index, name))
 }
 
 fn check_ifname(name: &str) -> Result<(), NetnsError> {
@@ -505,33 +528,30 @@ pub fn link_index(name: &str) -> Result<u32, NetnsError> {
     check_ifname(name)?;
     let context = || format!("looking up link {name:?}");
     let request = RouteNetlinkMessage::GetLink(msg::link_named(name));
-    rt_get(context, request, NLM_F_ACK)?
-        .into_iter()
-        .find_map(|answer| match answer {
-            RouteNetlinkMessage::NewLink(link) => Some(link.header.index),
-            _ => None,
-        })
-        .ok_or_else(|| NetnsError::Invalid(format!("{}: the kernel answered no link", context())))
+    let answers = rt_get(context, request, NLM_F_ACK)?;
+    let (_, payload) = answers
+        .iter()
+        .find(|(t, _)| *t == RTM_NEWLINK)
+        .ok_or_else(|| {
+            NetnsError::Invalid(format!("{}: the kernel answered no link", context()))
+        })?;
+    Ok(decode_link(context, payload, false)?.0)
 }
 
 /// `(ifindex, name)` of every link in the calling thread's namespace, in the kernel's order.
 pub fn links() -> Result<Vec<(u32, String)>, NetnsError> {
     let context = || "listing links".to_string();
     let request = RouteNetlinkMessage::GetLink(LinkMessage::default());
-    Ok(rt_get(context, request, NLM_F_DUMP)?
-        .into_iter()
-        .filter_map(|answer| match answer {
-            RouteNetlinkMessage::NewLink(link) => Some(link),
-            _ => None,
-        })
-        .filter_map(|link| {
-            let name = link.attributes.iter().find_map(|a| match a {
-                LinkAttribute::IfName(n) => Some(n.clone()),
-                _ => None,
-            })?;
-            Some((link.header.index, name))
-        })
-        .collect())
+    let mut out = Vec::new();
+    for (_, payload) in rt_get(context, request, NLM_F_DUMP)?
+        .iter()
+        .filter(|(t, _)| *t == RTM_NEWLINK)
+    {
+        if let (index, Some(name)) = decode_link(context, payload, true)? {
+            out.push((index, name));
+        }
+    }
+    Ok(out)
 }
 
 /// Sets link `name` administratively up (also for `lo`, which starts down in a new namespace).

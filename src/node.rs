@@ -2,9 +2,8 @@
 //! thread's network namespace. NodePorts are served on these (kube-proxy's `--nodeport-addresses`).
 
 use crate::model::Cidr;
-use crate::netlink::route::RouteSocket;
-use netlink_packet_core::Parseable;
-use netlink_packet_core::{DecodeError, NlaBuffer, NlasIterator, ParseableParametrized};
+use crate::netlink::route::{attributes, RouteSocket, RTM_NEWADDR, RTM_NEWROUTE};
+use netlink_packet_core::{DecodeError, Parseable, ParseableParametrized};
 use netlink_packet_route::address::{
     AddressAttribute, AddressHeader, AddressMessage, AddressScope,
 };
@@ -13,13 +12,7 @@ use netlink_packet_route::RouteNetlinkMessage;
 use std::io;
 use std::net::IpAddr;
 
-// Which answers and attributes a node read decodes (linux/rtnetlink.h, if_addr.h). The node is read at every
-// full sync, and decoding whole messages (every attribute of every address: cache info, labels, flags...)
-// made `read` 1.6 times slower than before netlink-packet-route (benches/rtnetlink.rs); so each answer's
-// fixed header and only these attributes go through netlink-packet-route's parsers, and an attribute
-// nobody reads can never fail a read either.
-const RTM_NEWADDR: u16 = 20;
-const RTM_NEWROUTE: u16 = 24;
+// The attributes a node read decodes (linux/if_addr.h, rtnetlink.h); see `netlink::route` for why not all.
 const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const RTA_OIF: u16 = 4;
@@ -39,20 +32,8 @@ pub struct NodeAddress {
 /// The answers of a dump: (message type, payload).
 fn dump(what: &str, request: RouteNetlinkMessage) -> io::Result<Vec<(u16, Vec<u8>)>> {
     RouteSocket::open()?
-        .dump_raw(what, request)
+        .dump(what, request)
         .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))
-}
-
-/// The attributes of `kinds` after a fixed header of `header_len` bytes.
-fn selected<'a>(
-    payload: &'a [u8],
-    header_len: usize,
-    kinds: &'a [u16],
-) -> impl Iterator<Item = Result<NlaBuffer<&'a [u8]>, DecodeError>> + 'a {
-    NlasIterator::new(payload.get(header_len..).unwrap_or_default()).filter(move |nla| match nla {
-        Ok(nla) => kinds.contains(&nla.kind()),
-        Err(_) => true,
-    })
 }
 
 /// Decodes what `f` makes of each answer; one that does not decode is skipped with a warning rather than
@@ -115,22 +96,27 @@ fn global_addresses(answers: &[(u16, Vec<u8>)]) -> Vec<NodeAddress> {
         if matches!(header.scope, AddressScope::Host | AddressScope::Link) {
             return Ok(None);
         }
-        // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links.
+        // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links. Only the one
+        // used is decoded.
         let (mut local, mut address) = (None, None);
-        for nla in selected(p, IFADDRMSG_LEN, &[IFA_LOCAL, IFA_ADDRESS]) {
-            match AddressAttribute::parse(&nla?)? {
-                AddressAttribute::Local(ip) => local = Some(ip),
-                AddressAttribute::Address(ip) => address = Some(ip),
-                _ => {}
+        for nla in attributes(p, IFADDRMSG_LEN, &[IFA_LOCAL, IFA_ADDRESS]) {
+            let nla = nla?;
+            match nla.kind() {
+                IFA_LOCAL => local = Some(nla),
+                _ => address = Some(nla),
             }
         }
-        Ok(local
-            .or(address)
-            .filter(|ip| !ip.is_loopback())
-            .map(|ip| NodeAddress {
-                ifindex: header.index,
-                ip,
-            }))
+        let ip = match local.or(address) {
+            Some(nla) => match AddressAttribute::parse(&nla)? {
+                AddressAttribute::Local(ip) | AddressAttribute::Address(ip) => Some(ip),
+                _ => None,
+            },
+            None => None,
+        };
+        Ok(ip.filter(|ip| !ip.is_loopback()).map(|ip| NodeAddress {
+            ifindex: header.index,
+            ip,
+        }))
     })
 }
 
@@ -154,7 +140,7 @@ fn links_of_default_routes(answers: &[(u16, Vec<u8>)]) -> Vec<u32> {
         let mut table = header.table as u32;
         let mut links = Vec::new();
         let param = (header.address_family, header.kind, RouteLwEnCapType::None);
-        for nla in selected(p, RTMSG_LEN, &[RTA_TABLE, RTA_OIF, RTA_MULTIPATH]) {
+        for nla in attributes(p, RTMSG_LEN, &[RTA_TABLE, RTA_OIF, RTA_MULTIPATH]) {
             match RouteAttribute::parse_with_param(&nla?, param)? {
                 RouteAttribute::Table(t) => table = t,
                 // A single next hop; a route with several (ECMP) lists them in RTA_MULTIPATH instead. A next
