@@ -264,6 +264,35 @@ mod tests {
     const V4: u8 = libc::AF_INET as u8;
     const V6: u8 = libc::AF_INET6 as u8;
 
+    /// The two dump requests, against bytes written field by field: `ip address show` and `ip route show
+    /// table all` (AF_UNSPEC, an all-zero `struct ifaddrmsg` / `struct rtmsg`).
+    #[test]
+    fn dump_requests_are_what_ip_sends() {
+        use crate::netlink::route::encode;
+        use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
+        let flags = NLM_F_REQUEST | NLM_F_DUMP;
+        for (request, msg_type, header_len) in [
+            (
+                RouteNetlinkMessage::GetAddress(AddressMessage::default()),
+                22,
+                8,
+            ),
+            (
+                RouteNetlinkMessage::GetRoute(RouteMessage::default()),
+                26,
+                12,
+            ),
+        ] {
+            let mut want = MsgBuilder::new(msg_type, flags, 9);
+            want.raw(&vec![0u8; header_len]);
+            assert_eq!(
+                encode(request, flags, 9),
+                want.finish().unwrap(),
+                "{msg_type}"
+            );
+        }
+    }
+
     #[test]
     fn multipath_default_routes_make_every_next_hop_link_primary() {
         let v4_hops = [
