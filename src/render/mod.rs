@@ -10,6 +10,7 @@ mod services;
 
 pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
 pub use desired::{Desired, DesiredSet};
+pub use services::usable_endpoints;
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
