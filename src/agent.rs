@@ -40,6 +40,8 @@ pub struct ProxyOptions {
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
     /// at the first cleanup).
     pub conntrack_features: Option<crate::conntrack::Features>,
+    /// The userspace relay (localhost NodePorts).
+    pub relay: crate::relay::RelayOptions,
 }
 
 impl ProxyOptions {
@@ -55,6 +57,7 @@ impl ProxyOptions {
             detect_local: DetectLocal::ClusterCidr,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             conntrack_features: None,
+            relay: Default::default(),
         }
     }
 
@@ -75,6 +78,7 @@ impl ProxyOptions {
             detect_local: r.detect_local,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             conntrack_features: None,
+            relay: Default::default(),
         }
     }
 }
@@ -118,6 +122,8 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let mut engine = SyncEngine::new(socket);
     engine.set_max_transaction_elements(opts.max_transaction_elements);
     let monitor = start_monitor(&mut engine)?;
+    // NodePorts on loopback, when asked for, through the relay (after each sync).
+    let mut localhost = crate::relay::LocalhostNodePorts::start(&opts.nodeport_cidrs, &opts.relay)?;
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
     let frontend_kinds = crate::conntrack::FrontendKinds::ALL;
@@ -245,6 +251,9 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                         observer.nodeport_addresses(&cfg.nodeport_addresses);
                     }
                     observer.sync_succeeded(&report, &changes.changed_services, &state);
+                    if let Some(l) = &mut localhost {
+                        l.sync(&state);
+                    }
                     // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
                     conntrack.after_sync(&changes, &state);
                     if report.full {

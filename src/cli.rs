@@ -161,6 +161,13 @@ pub struct ProxyArgs {
     /// the kernel's nf_tables lock for long (changes that belong together are never cut apart).
     #[arg(long, default_value_t = crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_transaction_elements: u64,
+    /// The relay (localhost NodePorts, userspace mode): a UDP flow idle this long is closed (services with
+    /// ClientIP affinity use their timeout): "250ms", or seconds.
+    #[arg(long, default_value = "250ms", value_parser = config::parse_duration_flag)]
+    pub udp_timeout: Duration,
+    /// The relay: TCP connections plus UDP flows at most; more wait in the listen backlog.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub relay_max_connections: u64,
 }
 
 impl ProxyArgs {
@@ -233,6 +240,10 @@ impl ProxyArgs {
         let mut opts = ProxyOptions::from_resolved(r, render);
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
+        opts.relay.udp_idle_timeout = self.udp_timeout;
+        opts.relay.max_connections = usize::try_from(self.relay_max_connections)
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
         Ok(opts)
     }
 }

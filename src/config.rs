@@ -430,8 +430,8 @@ fn check_families(what: &str, cidrs: &[Cidr]) -> Result<(), ConfigError> {
 }
 
 /// `nodePortAddresses` entries (CIDRs, or kube-proxy's keywords) as the CIDR list `--nodeport-addresses`
-/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is not served
-/// (warned: nftkube does not turn on route_localnet).
+/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is 127.0.0.0/8 and
+/// ::1/128 (served by the relay: nftkube does not turn on route_localnet).
 pub fn parse_node_port_addresses(
     what: &str,
     items: &[String],
@@ -446,9 +446,10 @@ pub fn parse_node_port_addresses(
                 out.push("0.0.0.0/0".parse().expect("valid CIDR"));
                 out.push("::/0".parse().expect("valid CIDR"));
             }
-            "localhost" => warnings.push(format!(
-                "{what}: localhost is not served by nftkube (NodePorts on loopback need route_localnet)"
-            )),
+            "localhost" => {
+                out.push("127.0.0.0/8".parse().expect("valid CIDR"));
+                out.push("::1/128".parse().expect("valid CIDR"));
+            }
             cidr if cidr.contains('/') => out.push(
                 cidr.parse::<Cidr>()
                     .map_err(|e| ConfigError(format!("{what}: {e}")))?,
@@ -1125,13 +1126,11 @@ iptables:
         assert_eq!(r.detect_local, DetectLocal::BridgeInterface("cbr0".into()));
         let f = parse(&format!("{base}nodePortAddresses: [all, localhost]\n")).unwrap();
         let r = resolve_with(&flags, f, &env()).unwrap();
-        assert_eq!(r.nodeport_cidrs.len(), 2);
-        assert!(
-            r.warnings
-                .iter()
-                .any(|w| w.contains("localhost is not served")),
-            "{:?}",
-            r.warnings
+        // localhost: loopback CIDRs, served by the relay.
+        assert_eq!(r.nodeport_cidrs.len(), 4);
+        assert_eq!(
+            crate::relay::loopback_families(&r.nodeport_cidrs),
+            (true, true)
         );
     }
 

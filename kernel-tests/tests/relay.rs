@@ -370,12 +370,14 @@ struct Line {
 
 impl Line {
     fn open(ns: &NetNs, dst: SocketAddr) -> Line {
-        let s = ns
-            .run(move || TcpStream::connect_timeout(&dst, T))
+        ns.run(move || Line::open_here(dst))
             .unwrap()
-            .expect("connecting");
-        s.set_read_timeout(Some(T)).unwrap();
-        Line { s }
+            .expect("connecting")
+    }
+    fn open_here(dst: SocketAddr) -> io::Result<Line> {
+        let s = TcpStream::connect_timeout(&dst, T)?;
+        s.set_read_timeout(Some(T))?;
+        Ok(Line { s })
     }
     /// The endpoint's name, or the error the connection ended with.
     fn ask(&mut self) -> io::Result<String> {
@@ -553,4 +555,199 @@ fn bad_frontends_are_reported_and_the_others_keep_working() {
     assert_eq!(relay.listeners(), 1);
     let a = tcp_request(sb.client(), node_from_pod0(7008), T);
     assert_eq!(pod_of(&a), Some(1), "{a:?}");
+}
+
+/// NodePort services for the agent tests: TCP+UDP (IPv4) on the sandbox's backends, an IPv6 one, and one
+/// whose endpoints hold connections open (the line servers on 9003).
+const NODE_PORTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.30
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
+  - {name: udp, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30053}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: demo
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+- {name: tcp, port: 8080, protocol: TCP}
+- {name: udp, port: 5353, protocol: UDP}
+endpoints:
+- addresses: ["10.244.1.2"]
+- addresses: ["10.244.2.2"]
+- addresses: ["10.244.3.2"]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: fd00:96::30
+  ipFamilies: [IPv6]
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30090}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-1
+  namespace: demo
+  labels: {kubernetes.io/service-name: web6}
+addressType: IPv6
+ports:
+- {name: tcp, port: 8080, protocol: TCP}
+endpoints:
+- addresses: ["fd00:244:0:1::2"]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: lines, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.31
+  ports:
+  - {name: tcp, port: 80, targetPort: 9003, protocol: TCP, nodePort: 30100}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: lines-1
+  namespace: demo
+  labels: {kubernetes.io/service-name: lines}
+addressType: IPv4
+ports:
+- {name: tcp, port: 9003, protocol: TCP}
+endpoints:
+- addresses: ["10.244.1.2"]
+- addresses: ["10.244.2.2"]
+"#;
+
+const SYNC: Duration = Duration::from_secs(15);
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+#[test]
+fn localhost_node_ports_are_served_to_the_node_itself() {
+    let sb = sandbox("nk-rll", 3);
+    let m = Manifests::examples();
+    m.write("nodeports.yaml", NODE_PORTS);
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &["--nodeport-addresses", "127.0.0.0/8,::1/128"],
+    );
+    agent.wait_syncs(1, SYNC);
+    wait_until(SYNC, || served(sb.node(), loopback(30080), T))
+        .expect("127.0.0.1:30080 never served");
+    // Round robin over the three endpoints, from the node's own loopback.
+    let answers = tcp_requests(sb.node(), loopback(30080), 30, T);
+    let mut counts = [0usize; 3];
+    for a in &answers {
+        counts[pod_of(a).unwrap_or_else(|| panic!("{a:?}")) - 1] += 1;
+    }
+    assert_eq!(counts, [10, 10, 10]);
+    // UDP, and IPv6 on ::1.
+    let udp = sandbox::udp_request(sb.node(), loopback(30053), T).expect("udp on 127.0.0.1:30053");
+    assert!(parse_answer(&udp).is_some(), "{udp:?}");
+    let v6 = tcp_request(sb.node(), "[::1]:30090".parse().unwrap(), T).expect("tcp on [::1]:30090");
+    assert_eq!(parse_answer(&v6).map(|(p, _)| p), Some(1), "{v6:?}");
+    // Only loopback was asked for: the node's uplink address does not serve NodePorts.
+    let outside = SocketAddr::from((sandbox::node_ip_v4(), 30080));
+    assert!(!served(sb.ext(), outside, Duration::from_millis(500)));
+
+    // The service goes: so does its listener.
+    let without_web: String = NODE_PORTS
+        .split("---")
+        .skip(2)
+        .collect::<Vec<_>>()
+        .join("---");
+    m.write("nodeports.yaml", &without_web);
+    wait_until(SYNC, || {
+        matches!(tcp_request(sb.node(), loopback(30080), T), Err(e) if e.kind() == io::ErrorKind::ConnectionRefused)
+    })
+    .expect("127.0.0.1:30080 still served after the service was deleted");
+    assert!(served(sb.node(), "[::1]:30090".parse().unwrap(), T));
+}
+
+/// Runs the agent with at most `limit` open files (soft and hard).
+fn agent_with_nofile_limit(
+    ns: &NetNs,
+    manifests: &std::path::Path,
+    limit: u64,
+    extra: &[&str],
+) -> Agent {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = command_in(ns, nftkube_bin());
+    cmd.args(proxy_args(manifests, extra));
+    // SAFETY: runs in the forked child before exec and only calls setrlimit, which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Agent::spawn(cmd, ns)
+}
+
+#[test]
+fn running_out_of_file_descriptors_backs_off_and_recovers_without_a_panic() {
+    let sb = sandbox("nk-rle", 2);
+    let _lines: Vec<Server> = (1..=2).map(|i| line_server(&sb, i, 9003)).collect();
+    let m = Manifests::examples();
+    m.write("nodeports.yaml", NODE_PORTS);
+    let mut agent = agent_with_nofile_limit(
+        sb.node(),
+        &m.dir,
+        128,
+        &["--nodeport-addresses", "127.0.0.0/8"],
+    );
+    agent.wait_syncs(1, SYNC);
+    let dst = loopback(30100);
+    wait_until(SYNC, || {
+        sb.node()
+            .run(|| Line::open_here(dst).and_then(|mut l| l.ask()))
+            .unwrap()
+            .is_ok()
+    })
+    .expect("127.0.0.1:30100 never served");
+    // Far more long connections than 128 descriptors allow (each relayed one costs two).
+    let held: Vec<TcpStream> = sb
+        .node()
+        .run(|| {
+            (0..150)
+                .filter_map(|_| TcpStream::connect_timeout(&dst, T).ok())
+                .collect()
+        })
+        .unwrap();
+    assert!(held.len() > 64, "only {} connections opened", held.len());
+    wait_until(SYNC, || agent.log().contains("out of file descriptors"))
+        .expect("the agent never reported running out of file descriptors");
+    assert!(agent.running(), "the agent died:\n{}", agent.log());
+    drop(held);
+    // Descriptors come back: new connections are relayed again.
+    wait_until(SYNC, || {
+        sb.node()
+            .run(|| Line::open_here(dst).and_then(|mut l| l.ask()))
+            .unwrap()
+            .is_ok()
+    })
+    .expect("no recovery after the connections closed");
+    assert!(agent.running(), "the agent died:\n{}", agent.log());
+    assert!(!agent.log().contains("panicked"), "{}", agent.log());
 }

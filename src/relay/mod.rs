@@ -9,6 +9,7 @@
 
 mod balancer;
 mod frontends;
+mod localhost;
 mod service;
 mod socket;
 mod splice;
@@ -17,6 +18,7 @@ mod udp;
 
 pub use balancer::Balancer;
 pub use frontends::localhost_nodeports;
+pub use localhost::{loopback_families, LocalhostNodePorts};
 pub use service::Stats;
 pub use tcp::DIAL_TIMEOUTS;
 
