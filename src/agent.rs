@@ -40,8 +40,10 @@ pub struct ProxyOptions {
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
     /// at the first cleanup).
     pub conntrack_features: Option<crate::conntrack::Features>,
-    /// The userspace relay (localhost NodePorts).
+    /// The userspace relay (localhost NodePorts, userspace mode).
     pub relay: crate::relay::RelayOptions,
+    /// `--proxy-mode userspace`: services relayed in user space, nf_tables only redirects to the relay.
+    pub userspace: bool,
 }
 
 impl ProxyOptions {
@@ -58,6 +60,7 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             conntrack_features: None,
             relay: Default::default(),
+            userspace: false,
         }
     }
 
@@ -79,6 +82,7 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             conntrack_features: None,
             relay: Default::default(),
+            userspace: r.userspace,
         }
     }
 }
@@ -124,6 +128,11 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
     let monitor = start_monitor(&mut engine)?;
     // NodePorts on loopback, when asked for, through the relay (after each sync).
     let mut localhost = crate::relay::LocalhostNodePorts::start(&opts.nodeport_cidrs, &opts.relay)?;
+    // Userspace mode: the relay serves the services, nf_tables only redirects to it.
+    let mut userspace = match opts.userspace {
+        true => Some(crate::relay::UserspaceProxy::start(&opts.relay)?),
+        false => None,
+    };
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
     let frontend_kinds = crate::conntrack::FrontendKinds::ALL;
@@ -244,7 +253,11 @@ pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
                 // Node addresses can change; full syncs pick that up for NodePorts.
                 refresh_node_addresses(&mut cfg, &opts.nodeport_cidrs);
             }
-            match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
+            let synced = match &mut userspace {
+                Some(u) => u.sync(&mut engine, &state, &changes.changed_services),
+                None => sync_once(&mut engine, &state, &changes.changed_services, &cfg),
+            };
+            match synced {
                 Ok(report) => {
                     if report.full {
                         // The health check servers follow the addresses NodePorts are now served on.

@@ -253,16 +253,17 @@ pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
     // The section of the configured mode; the others' non-zero values are warned about.
     let mode = cfg.mode.clone().unwrap_or_default();
     let (sync_section, masq_section) = match mode.as_str() {
-        "" | "iptables" => ("iptables", "iptables"),
+        // userspace: kube-proxy's userspace proxier read the iptables section too.
+        "" | "iptables" | "userspace" => ("iptables", "iptables"),
         "nftables" => ("nftables", "nftables"),
         "ipvs" => ("ipvs", "iptables"),
         other => {
             return err(format!(
-                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables)"
+                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables, userspace)"
             ))
         }
     };
-    if !matches!(mode.as_str(), "" | "nftables") {
+    if !matches!(mode.as_str(), "" | "nftables" | "userspace") {
         cfg.warnings.push(format!(
             "mode {mode:?}: nftkube always programs nf_tables; the {sync_section} section's settings are used"
         ));
@@ -515,6 +516,8 @@ pub struct Resolved {
     pub admin: AdminOptions,
     /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
     pub nodeport_cidrs: Vec<Cidr>,
+    /// `mode: userspace` / `--proxy-mode userspace`: services are relayed in user space.
+    pub userspace: bool,
     /// To log at startup.
     pub warnings: Vec<String>,
 }
@@ -563,7 +566,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
     let mut warnings = file.warnings.clone();
     if let Some(mode) = flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
         match mode {
-            "nftables" => {}
+            "nftables" | "userspace" => {}
             "iptables" | "ipvs" => warnings.push(format!(
                 "--proxy-mode {mode}: nftkube always programs nf_tables"
             )),
@@ -777,6 +780,10 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         min_sync_period,
         admin,
         nodeport_cidrs,
+        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+            Some(flag) => flag == "userspace",
+            None => file.mode.as_deref() == Some("userspace"),
+        },
         warnings,
     })
 }

@@ -15,12 +15,14 @@ mod socket;
 mod splice;
 mod tcp;
 mod udp;
+mod userspace;
 
 pub use balancer::Balancer;
 pub use frontends::localhost_nodeports;
 pub use localhost::{loopback_families, LocalhostNodePorts};
 pub use service::Stats;
 pub use tcp::DIAL_TIMEOUTS;
+pub use userspace::UserspaceProxy;
 
 use crate::model::Protocol;
 use service::{Limits, Service};
@@ -91,7 +93,8 @@ pub enum RelayError {
     },
 }
 
-type Key = (Protocol, SocketAddr);
+/// A listener is identified by its service, protocol and requested address (many ask for port 0).
+type Key = (String, Protocol, SocketAddr);
 
 struct Active {
     frontend: Frontend,
@@ -144,12 +147,10 @@ impl Relay {
     pub fn apply(&mut self, frontends: &[Frontend]) -> Vec<RelayError> {
         let wanted: BTreeMap<Key, &Frontend> = frontends
             .iter()
-            .map(|f| ((f.protocol, f.listen), f))
+            .map(|f| ((f.service.clone(), f.protocol, f.listen), f))
             .collect();
         self.active.retain(|key, a| {
-            let keep = wanted
-                .get(key)
-                .is_some_and(|f| f.service == a.frontend.service);
+            let keep = wanted.contains_key(key);
             if !keep {
                 a.service.update(Vec::new(), None);
                 a.task.abort();
@@ -232,8 +233,15 @@ impl Relay {
     }
 
     /// The address a frontend's listener is bound to (its port when it asked for port 0).
-    pub fn local_addr(&self, protocol: Protocol, listen: SocketAddr) -> Option<SocketAddr> {
-        self.active.get(&(protocol, listen)).map(|a| a.local)
+    pub fn local_addr(
+        &self,
+        service: &str,
+        protocol: Protocol,
+        listen: SocketAddr,
+    ) -> Option<SocketAddr> {
+        self.active
+            .get(&(service.to_owned(), protocol, listen))
+            .map(|a| a.local)
     }
 
     /// Listeners open.

@@ -7,6 +7,7 @@ mod common;
 mod desired;
 pub mod names;
 mod services;
+pub mod userspace;
 
 pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
 pub use desired::{Desired, DesiredSet};

@@ -921,6 +921,14 @@ fn all_exprs() -> Vec<Expr> {
         });
     }
     v.push(Expr::Masq { flags: 0 });
+    v.push(Expr::Redir {
+        reg_proto: Some(REG_1),
+        flags: NAT_F_PROTO_SPECIFIED,
+    });
+    v.push(Expr::Redir {
+        reg_proto: None,
+        flags: 0,
+    });
     v.push(Expr::Masq {
         flags: NAT_F_PROTO_RANDOM_FULLY,
     });
@@ -979,9 +987,10 @@ fn variant(e: &Expr) -> usize {
         // Decoded as a lookup of the kernel's name for the set, resolved when a table is read: see
         // `anonymous_sets_go_in_the_batch_before_their_rule`.
         Expr::LookupAnon { .. } => 17,
+        Expr::Redir { .. } => 18,
     }
 }
-const VARIANTS: usize = 18;
+const VARIANTS: usize = 19;
 
 #[test]
 fn anonymous_sets_go_in_the_batch_before_their_rule() {
