@@ -120,8 +120,10 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
-    /// Starts the runtime in the calling thread's network namespace.
+    /// Starts the runtime in the calling thread's network namespace. Raises the soft open-files limit to the
+    /// hard one (each relayed connection holds two descriptors; Go raises it so for kube-proxy too).
     pub fn start(opts: &RelayOptions) -> Result<Relay, RelayError> {
+        raise_nofile_limit();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(opts.worker_threads.max(1))
             .thread_name("relay")
@@ -261,6 +263,28 @@ impl Relay {
     /// Accept or dial attempts that found no file descriptor.
     pub fn fd_exhaustions(&self) -> u64 {
         self.limits.stats.fd_exhausted.load(Ordering::Relaxed)
+    }
+}
+
+fn raise_nofile_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the local struct passed, nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0
+            && lim.rlim_cur < lim.rlim_max
+            && libc::setrlimit(
+                libc::RLIMIT_NOFILE,
+                &libc::rlimit {
+                    rlim_cur: lim.rlim_max,
+                    rlim_max: lim.rlim_max,
+                },
+            ) != 0
+        {
+            tracing::debug!("raising the soft open-files limit failed");
+        }
     }
 }
 
