@@ -15,7 +15,7 @@
 //! memory per idle relayed connection (the proxy's RSS before and after 5000 connections held open).
 //!
 //! Run as root: `cargo bench --bench relay` (also run by `bash ci/bench`). `NFTKUBE_BENCH_RELAY_ROUNDS`
-//! (default 5) and `NFTKUBE_BENCH_RELAY_MB` (MB per bulk run, default 256) scale it.
+//! (default 9) and `NFTKUBE_BENCH_RELAY_MB` (MB per bulk run, default 256) scale it.
 
 use nftkube::netns::{unique_name, NetNs};
 use nftkube::sandbox::{self, Sandbox};
@@ -39,7 +39,7 @@ const DNAT_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 60);
 const HAPROXY_OFFSET: u16 = 1000;
 const IDLE_CONNECTIONS: usize = 5000;
 const PINGS: usize = 2000;
-const CONNECTIONS_PER_THREAD: usize = 500;
+const CONNECTIONS_PER_THREAD: usize = 1000;
 const T: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -88,7 +88,7 @@ fn main() {
         "the relay benchmark needs root"
     );
     raise_nofile_limit();
-    let rounds = env_usize("NFTKUBE_BENCH_RELAY_ROUNDS", 5);
+    let rounds = env_usize("NFTKUBE_BENCH_RELAY_ROUNDS", 9);
     let mb = env_usize("NFTKUBE_BENCH_RELAY_MB", 256);
     let sb = Sandbox::build(&unique_name("nkbench-relay"), 1).expect("sandbox");
     let idle_held = start_servers(sb.pod(1));
@@ -224,7 +224,7 @@ fn start_agent(node: &NetNs, dir: &Path) -> Child {
 
 fn start_haproxy(node: &NetNs, dir: &Path) -> Child {
     let mut cfg = String::from(
-        "global\n  maxconn 20000\n  nbthread 2\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n",
+        "global\n  maxconn 6000\n  nbthread 2\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n",
     );
     for p in [BULK, ECHO, ACCEPT, IDLE] {
         cfg += &format!(
