@@ -29,7 +29,6 @@ use service::{Limits, Service};
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -258,11 +257,6 @@ impl Relay {
 
     pub fn stats(&self) -> &Stats {
         &self.limits.stats
-    }
-
-    /// Accept or dial attempts that found no file descriptor.
-    pub fn fd_exhaustions(&self) -> u64 {
-        self.limits.stats.fd_exhausted.load(Ordering::Relaxed)
     }
 }
 

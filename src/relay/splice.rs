@@ -73,16 +73,10 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
     Ok(n as usize)
 }
 
-/// How one direction ended.
-#[derive(Debug, PartialEq, Eq)]
-pub enum End {
-    /// The reading side sent FIN: everything before it was delivered.
-    Eof,
-}
-
-/// Copies `from` → `to` until `from` reaches end of stream; then shuts down `to`'s sending side (half-close
-/// propagated). An error ends the direction (the caller tears the connection down).
-pub async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<End> {
+/// Copies `from` → `to` until `from` reaches end of stream (everything before its FIN delivered); then shuts
+/// down `to`'s sending side (half-close propagated). An error ends the direction (the caller tears the
+/// connection down).
+pub async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<()> {
     let mut spliceable = true;
     loop {
         from.readable().await?;
@@ -100,7 +94,7 @@ pub async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<End> {
         };
         if moved == Some(0) {
             shutdown_write(to);
-            return Ok(End::Eof);
+            return Ok(());
         }
     }
 }
