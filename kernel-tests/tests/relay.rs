@@ -416,8 +416,15 @@ fn endpoint_changes_keep_connections_to_remaining_endpoints_and_close_the_others
         &[tcp_frontend("default/lines", listen, eps(&[1, 2]))],
     );
     let dst = node_from_pod0(7006);
-    let mut lines: Vec<Line> = (0..4).map(|_| Line::open(sb.client(), dst)).collect();
-    let names: Vec<String> = lines.iter_mut().map(|l| l.ask().unwrap()).collect();
+    // One at a time: the relay picks an endpoint when it handles a connection, and connections accepted
+    // together may be handled in either order.
+    let mut lines = Vec::new();
+    let mut names = Vec::new();
+    for _ in 0..4 {
+        let mut l = Line::open(sb.client(), dst);
+        names.push(l.ask().unwrap());
+        lines.push(l);
+    }
     assert_eq!(names, ["pod1", "pod2", "pod1", "pod2"]);
     assert_eq!(relay.live_connections(), 4);
 
@@ -888,4 +895,50 @@ fn udp_flows_keep_their_endpoint_until_idle_unless_it_is_removed() {
         "{} flows still open after the idle timeout",
         relay.live_connections()
     );
+}
+
+#[test]
+fn the_connection_limit_holds_new_clients_in_the_backlog_until_one_closes() {
+    let sb = sandbox("nk-rlk", 1);
+    let _lines = line_server(&sb, 1, 9003);
+    let opts = RelayOptions {
+        max_connections: 2,
+        ..RelayOptions::default()
+    };
+    let mut relay = relay_in(sb.node(), opts);
+    apply(
+        &mut relay,
+        &[tcp_frontend(
+            "default/limited",
+            "0.0.0.0:7013".parse().unwrap(),
+            vec![backend(1, 9003)],
+        )],
+    );
+    let dst = node_from_pod0(7013);
+    let mut first = Line::open(sb.client(), dst);
+    let mut second = Line::open(sb.client(), dst);
+    assert_eq!(first.ask().unwrap(), "pod1");
+    assert_eq!(second.ask().unwrap(), "pod1");
+    // The third connects (the kernel's backlog completes the handshake) but is not relayed yet.
+    let mut third = Line::open(sb.client(), dst);
+    third
+        .s
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let waiting = third.ask();
+    assert!(
+        waiting.is_err(),
+        "a third connection was relayed over a limit of 2: {waiting:?}"
+    );
+    assert_eq!(relay.live_connections(), 2);
+    // One closes: the waiting one is accepted and its earlier line answered.
+    drop(first);
+    third.s.set_read_timeout(Some(T)).unwrap();
+    let mut buf = [0u8; 64];
+    let n = third
+        .s
+        .read(&mut buf)
+        .expect("the waiting connection relayed after a slot freed");
+    assert_eq!(String::from_utf8_lossy(&buf[..n]).trim(), "pod1");
+    assert_eq!(second.ask().unwrap(), "pod1");
 }

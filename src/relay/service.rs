@@ -43,6 +43,8 @@ pub struct Service {
     pub limits: Arc<Limits>,
     balancer: Mutex<Balancer>,
     live: Mutex<Live>,
+    /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
+    generation: AtomicU64,
 }
 
 /// Live connections (or UDP flows): id → (endpoint, a sender whose drop tells the connection to close).
@@ -82,6 +84,7 @@ impl Service {
             limits,
             balancer: Mutex::new(balancer),
             live: Mutex::new(Live::default()),
+            generation: AtomicU64::new(0),
         })
     }
 
@@ -101,6 +104,7 @@ impl Service {
             let mut b = lock(&self.balancer);
             b.set_affinity(affinity);
             b.set_endpoints(endpoints.clone());
+            self.generation.fetch_add(1, Ordering::Release);
         }
         let mut live = self.live();
         let before = live.by_id.len();
@@ -132,6 +136,25 @@ impl Service {
             id,
         };
         (reg, rx)
+    }
+
+    /// Whether `endpoint` is still one of the service's. `checked` is the generation the caller last saw it
+    /// valid at: while no update happened since, the answer needs no lock.
+    pub fn still_serves(&self, endpoint: SocketAddr, checked: &AtomicU64) -> bool {
+        let now = self.generation.load(Ordering::Acquire);
+        if checked.load(Ordering::Relaxed) == now {
+            return true;
+        }
+        let valid = lock(&self.balancer).endpoints().contains(&endpoint);
+        if valid {
+            checked.store(now, Ordering::Relaxed);
+        }
+        valid
+    }
+
+    /// The current generation (see [`Service::still_serves`]).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Connections and flows currently relayed.

@@ -28,6 +28,11 @@ pub fn fd_exhausted(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
+/// Out of kernel memory for sockets: as passing as a descriptor shortage, and handled alike.
+fn memory_short(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOBUFS | libc::ENOMEM))
+}
+
 /// Accepts connections until the task is aborted. At the connection limit it stops accepting (clients
 /// wait in the kernel's backlog); without file descriptors it backs off, logs, and tries again.
 pub async fn serve(listener: TcpListener, svc: Arc<Service>) {
@@ -46,10 +51,12 @@ pub async fn serve(listener: TcpListener, svc: Arc<Service>) {
                     drop(permit);
                 });
             }
-            Err(e) if fd_exhausted(&e) => {
-                Stats::bump(&svc.limits.stats.fd_exhausted);
+            Err(e) if fd_exhausted(&e) || memory_short(&e) => {
+                if fd_exhausted(&e) {
+                    Stats::bump(&svc.limits.stats.fd_exhausted);
+                }
                 if backoff == FD_BACKOFF_MIN {
-                    tracing::warn!(service = %svc.name, error = %e, "out of file descriptors accepting connections: backing off (up to 1 s between tries) until some close");
+                    tracing::warn!(service = %svc.name, error = %e, "out of file descriptors or socket memory accepting connections: backing off (up to 1 s between tries) until some close");
                 }
                 drop(permit);
                 tokio::time::sleep(backoff).await;

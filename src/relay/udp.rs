@@ -25,12 +25,20 @@ pub const MAX_DATAGRAM: usize = 65_536;
 
 struct Flow {
     upstream: UdpSocket,
+    endpoint: SocketAddr,
     /// Milliseconds since the listener's epoch at the last datagram either way.
     last_active_ms: AtomicU64,
+    /// The service generation at which `endpoint` was last known to be one of its endpoints.
+    checked: AtomicU64,
 }
 
-/// Flows of one listener by client address.
+/// Flows of one listener by client address. A flow leaves it only under its lock, after a last check (still
+/// idle, still the same flow), so a datagram never goes to a flow that is closing.
 type Flows = Arc<Mutex<HashMap<SocketAddr, Arc<Flow>>>>;
+
+fn lock(flows: &Flows) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<Flow>>> {
+    flows.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Relays datagrams until the task is aborted.
 pub async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: Duration) {
@@ -52,11 +60,7 @@ pub async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: Duratio
                     continue;
                 }
             };
-        let existing = flows
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&client)
-            .cloned();
+        let existing = live_flow(&flows, &svc, client, epoch);
         let flow = match existing {
             Some(f) => f,
             None => match open_flow(&svc, client, local, &listener, &flows, idle_timeout, epoch) {
@@ -64,13 +68,30 @@ pub async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: Duratio
                 None => continue, // no endpoint or no descriptor: the datagram is dropped, as the network may
             },
         };
-        flow.last_active_ms
-            .store(elapsed_ms(epoch), Ordering::Relaxed);
         // Straight to the socket: tokio's try_send would refuse until the new socket was first seen writable.
         if let Err(e) = send_from(flow.upstream.as_raw_fd(), &buf[..n], None, None) {
             tracing::debug!(service = %svc.name, %client, error = %e, "udp send to the endpoint failed; datagram dropped");
         }
     }
+}
+
+/// The client's flow, marked active, unless there is none or its endpoint left the service (then it is
+/// forgotten here, and its task ends on its own).
+fn live_flow(
+    flows: &Flows,
+    svc: &Service,
+    client: SocketAddr,
+    epoch: Instant,
+) -> Option<Arc<Flow>> {
+    let mut map = lock(flows);
+    let flow = map.get(&client)?;
+    if !svc.still_serves(flow.endpoint, &flow.checked) {
+        map.remove(&client);
+        return None;
+    }
+    flow.last_active_ms
+        .store(elapsed_ms(epoch), Ordering::Relaxed);
+    Some(flow.clone())
 }
 
 fn elapsed_ms(epoch: Instant) -> u64 {
@@ -91,6 +112,8 @@ fn open_flow(
         tracing::debug!(service = %svc.name, %client, "connection limit reached: udp datagram dropped");
         return None;
     };
+    // Read before the pick: an update between the two makes the flow check its endpoint again.
+    let generation = svc.generation();
     let endpoint = svc.pick(client.ip(), false)?;
     let upstream = match udp_connected(endpoint).and_then(UdpSocket::from_std) {
         Ok(s) => s,
@@ -106,32 +129,27 @@ fn open_flow(
     };
     let flow = Arc::new(Flow {
         upstream,
+        endpoint,
         last_active_ms: AtomicU64::new(elapsed_ms(epoch)),
+        checked: AtomicU64::new(generation),
     });
-    flows
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(client, flow.clone());
+    lock(flows).insert(client, flow.clone());
     let (registration, removed) = svc.register(endpoint);
     let replies = Replies {
         flow: flow.clone(),
+        flows: flows.clone(),
         listener: listener.clone(),
         client,
         local,
         idle_timeout,
         epoch,
     };
-    let flows = flows.clone();
     tokio::spawn(async move {
         let _hold: (Registration, OwnedSemaphorePermit) = (registration, permit);
         let carry = std::pin::pin!(replies.carry());
         if let Either::Right(_) = future::select(carry, removed).await {
             tracing::debug!(%client, %endpoint, "endpoint removed: udp flow closed");
         }
-        flows
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&client);
     });
     Some(flow)
 }
@@ -139,6 +157,7 @@ fn open_flow(
 /// Carries one flow's replies back to its client.
 struct Replies {
     flow: Arc<Flow>,
+    flows: Flows,
     listener: Arc<UdpSocket>,
     client: SocketAddr,
     local: Option<IpAddr>,
@@ -147,25 +166,51 @@ struct Replies {
 }
 
 impl Replies {
-    /// Returns when the flow has been idle (no datagram either way) for the idle timeout.
+    /// Returns when the flow has been idle (no datagram either way) for the idle timeout; it has then left
+    /// the flow table.
     async fn carry(self) {
         loop {
-            let idle_for = Duration::from_millis(
-                elapsed_ms(self.epoch)
-                    .saturating_sub(self.flow.last_active_ms.load(Ordering::Relaxed)),
-            );
-            let Some(left) = self
-                .idle_timeout
-                .checked_sub(idle_for)
-                .filter(|d| !d.is_zero())
-            else {
-                return;
+            let Some(left) = self.idle_left() else {
+                if self.leave_if_idle() {
+                    return;
+                }
+                continue;
             };
             match tokio::time::timeout(left, self.flow.upstream.readable()).await {
                 Err(_) => continue, // re-check: the client side may have been active meanwhile
                 Ok(Err(_)) => return,
                 Ok(Ok(())) => self.forward_one(),
             }
+        }
+    }
+
+    /// Time until the flow is idle, None once it is.
+    fn idle_left(&self) -> Option<Duration> {
+        let idle_for = Duration::from_millis(
+            elapsed_ms(self.epoch).saturating_sub(self.flow.last_active_ms.load(Ordering::Relaxed)),
+        );
+        self.idle_timeout
+            .checked_sub(idle_for)
+            .filter(|d| !d.is_zero())
+    }
+
+    /// Under the table's lock (where the listener marks flows active): removes the flow if it is still idle.
+    fn leave_if_idle(&self) -> bool {
+        let mut map = lock(&self.flows);
+        if self.idle_left().is_some() {
+            return false;
+        }
+        self.remove_from(&mut map);
+        true
+    }
+
+    /// Removes this flow from the table, unless the client already has another one.
+    fn remove_from(&self, map: &mut HashMap<SocketAddr, Arc<Flow>>) {
+        if map
+            .get(&self.client)
+            .is_some_and(|f| Arc::ptr_eq(f, &self.flow))
+        {
+            map.remove(&self.client);
         }
     }
 
@@ -202,5 +247,12 @@ impl Replies {
                 tracing::debug!(client = %self.client, error = %e, "udp receive from the endpoint failed")
             }
         }
+    }
+}
+
+impl Drop for Replies {
+    /// However the flow ends (idle, its endpoint removed, the listener closed), it leaves the table.
+    fn drop(&mut self) {
+        self.remove_from(&mut lock(&self.flows));
     }
 }
