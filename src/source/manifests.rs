@@ -346,42 +346,55 @@ impl ManifestSource {
                 return snap;
             }
         };
-        let mut texts = Vec::with_capacity(files.len());
-        for path in files {
+        // In batches of files, so that the texts held at once stay bounded whatever the directory holds.
+        let mut batch: Vec<(Arc<PathBuf>, String)> = Vec::new();
+        let mut batch_bytes = 0;
+        let mut files = files.into_iter().peekable();
+        while let Some(path) = files.next() {
             match read_text(&path) {
-                Ok(text) => texts.push((Arc::new(path), text)),
+                Ok(text) => {
+                    batch_bytes += text.len();
+                    batch.push((Arc::new(path), text));
+                }
                 Err(reason) => {
                     snap.tainted.insert(path.clone());
                     report(&mut snap, SourceError::of_file(path, reason));
                 }
             }
-        }
-        let documents: Vec<Document> = texts
-            .iter()
-            .flat_map(|(path, text)| documents_of(path, text))
-            .collect();
-        for part in parse_parallel(&documents) {
-            merge(&mut snap, part);
+            if batch_bytes >= READ_BATCH_BYTES || files.peek().is_none() {
+                let documents: Vec<Document> = batch
+                    .iter()
+                    .flat_map(|(path, text)| documents_of(path, text))
+                    .collect();
+                for part in parse_parallel(&documents) {
+                    merge(&mut snap, part);
+                }
+                batch.clear();
+                batch_bytes = 0;
+            }
         }
         snap
     }
 }
 
+/// File text read before it is parsed: the manifests in memory at once, apart from what they become.
+const READ_BATCH_BYTES: usize = 8 << 20;
+
 /// One document of a file, ready to parse.
 struct Document<'a> {
     path: &'a Arc<PathBuf>,
     index: usize,
-    text: std::borrow::Cow<'a, str>,
+    text: &'a str,
     json: bool,
 }
 
 /// A file's documents: a JSON file is one; a YAML stream is split at its markers (see `split_documents`).
 fn documents_of<'a>(path: &'a Arc<PathBuf>, text: &'a str) -> Vec<Document<'a>> {
     let json = path.extension().is_some_and(|e| e == "json");
-    let texts: Vec<std::borrow::Cow<'a, str>> = if json {
-        vec![text.into()]
+    let texts = if json {
+        vec![text]
     } else {
-        split_documents(text).into_iter().map(Into::into).collect()
+        split_documents(text)
     };
     texts
         .into_iter()
@@ -537,9 +550,9 @@ fn text_of(bytes: Result<&[u8], String>) -> Result<&str, String> {
 
 fn parse_document(d: &Document, snap: &mut Snapshot) {
     let parsed: Result<Value, String> = if d.json {
-        serde_json::from_str(&d.text).map_err(|e| format!("invalid JSON: {e}"))
+        serde_json::from_str(d.text).map_err(|e| format!("invalid JSON: {e}"))
     } else {
-        crate::yaml::parse_document(&d.text).map_err(|e| format!("invalid YAML: {e}"))
+        crate::yaml::parse_document(d.text).map_err(|e| format!("invalid YAML: {e}"))
     };
     let mut ctx = DocContext {
         path: d.path,
@@ -553,44 +566,40 @@ fn parse_document(d: &Document, snap: &mut Snapshot) {
 }
 
 /// Splits a YAML stream into its non-empty documents at `---` / `...` marker lines (which YAML forbids
-/// inside content, so this is exact) so that a syntax error in one document does not hide the others.
-fn split_documents(text: &str) -> Vec<String> {
+/// inside content, so this is exact) so that a syntax error in one document does not hide the others. The
+/// documents are slices of `text` (what follows a `---` on its line belongs to the next document): nothing is
+/// copied.
+fn split_documents(text: &str) -> Vec<&str> {
     fn is_marker(line: &str, marker: &str) -> bool {
         line.strip_prefix(marker)
             .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t']))
     }
+    /// Nothing for us: blank lines, comments, and directives (`%YAML`, `%TAG`, which precede a `---`).
     fn is_blank(doc: &str) -> bool {
         doc.lines().all(|l| {
             let t = l.trim();
-            t.is_empty() || t.starts_with('#')
+            t.is_empty() || t.starts_with('#') || l.starts_with('%')
         })
     }
-    let mut docs = Vec::new();
-    let mut current = String::new();
-    for line in text.lines() {
-        if is_marker(line, "---") {
-            let prev = std::mem::take(&mut current);
-            if !is_blank(&prev) {
-                docs.push(prev);
-            }
-            current.push_str(&line[3..]);
-            current.push('\n');
-        } else if is_marker(line, "...") {
-            let prev = std::mem::take(&mut current);
-            if !is_blank(&prev) {
-                docs.push(prev);
-            }
-        } else if line.starts_with('%') && is_blank(&current) {
-            // A directive (%YAML, %TAG) before a document: nothing for us.
-        } else {
-            current.push_str(line);
-            current.push('\n');
+    let mut bounds = Vec::new();
+    let (mut start, mut pos) = (0, 0);
+    for line in text.split_inclusive('\n') {
+        let content = line.trim_end_matches(['\n', '\r']);
+        if is_marker(content, "---") {
+            bounds.push(start..pos);
+            start = pos + 3;
+        } else if is_marker(content, "...") {
+            bounds.push(start..pos);
+            start = pos + line.len();
         }
+        pos += line.len();
     }
-    if !is_blank(&current) {
-        docs.push(current);
-    }
-    docs
+    bounds.push(start..text.len());
+    bounds
+        .into_iter()
+        .map(|r| &text[r])
+        .filter(|doc| !is_blank(doc))
+        .collect()
 }
 
 struct DocContext<'a> {
