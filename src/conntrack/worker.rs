@@ -167,6 +167,7 @@ impl CleanupQueue {
             .name("conntrack-cleanup".into())
             .spawn(move || {
                 let _done = done_tx; // dropped when this thread ends, however it ends
+                yield_to_the_proxy_loop();
                 work(walker, &s, &failed_tx);
             })?;
         Ok(CleanupQueue {
@@ -364,6 +365,25 @@ impl Drop for CleanupQueue {
             self.shared.lock().closing = true;
             self.shared.wake.notify_all();
         }
+    }
+}
+
+/// Walks are background work: on a busy node the proxy loop's commits get the CPU first. Lowers this
+/// thread's own nice value (Linux applies it per thread); the kernel's dump and delete work runs in its
+/// system calls, so that counts too. A failure changes nothing but the scheduling, and is logged.
+fn yield_to_the_proxy_loop() {
+    const NICE: libc::c_int = 10;
+    // SAFETY: gettid has no preconditions; setpriority with PRIO_PROCESS and a thread id changes the nice
+    // value of that thread only, and reads no memory of ours.
+    let r = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, NICE)
+    };
+    if r != 0 {
+        tracing::debug!(
+            "conntrack cleanup: cannot lower the worker's priority: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
