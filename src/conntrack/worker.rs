@@ -217,9 +217,10 @@ impl CleanupQueue {
         let mut targets = self.planner.take_targets(changes, state);
         self.refresh_running(changes, state);
         let mut first_commit = self.commits;
-        if let Some((waiting, first)) = self.take_waiting_clean() {
+        if let Some((mut waiting, first)) = self.take_waiting_clean() {
             // Not started yet: it runs once, with this commit's targets, judged against this state.
-            targets.merge(waiting);
+            waiting.merge(targets);
+            targets = waiting;
             first_commit = first;
         }
         if targets.is_empty() {
