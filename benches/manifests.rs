@@ -6,6 +6,10 @@
 //! `ROUNDS` runs, so a noisy neighbour hurts every shape alike. Rejecting input must cost time linear in its
 //! size: a ratio stays flat as the size grows (a quadratic shape would grow tenfold per step).
 //!
+//! A second table compares the YAML parsers on ordinary documents: serde-saphyr with our budget (the
+//! parser in use, `nftkube::yaml`) against serde_yaml 0.9 (deprecated upstream, the parser before it), each
+//! document parsed into a JSON value as the source does.
+//!
 //! `cargo bench --bench manifests -- [SIZES_IN_KB]` (default 100,1000). No root needed.
 
 use nftkube::source::manifests::parse_file;
@@ -99,6 +103,43 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// Parses every document of `docs` with `parse`: the median time over `ROUNDS`, interleaved by the caller.
+fn time_docs(docs: &[&str], parse: impl Fn(&str) -> bool) -> Duration {
+    let start = Instant::now();
+    for d in docs {
+        assert!(parse(d), "an ordinary document failed to parse");
+    }
+    start.elapsed()
+}
+
+/// Ordinary documents through both parsers, interleaved, medians.
+fn compare_parsers(size: usize) {
+    let text = fill(size, ordinary_pair);
+    let docs: Vec<&str> = text
+        .split("---\n")
+        .filter(|d| !d.trim().is_empty())
+        .collect();
+    let (mut ours, mut former) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        ours.push(time_docs(&docs, |d| {
+            nftkube::yaml::parse_document(d).is_ok()
+        }));
+        former.push(time_docs(&docs, |d| {
+            serde_yaml::from_str::<serde_json::Value>(d).is_ok()
+        }));
+    }
+    let (ours, former) = (median(ours), median(former));
+    println!(
+        "{:<30} {:>8}K {:>9.2}ms {:>7.2}x   ({} documents; serde_yaml 0.9: {:.2}ms)",
+        "serde-saphyr vs serde_yaml",
+        text.len() / 1000,
+        ours.as_secs_f64() * 1e3,
+        ours.as_secs_f64() / former.as_secs_f64(),
+        docs.len(),
+        former.as_secs_f64() * 1e3
+    );
+}
+
 fn main() {
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
@@ -135,5 +176,6 @@ fn main() {
                 errors[i]
             );
         }
+        compare_parsers(size);
     }
 }

@@ -61,7 +61,7 @@ fn ask(sb: &Sandbox, sport: u16, dst: SocketAddr) -> usize {
     parse_answer(&a).unwrap().0
 }
 
-/// Completed syncs that applied some change (their cleanups may end later: see [`wait_gone`]).
+/// Completed syncs that applied some change.
 fn change_syncs(agent: &Agent) -> usize {
     agent
         .log()
@@ -70,7 +70,40 @@ fn change_syncs(agent: &Agent) -> usize {
         .count()
 }
 
-/// Waits for the next sync that applies a change (after `before` of them). `before` must be counted after
+/// The position among all completed syncs (1-based: the commit number the cleanup worker logs) of the
+/// `n`-th sync that applied a change.
+fn commit_of_change_sync(log: &str, n: usize) -> Option<u64> {
+    let syncs = log.lines().filter(|l| l.contains("sync complete"));
+    let mut changes = 0;
+    for (i, l) in syncs.enumerate() {
+        if !l.contains("changed_services=0") {
+            changes += 1;
+            if changes == n {
+                return Some(i as u64 + 1);
+            }
+        }
+    }
+    None
+}
+
+/// The highest commit number a finished conntrack walk covered (its `last_commit`).
+fn cleaned_through(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("conntrack cleanup") || l.contains("never DNATed"))
+        .filter_map(|l| {
+            l.split("last_commit=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Waits for the next sync that applies a change (after `before` of them), then for the conntrack walk that
+/// follows its commit: the walk runs beside the loop, after the sync's line. `before` must be counted after
 /// [`wait_programmed`]: until the initial sync's line is out, a count taken now would be 0 and that line would
 /// pass for the change.
 fn wait_change_sync(agent: &Agent, before: usize) {
@@ -80,26 +113,13 @@ fn wait_change_sync(agent: &Agent, before: usize) {
     );
     wait_until(SYNC, || change_syncs(agent) > before)
         .unwrap_or_else(|_| panic!("no sync applied the change; log:\n{}", agent.log()));
-}
-
-/// Waits until the client's flow from `sport` has no entry: the cleanup after a commit may run beside the
-/// proxy loop, after its "sync complete" line.
-fn wait_gone(sb: &Sandbox, agent: &Agent, sport: u16, what: &str) {
-    wait_until(SYNC, || udp_flow(sb, sport).is_none())
-        .unwrap_or_else(|_| panic!("{what}; log:\n{}", agent.log()));
-}
-
-/// Waits until the agent logged a conntrack cleanup line that `want` accepts (the cleanup may log after the
-/// sync it follows); all such lines.
-fn wait_cleanup_line(agent: &Agent, want: impl Fn(&str) -> bool) -> Vec<String> {
-    wait_until(SYNC, || cleanup_lines(agent).iter().any(|l| want(l))).unwrap_or_else(|_| {
+    let commit = commit_of_change_sync(&agent.log(), before + 1).expect("just seen");
+    wait_until(SYNC, || cleaned_through(&agent.log()) >= commit).unwrap_or_else(|_| {
         panic!(
-            "no such conntrack cleanup line: {:#?}\n{}",
-            cleanup_lines(agent),
+            "no conntrack walk followed commit {commit}; log:\n{}",
             agent.log()
         )
     });
-    cleanup_lines(agent)
 }
 
 /// The lines the agent logged about conntrack cleanups.
@@ -114,10 +134,8 @@ fn cleanup_lines(agent: &Agent) -> Vec<String> {
 
 /// Waits until the agent's initial sync is complete and TCP to echo answers.
 ///
-/// The rules answer traffic as soon as the initial sync commits, but its "sync complete" line comes only after
-/// its conntrack cleanup, which may take seconds: every dump walks the kernel's conntrack hash table, which is
-/// shared by all namespaces (another test's 100k entries included). A test that counted change syncs before
-/// that line would take the initial sync for its change and look at the table before the change's cleanup ran.
+/// The rules answer traffic as soon as the initial sync commits, before its "sync complete" line: a test that
+/// counted change syncs before that line would take the initial sync for its change.
 fn wait_programmed(sb: &Sandbox, agent: &Agent) {
     agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {
@@ -208,11 +226,10 @@ fn endpoint_appearing_clears_black_holes_within_one_sync() {
     );
     wait_change_sync(&agent, before);
     // Before any new datagram: the black-hole entry is gone.
-    wait_gone(
-        &sb,
-        &agent,
-        sport_b,
-        "the black-hole entry survived the sync",
+    assert_eq!(
+        udp_flow(&sb, sport_b),
+        None,
+        "the black-hole entry survived the sync"
     );
     // No retry: the first datagram after that one sync is answered.
     assert_eq!(ask(&sb, sport_a, addr(EMPTY_V4, 81)), 1);
@@ -224,7 +241,7 @@ fn endpoint_appearing_clears_black_holes_within_one_sync() {
     let b = flow(&entries, IPPROTO_UDP, client_ip(), sport_b).unwrap();
     assert_eq!(reply_src(&b), pod_udp(2), "{b:?}");
     assert_ne!(b.reply, hole.reply);
-    let lines = wait_cleanup_line(&agent, |l| l.contains("deleted=1"));
+    let lines = cleanup_lines(&agent);
     println!("{}", lines.join("\n"));
     let log = agent.log();
     let probe_line = log
@@ -232,6 +249,11 @@ fn endpoint_appearing_clears_black_holes_within_one_sync() {
         .find(|l| l.contains("conntrack: kernel features probed"))
         .unwrap_or_else(|| panic!("no probe line:\n{log}"));
     println!("{probe_line}");
+    assert!(
+        lines.iter().any(|l| l.contains("deleted=1")),
+        "{lines:#?}\n{}",
+        agent.log()
+    );
 }
 
 /// Test 2: an endpoint is removed while the client keeps its port → after one sync its next datagram reaches
@@ -263,7 +285,6 @@ fn removed_endpoint_moves_the_flow_to_a_survivor_within_one_sync() {
     );
     wait_change_sync(&agent, before);
     // Before any new datagram: the stale entry is gone, the one on a survivor is untouched.
-    wait_gone(&sb, &agent, sport, "stale entry survived");
     let entries = node_entries(&sb);
     assert_eq!(
         flow(&entries, IPPROTO_UDP, client_ip(), sport),
@@ -357,8 +378,6 @@ fn deleted_service_takes_its_udp_entries_with_it() {
         .collect();
     m.write("services.yaml", &kept.join("\n---"));
     wait_change_sync(&agent, before);
-    // The walk deletes the three flows in one go; its line says so once they are all gone.
-    let lines = wait_cleanup_line(&agent, |l| l.contains("deleted=3"));
 
     let entries = node_entries(&sb);
     let left: Vec<&Entry> = entries
@@ -386,7 +405,9 @@ fn deleted_service_takes_its_udp_entries_with_it() {
     )
     .is_err());
     assert_eq!(ask(&sb, 43010, addr(ECHO_V6, 53)), v6_pod);
+    let lines = cleanup_lines(&agent);
     println!("{}", lines.join("\n"));
+    assert!(lines.iter().any(|l| l.contains("deleted=3")), "{lines:#?}");
 }
 
 /// Test 5: TCP flows, unrelated UDP flows and healthy UDP flows survive endpoint changes and agent restarts;
@@ -454,12 +475,10 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     let on_l = udp_flow(&sb, l_port).unwrap();
     assert_eq!(reply_src(&on_l), pod_udp(l));
 
-    // Restart with nothing changed: nothing is deleted. (At debug level, a cleanup that deletes nothing logs
-    // its line too: the test waits for it, as the cleanup may end after the sync it follows.)
+    // Restart with nothing changed: nothing is deleted.
     assert!(agent.stop());
-    agent = Agent::start(sb.node(), &m.dir, &["--log-level", "debug"]);
+    agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    wait_cleanup_line(&agent, |_| true);
     let after = node_entries(&sb);
     assert_eq!(ids(&after, &is_unrelated), unrelated);
     assert!(tcp
@@ -473,10 +492,7 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     // nothing stale.
     let lines = cleanup_lines(&agent);
     println!("{}", lines.join("\n"));
-    assert!(
-        !lines.is_empty() && lines.iter().all(|l| l.contains("deleted=0")),
-        "{lines:#?}"
-    );
+    assert!(lines.iter().all(|l| l.contains("deleted=0")), "{lines:#?}");
 
     // Pod L stops serving while the agent is down: the restart deletes the UDP flow to L and nothing else.
     assert!(agent.stop());
@@ -487,7 +503,6 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     );
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    let lines = wait_cleanup_line(&agent, |l| l.contains("deleted=1"));
     let after = node_entries(&sb);
     assert_eq!(
         flow(&after, IPPROTO_UDP, client_ip(), l_port).map(|e| e.id),
@@ -508,7 +523,9 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     );
     assert_eq!(ask(&sb, healthy_port, addr(ECHO_V4, 53)), k);
     assert_ne!(ask(&sb, l_port, addr(ECHO_V4, 53)), l);
+    let lines = cleanup_lines(&agent);
     println!("{}", lines.join("\n"));
+    assert!(lines.iter().any(|l| l.contains("deleted=1")), "{lines:#?}");
 }
 
 /// The library against the kernel: create, dump, exact delete, the probe, and the `conntrack` tool as oracle.

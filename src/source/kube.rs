@@ -514,7 +514,12 @@ impl KubeSource {
     /// Builds the client (reads the kubeconfig or the in-cluster service account; a configuration error
     /// is returned here) and starts watching. Does not wait for the API to answer.
     pub fn start(opts: KubeOptions) -> anyhow::Result<KubeSource> {
-        let (tx, rx) = mpsc::channel();
+        KubeSource::start_notifying(opts, std::sync::Arc::new(|| {}))
+    }
+
+    /// [`KubeSource::start`], calling `notify` after each batch it queues.
+    pub fn start_notifying(opts: KubeOptions, notify: super::Notify) -> anyhow::Result<KubeSource> {
+        let (tx, rx) = super::Outbox::channel(notify);
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -662,7 +667,7 @@ impl Connections {
 type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
 
 /// Runs the three watchers until the receiver goes away.
-async fn run(connections: Connections, node_name: String, tx: mpsc::Sender<Vec<Event>>) {
+async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
     let Connections {
         services,
         slices,
