@@ -2,25 +2,25 @@
 //! thread's network namespace. NodePorts are served on these (kube-proxy's `--nodeport-addresses`).
 
 use crate::model::Cidr;
-use crate::netlink::attr::Attrs;
-use crate::netlink::{align4, MsgBuilder, NlSocket, NLM_F_DUMP, NLM_F_REQUEST};
+use crate::netlink::route::{attributes, RouteSocket, RTM_NEWADDR, RTM_NEWROUTE};
+use netlink_packet_core::{DecodeError, Parseable, ParseableParametrized};
+use netlink_packet_route::address::{
+    AddressAttribute, AddressHeader, AddressMessage, AddressScope,
+};
+use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteLwEnCapType, RouteMessage};
+use netlink_packet_route::RouteNetlinkMessage;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
-const RTM_NEWADDR: u16 = 20;
-const RTM_GETADDR: u16 = 22;
-const RTM_NEWROUTE: u16 = 24;
-const RTM_GETROUTE: u16 = 26;
+// The attributes a node read decodes (linux/if_addr.h, rtnetlink.h); see `netlink::route` for why not all.
 const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const RTA_OIF: u16 = 4;
 const RTA_MULTIPATH: u16 = 9;
 const RTA_TABLE: u16 = 15;
-const RT_TABLE_MAIN: u32 = 254;
-const RT_SCOPE_HOST: u8 = 254;
-const RT_SCOPE_LINK: u8 = 253;
+/// `struct ifaddrmsg` and `struct rtmsg`, before the attributes.
+const IFADDRMSG_LEN: usize = 8;
 const RTMSG_LEN: usize = 12;
-const RTNH_LEN: usize = 8;
 
 /// One address configured on one of the node's links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,23 +29,31 @@ pub struct NodeAddress {
     pub ip: IpAddr,
 }
 
-fn parse_ip(b: &[u8]) -> Option<IpAddr> {
-    match b.len() {
-        4 => Some(IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3]))),
-        16 => Some(IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(b).ok()?))),
-        _ => None,
-    }
+/// The answers of a dump: (message type, payload).
+fn dump(what: &str, request: RouteNetlinkMessage) -> io::Result<Vec<(u16, Vec<u8>)>> {
+    RouteSocket::open()?
+        .dump(what, request)
+        .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))
 }
 
-fn dump(msg: u16, family: u8, header_len: usize) -> io::Result<Vec<(u16, Vec<u8>)>> {
-    let mut sock = NlSocket::open(libc::NETLINK_ROUTE)?;
-    let seq = sock.reserve_seq(1);
-    let mut m = MsgBuilder::new(msg, NLM_F_REQUEST | NLM_F_DUMP, seq);
-    let mut header = vec![0u8; header_len];
-    header[0] = family;
-    m.raw(&header);
-    sock.dump(&m.finish()?)
-        .map_err(|e| io::Error::other(format!("rtnetlink dump: {e}")))
+/// Decodes what `f` makes of each answer; one that does not decode is skipped with a warning rather than
+/// failing the whole read: one exotic route or address must not freeze the NodePort addresses at their
+/// last value.
+fn decode_each<T>(
+    what: &str,
+    answers: &[(u16, Vec<u8>)],
+    f: impl Fn(u16, &[u8]) -> Result<Option<T>, DecodeError>,
+) -> Vec<T> {
+    answers
+        .iter()
+        .filter_map(|(t, p)| match f(*t, p) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(what, "skipping an answer that does not decode: {e}");
+                None
+            }
+        })
+        .collect()
 }
 
 /// One read of the node: its addresses and the links its default routes leave through.
@@ -74,106 +82,84 @@ pub fn read() -> Result<NodeView, ReadError> {
 
 /// Global-scope addresses of every link (no loopback, no link-local).
 pub fn addresses() -> io::Result<Vec<NodeAddress>> {
-    // struct ifaddrmsg { family, prefixlen, flags, scope, index: u32 }
-    let mut out = Vec::new();
-    for (t, p) in dump(RTM_GETADDR, libc::AF_UNSPEC as u8, 8)? {
-        if t != RTM_NEWADDR || p.len() < 8 {
-            continue;
+    let request = RouteNetlinkMessage::GetAddress(AddressMessage::default());
+    Ok(global_addresses(&dump("dumping addresses", request)?))
+}
+
+/// The global-scope, non-loopback addresses among an address dump's answers.
+fn global_addresses(answers: &[(u16, Vec<u8>)]) -> Vec<NodeAddress> {
+    decode_each("reading addresses", answers, |t, p| {
+        if t != RTM_NEWADDR {
+            return Ok(None);
         }
-        let scope = p[3];
-        let ifindex = u32::from_ne_bytes(p[4..8].try_into().unwrap());
-        if scope == RT_SCOPE_HOST || scope == RT_SCOPE_LINK {
-            continue;
+        let header = AddressHeader::parse(p)?;
+        if matches!(header.scope, AddressScope::Host | AddressScope::Link) {
+            return Ok(None);
         }
-        let attrs = Attrs(&p[8..]);
-        let ip = attrs
-            .get(IFA_LOCAL)
-            .or_else(|| attrs.get(IFA_ADDRESS))
-            .and_then(|a| parse_ip(a.payload));
-        if let Some(ip) = ip.filter(|ip| !ip.is_loopback()) {
-            out.push(NodeAddress { ifindex, ip });
+        // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on point-to-point links. Only the one
+        // used is decoded.
+        let (mut local, mut address) = (None, None);
+        for nla in attributes(p, IFADDRMSG_LEN, &[IFA_LOCAL, IFA_ADDRESS]) {
+            let nla = nla?;
+            match nla.kind() {
+                IFA_LOCAL => local = Some(nla),
+                _ => address = Some(nla),
+            }
         }
-    }
-    Ok(out)
+        let ip = match local.or(address) {
+            Some(nla) => match AddressAttribute::parse(&nla)? {
+                AddressAttribute::Local(ip) | AddressAttribute::Address(ip) => Some(ip),
+                _ => None,
+            },
+            None => None,
+        };
+        Ok(ip.filter(|ip| !ip.is_loopback()).map(|ip| NodeAddress {
+            ifindex: header.index,
+            ip,
+        }))
+    })
 }
 
 /// Links that carry a default route in the main table: the node's primary interfaces.
 pub fn default_route_links() -> io::Result<Vec<u32>> {
-    Ok(links_of_default_routes(&dump(
-        RTM_GETROUTE,
-        libc::AF_UNSPEC as u8,
-        RTMSG_LEN,
-    )?))
+    let request = RouteNetlinkMessage::GetRoute(RouteMessage::default());
+    Ok(links_of_default_routes(&dump("dumping routes", request)?))
 }
 
-/// The links the default routes of the main table leave through, each once, from a route dump's messages.
-fn links_of_default_routes(msgs: &[(u16, Vec<u8>)]) -> Vec<u32> {
-    let mut out = Vec::new();
-    for (t, p) in msgs {
-        let Some(route) = (*t == RTM_NEWROUTE).then(|| Route::parse(p)).flatten() else {
-            continue;
-        };
-        if route.dst_len != 0 || route.table() != RT_TABLE_MAIN {
-            continue;
+/// The links the default routes of the main table leave through, each once, from a route dump's answers.
+fn links_of_default_routes(answers: &[(u16, Vec<u8>)]) -> Vec<u32> {
+    let per_route = decode_each("reading routes", answers, |t, p| {
+        if t != RTM_NEWROUTE {
+            return Ok(None);
         }
-        for link in route.links() {
-            if !out.contains(&link) {
-                out.push(link);
+        let header = RouteHeader::parse(p)?;
+        if header.destination_prefix_length != 0 {
+            return Ok(None);
+        }
+        // rtm_table has only 8 bits, so RTA_TABLE overrides it when present.
+        let mut table = header.table as u32;
+        let mut links = Vec::new();
+        let param = (header.address_family, header.kind, RouteLwEnCapType::None);
+        for nla in attributes(p, RTMSG_LEN, &[RTA_TABLE, RTA_OIF, RTA_MULTIPATH]) {
+            match RouteAttribute::parse_with_param(&nla?, param)? {
+                RouteAttribute::Table(t) => table = t,
+                // A single next hop; a route with several (ECMP) lists them in RTA_MULTIPATH instead. A next
+                // hop the kernel marks dead or link-down still counts: its link is an uplink all the same,
+                // and NodePorts should not come and go with a cable's carrier.
+                RouteAttribute::Oif(i) => links.push(i),
+                RouteAttribute::MultiPath(hops) => {
+                    links.extend(hops.iter().map(|h| h.interface_index))
+                }
+                _ => {}
             }
         }
-    }
-    out
-}
-
-/// One route of a dump: the `struct rtmsg` fields we use and its attributes.
-struct Route<'a> {
-    dst_len: u8,
-    /// `rtm_table`: only 8 bits, so RTA_TABLE overrides it when present.
-    header_table: u8,
-    attrs: Attrs<'a>,
-}
-
-impl<'a> Route<'a> {
-    // struct rtmsg { family, dst_len, src_len, tos, table, protocol, scope, type, flags: u32 }
-    fn parse(p: &'a [u8]) -> Option<Route<'a>> {
-        Some(Route {
-            dst_len: *p.get(1)?,
-            header_table: *p.get(4)?,
-            attrs: Attrs(p.get(RTMSG_LEN..)?),
-        })
-    }
-
-    fn table(&self) -> u32 {
-        self.attrs
-            .get(RTA_TABLE)
-            .and_then(|a| a.u32_ne())
-            .unwrap_or(self.header_table as u32)
-    }
-
-    /// RTA_OIF for a single next hop; a route with several (ECMP) has none and lists them in RTA_MULTIPATH.
-    fn links(&self) -> Vec<u32> {
-        let oif = self.attrs.get(RTA_OIF).and_then(|a| a.u32_ne());
-        let hops = self.attrs.get(RTA_MULTIPATH).map(|a| a.payload);
-        oif.into_iter()
-            .chain(hops.into_iter().flat_map(next_hop_links))
-            .collect()
-    }
-}
-
-/// The `rtnh_ifindex` of each `struct rtnexthop { len: u16, flags: u8, hops: u8, ifindex: i32 }` in an
-/// RTA_MULTIPATH payload; each is followed by its own attributes (gateway...) within `len`, padded to 4.
-/// A next hop the kernel marks dead or link-down still counts: its link is an uplink all the same, and
-/// NodePorts should not come and go with a cable's carrier.
-fn next_hop_links(mut payload: &[u8]) -> Vec<u32> {
+        Ok((table == RouteHeader::RT_TABLE_MAIN as u32).then_some(links))
+    });
     let mut out = Vec::new();
-    while payload.len() >= RTNH_LEN {
-        let len = u16::from_ne_bytes([payload[0], payload[1]]) as usize;
-        if len < RTNH_LEN || len > payload.len() {
-            // Malformed: keep what was whole rather than guess where the next one starts.
-            break;
+    for link in per_route.into_iter().flatten() {
+        if !out.contains(&link) {
+            out.push(link);
         }
-        out.push(u32::from_ne_bytes(payload[4..8].try_into().unwrap()));
-        payload = &payload[align4(len).min(payload.len())..];
     }
     out
 }
@@ -224,6 +210,10 @@ pub fn resolve_nodeport_addresses(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{align4, MsgBuilder};
+
+    const RT_TABLE_MAIN: u8 = 254;
+    const RTNH_LEN: usize = 8;
 
     fn a(ifindex: u32, ip: &str) -> NodeAddress {
         NodeAddress {
@@ -232,18 +222,28 @@ mod tests {
         }
     }
 
-    /// A route message as a dump returns it (type, payload): `struct rtmsg` then the attributes `f` writes.
+    /// A message as a dump returns it (type, payload): the fixed header `header`, then the attributes `f`
+    /// writes. Built byte by byte, independently of netlink-packet-route, whose parsers then decode it.
+    fn raw(msg_type: u16, header: &[u8], f: impl FnOnce(&mut MsgBuilder)) -> (u16, Vec<u8>) {
+        let mut m = MsgBuilder::new(msg_type, 0, 0);
+        m.raw(header);
+        f(&mut m);
+        let bytes = m.finish().unwrap();
+        (msg_type, bytes[16..].to_vec())
+    }
+
+    /// `struct rtmsg` (family, dst_len, src_len, tos, table, protocol boot, scope, type unicast, flags).
     fn route(
         family: u8,
         dst_len: u8,
         table: u8,
         f: impl FnOnce(&mut MsgBuilder),
     ) -> (u16, Vec<u8>) {
-        let mut m = MsgBuilder::new(RTM_NEWROUTE, 0, 0);
-        m.raw(&[family, dst_len, 0, 0, table, 3, 0, 1, 0, 0, 0, 0]);
-        f(&mut m);
-        let bytes = m.finish().unwrap();
-        (RTM_NEWROUTE, bytes[16..].to_vec())
+        raw(
+            RTM_NEWROUTE,
+            &[family, dst_len, 0, 0, table, 3, 0, 1, 0, 0, 0, 0],
+            f,
+        )
     }
 
     /// One `struct rtnexthop` with its RTA_GATEWAY, as in an RTA_MULTIPATH payload.
@@ -264,6 +264,35 @@ mod tests {
     const V4: u8 = libc::AF_INET as u8;
     const V6: u8 = libc::AF_INET6 as u8;
 
+    /// The two dump requests, against bytes written field by field: `ip address show` and `ip route show
+    /// table all` (AF_UNSPEC, an all-zero `struct ifaddrmsg` / `struct rtmsg`).
+    #[test]
+    fn dump_requests_are_what_ip_sends() {
+        use crate::netlink::route::encode;
+        use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
+        let flags = NLM_F_REQUEST | NLM_F_DUMP;
+        for (request, msg_type, header_len) in [
+            (
+                RouteNetlinkMessage::GetAddress(AddressMessage::default()),
+                22,
+                8,
+            ),
+            (
+                RouteNetlinkMessage::GetRoute(RouteMessage::default()),
+                26,
+                12,
+            ),
+        ] {
+            let mut want = MsgBuilder::new(msg_type, flags, 9);
+            want.raw(&vec![0u8; header_len]);
+            assert_eq!(
+                encode(request, flags, 9),
+                want.finish().unwrap(),
+                "{msg_type}"
+            );
+        }
+    }
+
     #[test]
     fn multipath_default_routes_make_every_next_hop_link_primary() {
         let v4_hops = [
@@ -280,12 +309,12 @@ mod tests {
         };
         let v6_hops = [next_hop(7, &gw6(1)), next_hop(9, &gw6(2))].concat();
         let msgs = [
-            route(V4, 0, RT_TABLE_MAIN as u8, |m| {
-                m.attr_u32(RTA_TABLE, RT_TABLE_MAIN);
+            route(V4, 0, RT_TABLE_MAIN, |m| {
+                m.attr_u32(RTA_TABLE, RT_TABLE_MAIN as u32);
                 m.attr(RTA_MULTIPATH, &v4_hops);
             }),
-            route(V6, 0, RT_TABLE_MAIN as u8, |m| {
-                m.attr_u32(RTA_TABLE, RT_TABLE_MAIN);
+            route(V6, 0, RT_TABLE_MAIN, |m| {
+                m.attr_u32(RTA_TABLE, RT_TABLE_MAIN as u32);
                 m.attr(RTA_MULTIPATH, &v6_hops);
             }),
         ];
@@ -296,11 +325,11 @@ mod tests {
     fn only_default_routes_of_the_main_table_count() {
         let msgs = [
             // A single-path default route: RTA_OIF.
-            route(V4, 0, RT_TABLE_MAIN as u8, |m| {
+            route(V4, 0, RT_TABLE_MAIN, |m| {
                 m.attr_u32(RTA_OIF, 3);
             }),
             // Not a default route.
-            route(V4, 24, RT_TABLE_MAIN as u8, |m| {
+            route(V4, 24, RT_TABLE_MAIN, |m| {
                 m.attr_u32(RTA_OIF, 4);
             }),
             // Another table, said by RTA_TABLE (rtm_table says RT_TABLE_COMPAT for tables above 255).
@@ -309,24 +338,82 @@ mod tests {
                 m.attr(RTA_MULTIPATH, &next_hop(5, &[10, 0, 0, 1]));
             }),
             // Not a route message.
-            (RTM_NEWADDR, vec![V4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+            raw(RTM_NEWADDR, &[V4, 24, 0, 0, 6, 0, 0, 0], |m| {
+                m.attr(IFA_LOCAL, &[10, 0, 0, 1]);
+            }),
         ];
         assert_eq!(links_of_default_routes(&msgs), vec![3]);
     }
 
     #[test]
-    fn malformed_next_hops_end_the_list_without_a_panic() {
+    fn undecodable_routes_are_skipped_and_the_others_still_count() {
         let whole = next_hop(2, &[192, 168, 200, 2]);
-        // A length beyond the payload, a length shorter than the header, a truncated header.
+        // A next hop whose length runs beyond the payload, one shorter than its own header.
         let mut too_long = next_hop(3, &[192, 168, 201, 2]);
         too_long[0..2].copy_from_slice(&200u16.to_ne_bytes());
         let mut too_short = next_hop(3, &[192, 168, 201, 2]);
         too_short[0..2].copy_from_slice(&4u16.to_ne_bytes());
         for tail in [too_long, too_short, vec![16, 0, 0, 0]] {
-            assert_eq!(next_hop_links(&[whole.clone(), tail].concat()), vec![2]);
+            let hops = [whole.clone(), tail].concat();
+            let msgs = [
+                route(V4, 0, RT_TABLE_MAIN, |m| {
+                    m.attr(RTA_MULTIPATH, &hops);
+                }),
+                route(V6, 0, RT_TABLE_MAIN, |m| {
+                    m.attr_u32(RTA_OIF, 9);
+                }),
+                // A truncated rtmsg.
+                (RTM_NEWROUTE, vec![V4, 0, 0]),
+            ];
+            assert_eq!(links_of_default_routes(&msgs), vec![9]);
         }
-        // A truncated rtmsg is skipped.
-        assert!(links_of_default_routes(&[(RTM_NEWROUTE, vec![V4, 0, 0])]).is_empty());
+    }
+
+    #[test]
+    fn addresses_are_global_and_not_loopback() {
+        let addr = |family, scope, index: u32, f: &dyn Fn(&mut MsgBuilder)| {
+            let mut header = vec![family, 24, 0, scope];
+            header.extend_from_slice(&index.to_ne_bytes());
+            raw(RTM_NEWADDR, &header, f)
+        };
+        let msgs = [
+            addr(V4, 0, 2, &|m| {
+                m.attr(IFA_LOCAL, &[192, 168, 200, 1]);
+                m.attr(IFA_ADDRESS, &[192, 168, 200, 1]);
+            }),
+            // Point to point: IFA_LOCAL is ours, IFA_ADDRESS the peer's.
+            addr(V4, 0, 4, &|m| {
+                m.attr(IFA_LOCAL, &[10, 9, 0, 1]);
+                m.attr(IFA_ADDRESS, &[10, 9, 0, 2]);
+            }),
+            // IPv6 carries IFA_ADDRESS only.
+            addr(V6, 0, 2, &|m| {
+                m.attr(
+                    IFA_ADDRESS,
+                    &"fd00:200::1"
+                        .parse::<std::net::Ipv6Addr>()
+                        .unwrap()
+                        .octets(),
+                );
+            }),
+            // Link-local and host scope, loopback.
+            addr(V6, 253, 2, &|m| {
+                m.attr(
+                    IFA_ADDRESS,
+                    &"fe80::1".parse::<std::net::Ipv6Addr>().unwrap().octets(),
+                );
+            }),
+            addr(V4, 254, 1, &|m| {
+                m.attr(IFA_LOCAL, &[127, 0, 0, 1]);
+            }),
+            addr(V4, 0, 1, &|m| {
+                m.attr(IFA_LOCAL, &[127, 0, 0, 2]);
+            }),
+        ];
+        assert_eq!(
+            global_addresses(&msgs),
+            vec![a(2, "192.168.200.1"), a(4, "10.9.0.1"), a(2, "fd00:200::1")]
+        );
     }
 
     #[test]

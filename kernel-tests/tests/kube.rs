@@ -121,10 +121,13 @@ fn get_in(ns: &NetNs, to: SocketAddr, path: &str) -> std::io::Result<Reply> {
     ns.run(move || get(to, &path, T))?
 }
 
-/// Prometheus text → sample name (with labels) → value; panics on a malformed line.
+/// OpenMetrics text → sample name (with labels) → value; panics on a malformed line or a missing `# EOF`.
 fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    for line in text.lines() {
+    let body = text
+        .strip_suffix("# EOF\n")
+        .unwrap_or_else(|| panic!("no `# EOF` at the end:\n{text}"));
+    for line in body.lines() {
         if line.starts_with('#') || line.is_empty() {
             assert!(
                 line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE "),

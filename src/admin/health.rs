@@ -12,18 +12,47 @@
 //! node first; `/livez` ignores the node (a liveness probe must not restart a healthy proxy on a draining
 //! node).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 
 use super::http::Response;
 use crate::metrics;
 
-/// Answers given, by endpoint and code (exported as kubeproxy_proxy_{healthz,livez}_total{code}).
-pub static HEALTHZ_200: AtomicU64 = AtomicU64::new(0);
-pub static HEALTHZ_503: AtomicU64 = AtomicU64::new(0);
-pub static LIVEZ_200: AtomicU64 = AtomicU64::new(0);
-pub static LIVEZ_503: AtomicU64 = AtomicU64::new(0);
+/// An answer's label set: its status code.
+type Code = [(&'static str, &'static str); 1];
+
+/// Answers given, by code (kubeproxy_proxy_healthz_total{code}, kubeproxy_proxy_livez_total{code}).
+pub static HEALTHZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
+pub static LIVEZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
+
+fn code(healthy: bool) -> Code {
+    [("code", if healthy { "200" } else { "503" })]
+}
+
+/// Registers the answer counters, both codes present from the start (as kube-proxy shows them).
+pub fn register_metrics(registry: &mut Registry) {
+    for (name, help, family) in [
+        (
+            "kubeproxy_proxy_healthz",
+            "Answers of /healthz, by code",
+            &HEALTHZ_ANSWERS,
+        ),
+        (
+            "kubeproxy_proxy_livez",
+            "Answers of /livez, by code",
+            &LIVEZ_ANSWERS,
+        ),
+    ] {
+        for healthy in [true, false] {
+            let _ = family.get_or_create(&code(healthy));
+        }
+        registry.register(name, help, (**family).clone());
+    }
+}
 
 #[derive(Debug)]
 struct State {
@@ -63,7 +92,7 @@ impl ProxyHealth {
     /// A sync was requested (kube-proxy's `QueuedUpdate`); the oldest pending request counts.
     pub fn queued(&self) {
         self.queued_at(Instant::now());
-        metrics::LAST_QUEUED_UNIX_MS.store(metrics::now_unix_ms(), Ordering::Relaxed);
+        metrics::LAST_QUEUED.mark();
     }
 
     pub fn queued_at(&self, now: Instant) {
@@ -122,16 +151,14 @@ impl ProxyHealth {
     pub fn healthz(&self) -> Response {
         let eligible = self.node_eligible();
         let healthy = self.is_healthy() && eligible;
-        let counter = if healthy { &HEALTHZ_200 } else { &HEALTHZ_503 };
-        counter.fetch_add(1, Ordering::Relaxed);
+        HEALTHZ_ANSWERS.get_or_create(&code(healthy)).inc();
         json(healthy, self.body(healthy, Some(eligible)))
     }
 
     /// The `/livez` answer: the proxier's health only.
     pub fn livez(&self) -> Response {
         let healthy = self.is_healthy();
-        let counter = if healthy { &LIVEZ_200 } else { &LIVEZ_503 };
-        counter.fetch_add(1, Ordering::Relaxed);
+        LIVEZ_ANSWERS.get_or_create(&code(healthy)).inc();
         json(healthy, self.body(healthy, None))
     }
 }

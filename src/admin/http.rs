@@ -1,24 +1,56 @@
-//! A deliberately small HTTP/1.1 server for the admin endpoints: GET (and HEAD) of a path, one request per
-//! connection (`Connection: close`), bounded request size and time.
+//! The admin endpoints' HTTP/1 server, on hyper: GET (and HEAD) of a path answered from memory by a
+//! [`Handler`], with a connection limit and timeouts.
 //!
-//! Why not hyper's server: the endpoints are four fixed GETs answered from memory, probes and Prometheus
-//! handle `Connection: close` fine, and a hand-written request reader (about a hundred lines, tested
-//! below) costs no extra features or crates, where hyper's server side would add its `server` and
-//! `http1` features plus hyper-util's server glue to the build. It runs on the admin thread's tokio
-//! runtime, so thousands of healthCheckNodePort listeners cost tasks, not threads.
+//! hyper parses requests (a malformed one is answered 400, a head larger than [`MAX_HEAD`] 431) and keeps
+//! connections alive unless the client says `Connection: close`. Bounds, per server:
+//! - at most [`Limits::connections`] connections at once; further ones wait in the listen backlog until one
+//!   ends (probes and scrapes are few; a flood of idle connections cannot take file descriptors without end);
+//! - [`Limits::header_read`]: from the moment the server waits for a request head (a new connection, or a
+//!   kept-alive one after its last answer) the whole head must arrive within it, else the connection is
+//!   closed. This is also the idle timeout of kept-alive connections;
+//! - [`Limits::lifetime`]: no connection lives longer, whatever it does (a client that never reads its
+//!   answer).
+//!
+//! It runs on the admin thread's tokio runtime, so thousands of healthCheckNodePort listeners cost tasks,
+//! not threads.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
-/// Longest request head accepted.
-const MAX_HEAD: usize = 8192;
-/// A connection that has not sent its request head and read the answer by then is dropped.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest request head accepted (hyper's read buffer limit; above it the answer is 431).
+pub const MAX_HEAD: usize = 8192;
 
-/// A parsed request line.
+/// How long and how many connections a server accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections served at once.
+    pub connections: usize,
+    /// Time for a whole request head, counted from when the server starts waiting for it (idle included).
+    pub header_read: Duration,
+    /// Longest life of a connection.
+    pub lifetime: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            connections: 64,
+            header_read: Duration::from_secs(10),
+            lifetime: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A request as handlers see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub method: String,
@@ -54,111 +86,81 @@ impl Response {
         self
     }
 
-    fn reason(&self) -> &'static str {
-        match self.status {
-            200 => "OK",
-            400 => "Bad Request",
-            404 => "Not Found",
-            405 => "Method Not Allowed",
-            431 => "Request Header Fields Too Large",
-            503 => "Service Unavailable",
-            _ => "Unknown",
-        }
-    }
-
-    /// The bytes on the wire; HEAD gets the headers only.
-    pub fn encode(&self, head_only: bool) -> Vec<u8> {
-        let mut out = format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-            self.status,
-            self.reason(),
-            self.content_type,
-            self.body.len()
-        );
+    /// The hyper response (hyper adds Content-Length, and leaves the body out for HEAD).
+    fn into_hyper(self) -> hyper::Response<Full<Bytes>> {
+        let mut builder = hyper::Response::builder()
+            .status(self.status)
+            .header(hyper::header::CONTENT_TYPE, self.content_type);
         for (name, value) in &self.headers {
-            out.push_str(name);
-            out.push_str(": ");
-            out.push_str(value);
-            out.push_str("\r\n");
+            builder = builder.header(*name, value.as_str());
         }
-        out.push_str("\r\n");
-        let mut bytes = out.into_bytes();
-        if !head_only {
-            bytes.extend_from_slice(self.body.as_bytes());
-        }
-        bytes
+        builder
+            .body(Full::new(Bytes::from(self.body)))
+            .unwrap_or_else(|e| {
+                // Only a handler's invalid header value can get here: say so rather than panic.
+                tracing::error!("admin handler built an invalid response: {e}");
+                let mut r =
+                    hyper::Response::new(Full::new(Bytes::from_static(b"internal error\n")));
+                *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
+                r
+            })
     }
 }
 
 /// What answers requests.
 pub type Handler = Arc<dyn Fn(&Request) -> Response + Send + Sync>;
 
-/// Parses a request head (everything up to the blank line). Err: the response to send instead.
-pub fn parse_head(head: &[u8]) -> Result<Request, Response> {
-    let text = std::str::from_utf8(head).map_err(|_| Response::text(400, "bad request\n"))?;
-    let line = text.lines().next().unwrap_or("");
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(Response::text(400, "bad request line\n"));
-    };
-    if !version.starts_with("HTTP/1.") || method.is_empty() || !target.starts_with('/') {
-        return Err(Response::text(400, "bad request line\n"));
+/// Answers one request: GET and HEAD go to the handler, other methods get 405.
+fn answer(req: &hyper::Request<Incoming>, handler: &Handler) -> Response {
+    let method = req.method();
+    if method != hyper::Method::GET && method != hyper::Method::HEAD {
+        return Response::text(405, "method not allowed\n").header("Allow", "GET, HEAD");
     }
-    let path = target.split(['?', '#']).next().unwrap_or("/").to_string();
-    Ok(Request {
-        method: method.to_string(),
-        path,
+    handler(&Request {
+        method: method.as_str().to_string(),
+        path: req.uri().path().to_string(),
     })
 }
 
-/// Reads one request from `stream`, answers it with `handler`, closes.
-pub async fn handle_connection(mut stream: TcpStream, handler: Handler) {
-    let work = async {
-        let mut buf = Vec::with_capacity(512);
-        let mut chunk = [0u8; 1024];
-        let head_end = loop {
-            if let Some(i) = find_head_end(&buf) {
-                break i;
-            }
-            if buf.len() > MAX_HEAD {
-                let r = Response::text(431, "request head too large\n");
-                let _ = stream.write_all(&r.encode(false)).await;
-                return;
-            }
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let (response, head_only) = match parse_head(&buf[..head_end]) {
-            Ok(req) => match req.method.as_str() {
-                "GET" => (handler(&req), false),
-                "HEAD" => (handler(&req), true),
-                _ => (
-                    Response::text(405, "method not allowed\n").header("Allow", "GET, HEAD"),
-                    false,
-                ),
-            },
-            Err(r) => (r, false),
-        };
-        let _ = stream.write_all(&response.encode(head_only)).await;
-        let _ = stream.shutdown().await;
-    };
-    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, work).await;
+/// Serves one connection until it closes, a timeout ends it, or its lifetime is over.
+pub async fn handle_connection(stream: TcpStream, handler: Handler, limits: Limits) {
+    let service = service_fn(move |req: hyper::Request<Incoming>| {
+        let response = answer(&req, &handler).into_hyper();
+        async move { Ok::<_, Infallible>(response) }
+    });
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read)
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(TokioIo::new(stream), service);
+    match tokio::time::timeout(limits.lifetime, connection).await {
+        Ok(Ok(())) => {}
+        // Clients that go away, send junk or time out: nothing to do about them but close.
+        Ok(Err(e)) => tracing::debug!("admin connection ended: {e}"),
+        Err(_) => tracing::debug!("admin connection closed at the end of its lifetime"),
+    }
 }
 
-fn find_head_end(buf: &[u8]) -> Option<usize> {
-    buf.windows(4).position(|w| w == b"\r\n\r\n")
-}
-
-/// Accepts connections forever, each answered on a task of its own.
+/// Accepts connections forever, each served on a task of its own, at most `limits.connections` at once.
 pub async fn serve(listener: TcpListener, handler: Handler) {
+    serve_with(listener, handler, Limits::default()).await
+}
+
+/// [`serve`] with other limits.
+pub async fn serve_with(listener: TcpListener, handler: Handler, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.connections.max(1)));
     loop {
+        // Wait for a free slot before accepting: the kernel's backlog holds the others meanwhile.
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return; // never closed
+        };
         match listener.accept().await {
             Ok((stream, _)) => {
-                tokio::spawn(handle_connection(stream, handler.clone()));
+                let handler = handler.clone();
+                tokio::spawn(async move {
+                    handle_connection(stream, handler, limits).await;
+                    drop(slot);
+                });
             }
             Err(e) => {
                 // Out of file descriptors and the like: do not spin.
@@ -203,46 +205,13 @@ pub fn get(addr: std::net::SocketAddr, path: &str, timeout: Duration) -> std::io
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::SocketAddr;
+    use std::time::Instant;
 
-    #[test]
-    fn request_lines() {
-        assert_eq!(
-            parse_head(b"GET /healthz?verbose=1 HTTP/1.1\r\nHost: x").unwrap(),
-            Request {
-                method: "GET".into(),
-                path: "/healthz".into()
-            }
-        );
-        assert_eq!(parse_head(b"GET / HTTP/1.0").unwrap().path, "/");
-        for bad in [
-            &b"GET /x"[..],
-            b"GET x HTTP/1.1",
-            b"GET /x HTTP/2 extra",
-            b"GET /x SPDY/3",
-            b"\xff\xfe",
-        ] {
-            assert_eq!(parse_head(bad).unwrap_err().status, 400, "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn encoding() {
-        let r = Response::text(503, "no\n").header("X-A", "1");
-        let wire = String::from_utf8(r.encode(false)).unwrap();
-        assert!(
-            wire.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
-            "{wire}"
-        );
-        assert!(wire.contains("Content-Length: 3\r\n"), "{wire}");
-        assert!(wire.contains("X-A: 1\r\n"), "{wire}");
-        assert!(wire.ends_with("\r\n\r\nno\n"), "{wire}");
-        let head = String::from_utf8(r.encode(true)).unwrap();
-        assert!(head.ends_with("\r\n\r\n"), "{head}");
-    }
-
-    /// A real server on 127.0.0.1 (an ephemeral port) in this process: requests, a slow client, junk.
-    #[test]
-    fn serves_over_loopback() {
+    /// A real server on 127.0.0.1 (an ephemeral port) in this process, on a thread of its own that ends
+    /// after `life`.
+    fn start(limits: Limits, life: Duration) -> SocketAddr {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -252,40 +221,138 @@ mod tests {
         std_listener.set_nonblocking(true).unwrap();
         let handler: Handler = Arc::new(|req: &Request| {
             if req.path == "/hello" {
-                Response::text(200, "hi\n")
+                Response::text(200, "hi\n").header("X-Seen-Method", req.method.clone())
             } else {
                 Response::text(404, "not found\n")
             }
         });
-        let server = std::thread::spawn(move || {
+        std::thread::spawn(move || {
             rt.block_on(async move {
                 let listener = TcpListener::from_std(std_listener).unwrap();
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(20), serve(listener, handler)).await;
+                let _ = tokio::time::timeout(life, serve_with(listener, handler, limits)).await;
             })
         });
+        addr
+    }
+
+    /// Sends `raw` on a fresh connection and reads until the server closes it.
+    fn exchange(addr: SocketAddr, raw: &[u8]) -> String {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(raw).unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[test]
+    fn serves_over_loopback() {
+        let addr = start(Limits::default(), Duration::from_secs(20));
         let t = Duration::from_secs(5);
-        let (status, headers, body) = get(addr, "/hello", t).unwrap();
+        let (status, headers, body) = get(addr, "/hello?verbose=1", t).unwrap();
         assert_eq!((status, body.as_str()), (200, "hi\n"));
         assert!(headers.contains(&("connection".into(), "close".into())));
+        assert!(headers.contains(&("content-length".into(), "3".into())));
+        assert!(headers.contains(&("x-seen-method".into(), "GET".into())));
         assert_eq!(get(addr, "/nope", t).unwrap().0, 404);
         // A client that connects and says nothing does not block others.
         let idle = std::net::TcpStream::connect(addr).unwrap();
         assert_eq!(get(addr, "/hello", t).unwrap().0, 200);
         drop(idle);
-        // Other methods are refused; junk is a 400.
-        use std::io::{Read, Write};
+        // Other methods are refused; junk is a 400; a head too large a 431.
+        let huge = format!(
+            "GET /hello HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(MAX_HEAD * 2)
+        );
         for (req, want) in [
-            ("POST /hello HTTP/1.1\r\n\r\n", "405"),
+            ("POST /hello HTTP/1.1\r\nConnection: close\r\n\r\n", "405"),
             ("garbage\r\n\r\n", "400"),
+            (huge.as_str(), "431"),
         ] {
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            s.set_read_timeout(Some(t)).unwrap();
-            s.write_all(req.as_bytes()).unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).unwrap();
-            assert!(out.starts_with(&format!("HTTP/1.1 {want}")), "{out}");
+            let out = exchange(addr, req.as_bytes());
+            assert!(
+                out.starts_with(&format!("HTTP/1.1 {want}")),
+                "{want}: {out}"
+            );
         }
-        drop(server); // the thread ends with its timeout; not joined, to keep the test fast
+        // HEAD: the headers of GET, no body.
+        let out = exchange(addr, b"HEAD /hello HTTP/1.1\r\nConnection: close\r\n\r\n");
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        assert!(
+            out.to_ascii_lowercase().contains("x-seen-method: head"),
+            "{out}"
+        );
+        assert!(out.ends_with("\r\n\r\n"), "no body after HEAD: {out:?}");
+    }
+
+    #[test]
+    fn keeps_alive_and_closes_idle_and_silent_connections() {
+        let limits = Limits {
+            header_read: Duration::from_millis(300),
+            ..Limits::default()
+        };
+        let addr = start(limits, Duration::from_secs(20));
+        // Two requests on one connection, then silence: closed once the header timeout has passed.
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /hello HTTP/1.1\r\n\r\nGET /nope HTTP/1.1\r\n\r\n")
+            .unwrap();
+        let t = Instant::now();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).unwrap();
+        let out = String::from_utf8_lossy(&out);
+        assert_eq!(out.matches("HTTP/1.1 ").count(), 2, "{out}");
+        assert!(out.contains("HTTP/1.1 404"), "{out}");
+        let idle = t.elapsed();
+        assert!(
+            idle >= Duration::from_millis(250) && idle < Duration::from_secs(3),
+            "idle connection closed after {idle:?}"
+        );
+        // A connection that never completes its head: closed too.
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /hello HTTP/1.1\r\nX-Slow: ").unwrap();
+        let t = Instant::now();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "slow head cut after {:?}",
+            t.elapsed()
+        );
+        assert!(!String::from_utf8_lossy(&out).contains("200 OK"));
+    }
+
+    #[test]
+    fn connections_beyond_the_limit_wait_for_a_free_slot() {
+        let limits = Limits {
+            connections: 2,
+            header_read: Duration::from_millis(500),
+            lifetime: Duration::from_secs(60),
+        };
+        let addr = start(limits, Duration::from_secs(20));
+        // Two silent connections take both slots (connect, then give the server time to accept them).
+        let held: Vec<_> = (0..2)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        let (status, _, _) = get(addr, "/hello", Duration::from_secs(5)).unwrap();
+        let waited = t.elapsed();
+        assert_eq!(status, 200);
+        // Answered only once the header timeout freed a slot.
+        assert!(
+            waited >= Duration::from_millis(300),
+            "a third connection was served at once ({waited:?}): no limit"
+        );
+        drop(held);
+        // With the slots free again, answers are immediate.
+        let t = Instant::now();
+        assert_eq!(get(addr, "/hello", Duration::from_secs(5)).unwrap().0, 200);
+        assert!(
+            t.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
     }
 }

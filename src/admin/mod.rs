@@ -11,12 +11,16 @@ pub mod health;
 pub mod http;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use crate::conntrack;
@@ -72,12 +76,9 @@ impl Admin {
             "/livez" => h.livez(),
             _ => Response::text(404, "404 page not found\n"),
         });
+        let registry = metrics_registry(conntrack);
         let metrics_handler: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
-            "/metrics" => Response::new(
-                200,
-                "text/plain; version=0.0.4; charset=utf-8",
-                render_metrics(&conntrack),
-            ),
+            "/metrics" => Response::new(200, metrics::CONTENT_TYPE, render_metrics(&registry)),
             "/healthz" => Response::text(200, "ok"),
             "/proxyMode" => Response::text(200, "nftables"),
             _ => Response::text(404, "404 page not found\n"),
@@ -189,86 +190,85 @@ async fn serve_or_retry(
 }
 
 /// Everything `/metrics` shows: the proxy's metrics, health answers, conntrack cleanup, API watch errors.
-pub fn render_metrics(ct: &conntrack::Metrics) -> String {
-    let mut out = metrics::render_prometheus();
-    let _ = writeln!(
-        out,
-        "# HELP kubeproxy_proxy_healthz_total Answers of /healthz, by code.\n# TYPE kubeproxy_proxy_healthz_total counter"
-    );
-    for (code, c) in [("200", &health::HEALTHZ_200), ("503", &health::HEALTHZ_503)] {
-        let _ = writeln!(
-            out,
-            "kubeproxy_proxy_healthz_total{{code=\"{code}\"}} {}",
-            c.load(Ordering::Relaxed)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP kubeproxy_proxy_livez_total Answers of /livez, by code.\n# TYPE kubeproxy_proxy_livez_total counter"
-    );
-    for (code, c) in [("200", &health::LIVEZ_200), ("503", &health::LIVEZ_503)] {
-        let _ = writeln!(
-            out,
-            "kubeproxy_proxy_livez_total{{code=\"{code}\"}} {}",
-            c.load(Ordering::Relaxed)
-        );
-    }
-    let s = ct.snapshot();
-    for (name, help, kind, v) in [
-        (
-            "kubeproxy_conntrack_reconciler_deleted_entries_total",
-            "Stale conntrack entries deleted after syncs.",
-            "counter",
-            s.entries_deleted as f64,
-        ),
-        (
-            "nftkube_conntrack_cleanups_total",
-            "Conntrack cleanups run after syncs.",
-            "counter",
-            s.cleanups as f64,
-        ),
-        (
-            "nftkube_conntrack_cleanup_failures_total",
-            "Conntrack cleanups that failed.",
-            "counter",
-            s.cleanup_failures as f64,
-        ),
-        (
-            "nftkube_conntrack_entries_scanned_total",
-            "Conntrack entries dumped and examined.",
-            "counter",
-            s.entries_scanned as f64,
-        ),
-        (
-            "nftkube_conntrack_delete_errors_total",
-            "Conntrack deletes that failed for another reason than the entry being gone.",
-            "counter",
-            s.delete_errors as f64,
-        ),
-        (
-            "nftkube_conntrack_cleanup_duration_seconds_total",
-            "Time spent in conntrack cleanups.",
-            "counter",
-            s.duration_us_total as f64 / 1e6,
-        ),
-    ] {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP nftkube_api_watch_errors_total Kubernetes API list/watch errors, by resource.\n# TYPE nftkube_api_watch_errors_total counter"
-    );
-    for (i, kind) in ["Service", "EndpointSlice", "Node"].iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "nftkube_api_watch_errors_total{{resource=\"{kind}\"}} {}",
-            crate::source::kube::WATCH_ERRORS[i].load(Ordering::Relaxed)
-        );
-    }
+pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
+    let mut registry = metrics::registry();
+    health::register_metrics(&mut registry);
+    registry.register_collector(Box::new(Counts { ct }));
+    registry
+}
+
+/// The exposition of `registry` (OpenMetrics text).
+pub fn render_metrics(registry: &Registry) -> String {
+    let mut out = String::new();
+    metrics::encode_into(&mut out, registry);
+    metrics::finish(&mut out);
     out
+}
+
+/// Counts other parts keep as plain atomics (conntrack cleanups, API watch errors), read at each scrape.
+#[derive(Debug)]
+struct Counts {
+    ct: Arc<conntrack::Metrics>,
+}
+
+impl Collector for Counts {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let s = self.ct.snapshot();
+        // prometheus-client appends `_total` to counter names.
+        for (name, help, v) in [
+            (
+                "kubeproxy_conntrack_reconciler_deleted_entries",
+                "Stale conntrack entries deleted after syncs",
+                s.entries_deleted,
+            ),
+            (
+                "nftkube_conntrack_cleanups",
+                "Conntrack cleanups run after syncs",
+                s.cleanups,
+            ),
+            (
+                "nftkube_conntrack_cleanup_failures",
+                "Conntrack cleanups that failed",
+                s.cleanup_failures,
+            ),
+            (
+                "nftkube_conntrack_entries_scanned",
+                "Conntrack entries dumped and examined",
+                s.entries_scanned,
+            ),
+            (
+                "nftkube_conntrack_delete_errors",
+                "Conntrack deletes that failed for another reason than the entry being gone",
+                s.delete_errors,
+            ),
+        ] {
+            let counter = ConstCounter::new(v);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        let seconds = ConstCounter::new(s.duration_us_total as f64 / 1e6);
+        seconds.encode(encoder.encode_descriptor(
+            "nftkube_conntrack_cleanup_duration_seconds",
+            "Time spent in conntrack cleanups",
+            None,
+            seconds.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "nftkube_api_watch_errors",
+            "Kubernetes API list/watch errors, by resource",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, kind) in ["Service", "EndpointSlice", "Node"].iter().enumerate() {
+            let errors = crate::source::kube::WATCH_ERRORS[i].load(Ordering::Relaxed);
+            ConstCounter::new(errors).encode(family.encode_family(&[("resource", *kind)])?)?;
+        }
+        Ok(())
+    }
 }
 
 /// Trigger times kept while waiting for a successful sync.
@@ -427,8 +427,7 @@ mod tests {
 
     #[test]
     fn metrics_page_has_kube_proxy_and_nftkube_names() {
-        let ct = conntrack::Metrics::default();
-        let text = render_metrics(&ct);
+        let text = render_metrics(&metrics_registry(Arc::default()));
         for name in [
             "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
             "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
@@ -443,12 +442,31 @@ mod tests {
             "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
             "kubeproxy_conntrack_reconciler_deleted_entries_total",
             "kubeproxy_proxy_healthz_total{code=\"200\"}",
+            "kubeproxy_proxy_healthz_total{code=\"503\"}",
+            "kubeproxy_proxy_livez_total{code=\"200\"}",
+            "kubeproxy_proxy_livez_total{code=\"503\"}",
+            "nftkube_conntrack_cleanups_total",
+            "nftkube_conntrack_cleanup_failures_total",
+            "nftkube_conntrack_entries_scanned_total",
+            "nftkube_conntrack_delete_errors_total",
+            "nftkube_conntrack_cleanup_duration_seconds_total",
+            "nftkube_sync_netlink_bytes_total",
+            "nftkube_service_ports",
+            "nftkube_pending_service_changes",
             "nftkube_repairs_total",
             "nftkube_sync_object_changes_total",
             "nftkube_api_watch_errors_total{resource=\"Service\"}",
+            "nftkube_api_watch_errors_total{resource=\"EndpointSlice\"}",
+            "nftkube_api_watch_errors_total{resource=\"Node\"}",
         ] {
-            assert!(text.contains(name), "{name} missing:\n{text}");
+            assert!(
+                text.lines().any(|l| l
+                    .strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with([' ', '{']))),
+                "{name} missing:\n{text}"
+            );
         }
+        assert!(text.ends_with("# EOF\n"), "{text}");
         // Every sample line parses as `name{labels} value`.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (_, v) = line.rsplit_once(' ').unwrap();
@@ -476,7 +494,16 @@ mod tests {
             ..NodeInfo::default()
         }));
         assert!(!health.node_eligible());
-        let count = metrics::NETWORK_PROGRAMMING.count();
+        let programmed = || {
+            let text = render_metrics(&metrics::registry());
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix("kubeproxy_network_programming_duration_seconds_count ")
+                })
+                .map(|v| v.parse::<u64>().unwrap())
+                .unwrap()
+        };
+        let count = programmed();
         let report = SyncReport {
             full: true,
             changes: 3,
@@ -487,7 +514,7 @@ mod tests {
             elapsed: Duration::from_millis(1),
         };
         o.sync_succeeded(&report, &BTreeSet::new(), &ClusterState::new());
-        assert!(metrics::NETWORK_PROGRAMMING.count() > count);
+        assert!(programmed() > count);
         assert!(o.triggers.is_empty());
     }
 }

@@ -4,6 +4,7 @@
 pub mod attr;
 pub mod error;
 pub mod exchange;
+pub mod route;
 pub mod socket;
 #[cfg(test)]
 mod tests;
