@@ -7,7 +7,7 @@ pub mod wake;
 
 pub use wake::{Doorbell, Inbox, StopHandle, Wake};
 
-use run::ProxyLoop;
+use run::{ProxyLoop, Relays};
 
 use crate::admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
 use crate::config::{DetectLocal, Resolved, SourceSpec};
@@ -52,6 +52,10 @@ pub struct ProxyOptions {
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
     /// at the first cleanup).
     pub conntrack_features: Option<crate::conntrack::Features>,
+    /// The userspace relay (localhost NodePorts, userspace mode).
+    pub relay: crate::relay::RelayOptions,
+    /// `--proxy-mode userspace`: services relayed in user space, nf_tables only redirects to the relay.
+    pub userspace: bool,
 }
 
 impl ProxyOptions {
@@ -68,6 +72,8 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
+            relay: Default::default(),
+            userspace: false,
         }
     }
 
@@ -90,6 +96,8 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
+            relay: Default::default(),
+            userspace: r.userspace,
         }
     }
 }
@@ -140,6 +148,13 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     engine.set_max_transaction_elements(opts.max_transaction_elements);
     // Stopped and joined when dropped, whichever way this function returns.
     let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
+    // NodePorts on loopback, when asked for, through the relay (after each sync).
+    let localhost = crate::relay::LocalhostNodePorts::start(&opts.nodeport_cidrs, &opts.relay)?;
+    // Userspace mode: the relay serves the services, nf_tables only redirects to it.
+    let userspace = match opts.userspace {
+        true => Some(crate::relay::UserspaceProxy::start(&opts.relay)?),
+        false => None,
+    };
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
     let mut cleaner = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
@@ -160,6 +175,10 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     let observer = Observer::new(health, admin, opts.render.node_name.clone());
     let drift = monitor.drift.clone();
     let mut proxy = ProxyLoop::new(opts, source, engine, conntrack, observer, drift);
+    proxy.relay = Relays {
+        localhost,
+        userspace,
+    };
     let result = proxy.run(&inbox);
     proxy.finish();
     drop(monitor);

@@ -253,16 +253,17 @@ pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
     // The section of the configured mode; the others' non-zero values are warned about.
     let mode = cfg.mode.clone().unwrap_or_default();
     let (sync_section, masq_section) = match mode.as_str() {
-        "" | "iptables" => ("iptables", "iptables"),
+        // userspace: kube-proxy's userspace proxier read the iptables section too.
+        "" | "iptables" | "userspace" => ("iptables", "iptables"),
         "nftables" => ("nftables", "nftables"),
         "ipvs" => ("ipvs", "iptables"),
         other => {
             return err(format!(
-                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables)"
+                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables, userspace)"
             ))
         }
     };
-    if !matches!(mode.as_str(), "" | "nftables") {
+    if !matches!(mode.as_str(), "" | "nftables" | "userspace") {
         cfg.warnings.push(format!(
             "mode {mode:?}: nftkube always programs nf_tables; the {sync_section} section's settings are used"
         ));
@@ -430,8 +431,8 @@ fn check_families(what: &str, cidrs: &[Cidr]) -> Result<(), ConfigError> {
 }
 
 /// `nodePortAddresses` entries (CIDRs, or kube-proxy's keywords) as the CIDR list `--nodeport-addresses`
-/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is not served
-/// (warned: nftkube does not turn on route_localnet).
+/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is 127.0.0.0/8 and
+/// ::1/128 (served by the relay: nftkube does not turn on route_localnet).
 pub fn parse_node_port_addresses(
     what: &str,
     items: &[String],
@@ -446,9 +447,10 @@ pub fn parse_node_port_addresses(
                 out.push("0.0.0.0/0".parse().expect("valid CIDR"));
                 out.push("::/0".parse().expect("valid CIDR"));
             }
-            "localhost" => warnings.push(format!(
-                "{what}: localhost is not served by nftkube (NodePorts on loopback need route_localnet)"
-            )),
+            "localhost" => {
+                out.push("127.0.0.0/8".parse().expect("valid CIDR"));
+                out.push("::1/128".parse().expect("valid CIDR"));
+            }
             cidr if cidr.contains('/') => out.push(
                 cidr.parse::<Cidr>()
                     .map_err(|e| ConfigError(format!("{what}: {e}")))?,
@@ -514,6 +516,8 @@ pub struct Resolved {
     pub admin: AdminOptions,
     /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
     pub nodeport_cidrs: Vec<Cidr>,
+    /// `mode: userspace` / `--proxy-mode userspace`: services are relayed in user space.
+    pub userspace: bool,
     /// To log at startup.
     pub warnings: Vec<String>,
 }
@@ -562,7 +566,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
     let mut warnings = file.warnings.clone();
     if let Some(mode) = flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
         match mode {
-            "nftables" => {}
+            "nftables" | "userspace" => {}
             "iptables" | "ipvs" => warnings.push(format!(
                 "--proxy-mode {mode}: nftkube always programs nf_tables"
             )),
@@ -776,6 +780,10 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         min_sync_period,
         admin,
         nodeport_cidrs,
+        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+            Some(flag) => flag == "userspace",
+            None => file.mode.as_deref() == Some("userspace"),
+        },
         warnings,
     })
 }
@@ -1125,13 +1133,11 @@ iptables:
         assert_eq!(r.detect_local, DetectLocal::BridgeInterface("cbr0".into()));
         let f = parse(&format!("{base}nodePortAddresses: [all, localhost]\n")).unwrap();
         let r = resolve_with(&flags, f, &env()).unwrap();
-        assert_eq!(r.nodeport_cidrs.len(), 2);
-        assert!(
-            r.warnings
-                .iter()
-                .any(|w| w.contains("localhost is not served")),
-            "{:?}",
-            r.warnings
+        // localhost: loopback CIDRs, served by the relay.
+        assert_eq!(r.nodeport_cidrs.len(), 4);
+        assert_eq!(
+            crate::relay::loopback_families(&r.nodeport_cidrs),
+            (true, true)
         );
     }
 

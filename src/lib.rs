@@ -12,6 +12,7 @@ pub mod netns;
 pub mod nft;
 pub mod node;
 pub mod privs;
+pub mod relay;
 pub mod render;
 pub mod sandbox;
 pub mod source;

@@ -475,13 +475,39 @@ fn ip_table() -> TableState {
             RuleBuilder::new().verdict(Verdict::Return).build(),
         ],
     );
+    // Userspace mode's redirect: `meta l4proto { tcp, udp } redirect to :daddr . l4proto . dport map @m`.
+    t.add_set(set(
+        "relay-ports",
+        vec![
+            DataType::Ipv4Addr,
+            DataType::InetProto,
+            DataType::InetService,
+        ],
+        vec![DataType::InetService],
+    ));
+    elements(
+        &mut t,
+        "relay-ports",
+        vec![data_el(
+            concat_key(&[ip4("10.96.0.12"), vec![17], port(53)]),
+            port(40053),
+        )],
+    );
     rules(
         &mut t,
         Chain::base("nat-output", ChainType::Nat, Hook::Output, -100),
-        vec![RuleBuilder::new()
-            .in_set(&[Field::IpDaddr], "cluster-ips", false)
-            .verdict(Verdict::Goto("svc-b".into()))
-            .build()],
+        vec![
+            RuleBuilder::new()
+                .in_set(&[Field::IpDaddr], "cluster-ips", false)
+                .verdict(Verdict::Goto("svc-b".into()))
+                .build(),
+            RuleBuilder::new()
+                .redirect_map(
+                    &[Field::IpDaddr, Field::L4Proto, Field::ThDport],
+                    "relay-ports",
+                )
+                .build(),
+        ],
     );
     rules(
         &mut t,
@@ -910,6 +936,7 @@ fn variant(e: &Expr) -> &'static str {
         } => "nat v6",
         Expr::Nat { .. } => "nat v4",
         Expr::Masq { .. } => "masq",
+        Expr::Redir { .. } => "redir",
         Expr::Reject(RejectKind::TcpReset) => "reject tcp reset",
         Expr::Reject(RejectKind::IcmpUnreach(_)) => "reject icmp",
         Expr::Reject(RejectKind::IcmpxUnreach(_)) => "reject icmpx",
@@ -938,6 +965,7 @@ const ALL_VARIANTS: &[&str] = &[
     "nat v6",
     "nat v4",
     "masq",
+    "redir",
     "reject tcp reset",
     "reject icmp",
     "reject icmpx",

@@ -35,6 +35,14 @@ pub const FULL_READ_INTERVAL: Duration = Duration::from_secs(600);
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// The userspace relay's parts, when asked for: localhost NodePorts (beside the nf_tables proxy) and
+/// userspace mode (the relay serves the services; nf_tables only redirects to it).
+#[derive(Default)]
+pub(super) struct Relays {
+    pub localhost: Option<crate::relay::LocalhostNodePorts>,
+    pub userspace: Option<crate::relay::UserspaceProxy>,
+}
+
 pub(super) struct ProxyLoop<'a> {
     pub opts: &'a ProxyOptions,
     pub source: ProxySource,
@@ -59,6 +67,7 @@ pub(super) struct ProxyLoop<'a> {
     pub next_check: Instant,
     /// When a periodic check reads the kernel back even if its generation says nothing changed.
     pub next_full_read: Instant,
+    pub relay: Relays,
 }
 
 impl ProxyLoop<'_> {
@@ -89,6 +98,7 @@ impl ProxyLoop<'_> {
             backoff: FIRST_BACKOFF,
             next_check: now + opts.sync_period,
             next_full_read: now + opts.full_read_period,
+            relay: Relays::default(),
         }
     }
 
@@ -264,12 +274,16 @@ impl ProxyLoop<'_> {
             // Node addresses can change; full syncs pick that up for NodePorts.
             refresh_node_addresses(&mut self.cfg, &self.opts.nodeport_cidrs);
         }
-        match sync_once(
-            &mut self.engine,
-            &self.state,
-            &changes.changed_services,
-            &self.cfg,
-        ) {
+        let synced = match &mut self.relay.userspace {
+            Some(u) => u.sync(&mut self.engine, &self.state, &changes.changed_services),
+            None => sync_once(
+                &mut self.engine,
+                &self.state,
+                &changes.changed_services,
+                &self.cfg,
+            ),
+        };
+        match synced {
             Ok(report) => {
                 if report.full {
                     // The health check servers follow the addresses NodePorts are now served on.
@@ -280,6 +294,9 @@ impl ProxyLoop<'_> {
                 }
                 self.observer
                     .sync_succeeded(&report, &changes.changed_services, &self.state);
+                if let Some(l) = &mut self.relay.localhost {
+                    l.sync(&self.state);
+                }
                 // The rules are in: queue the deletion of the UDP / SCTP flows this round (and failed ones) made
                 // stale; the walk runs beside the loop, after this commit.
                 self.conntrack.after_sync(&changes, &self.state);

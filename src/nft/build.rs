@@ -446,6 +446,32 @@ impl RuleBuilder {
         self
     }
 
+    /// `meta l4proto { tcp, udp } redirect to :fields map @map`: the relay's port for this frontend. The
+    /// protocol match comes first, as nft requires before a transport port mapping.
+    pub fn redirect_map(mut self, fields: &[Field], map: &str) -> Self {
+        self.exprs.push(Field::L4Proto.load(REG_1));
+        self.exprs.push(Expr::LookupAnon {
+            set: AnonSet {
+                key: DataType::InetProto,
+                key_typeof: TypeofExpr::MetaL4proto,
+                elements: [6u8, 17].iter().map(|p| vec![*p].into()).collect(),
+            },
+            sreg: REG_1,
+        });
+        self.exprs.extend(load_concat(fields));
+        self.exprs.push(Expr::Lookup {
+            set: map.to_owned(),
+            sreg: REG_1,
+            dreg: Some(REG_1),
+            invert: false,
+        });
+        self.exprs.push(Expr::Redir {
+            reg_proto: Some(REG_1),
+            flags: NAT_F_PROTO_SPECIFIED,
+        });
+        self
+    }
+
     /// `meta l4proto { tcp, udp, sctp }`. Before `ct original proto-dst` in a concatenation this is what lets
     /// nft 1.0.6 type that port when it loads a listing again (with a single protocol, or none, it cannot).
     pub fn transport_protocol(mut self) -> Self {

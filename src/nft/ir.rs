@@ -692,6 +692,12 @@ pub enum Expr {
     Masq {
         flags: u32,
     },
+    /// `redirect to :port` (the port from `reg_proto`): DNAT to the primary address of the incoming
+    /// interface (127.0.0.1 / ::1 for local traffic).
+    Redir {
+        reg_proto: Option<u32>,
+        flags: u32,
+    },
     Reject(RejectKind),
     Ct {
         key: CtKey,
@@ -730,6 +736,7 @@ impl Expr {
             Expr::Dynset { .. } => "dynset",
             Expr::Nat { .. } => "nat",
             Expr::Masq { .. } => "masq",
+            Expr::Redir { .. } => "redir",
             Expr::Reject(_) => "reject",
             Expr::Ct { .. } | Expr::CtOriginal { .. } => "ct",
             Expr::LookupAnon { .. } => "lookup",

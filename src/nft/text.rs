@@ -467,6 +467,17 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                 out.push(s);
             }
             Expr::Masq { flags } => out.push(format!("masquerade{}", nat_flags_text(*flags))),
+            Expr::Redir { reg_proto, flags } => {
+                // nft prints a port from a map with no space after the colon.
+                let port = reg_proto
+                    .and_then(|r| get(&regs, r))
+                    .map(|v| v.text.clone());
+                let flags = nat_flags_text(*flags & !NAT_F_PROTO_SPECIFIED);
+                out.push(match port {
+                    Some(p) => format!("redirect to :{p}{flags}"),
+                    None => format!("redirect{flags}"),
+                });
+            }
             Expr::Reject(kind) => out.push(reject_text(family, *kind)),
             Expr::Counter => out.push("counter".into()),
             Expr::MetaSet { key, sreg } => match get(&regs, *sreg) {

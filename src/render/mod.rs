@@ -7,9 +7,11 @@ mod common;
 mod desired;
 pub mod names;
 mod services;
+pub mod userspace;
 
 pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
 pub use desired::{Desired, DesiredSet};
+pub use services::usable_endpoints;
 
 use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family, TableState};

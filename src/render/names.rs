@@ -35,6 +35,9 @@ pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 pub const CHAIN_FILTER_INPUT: &str = "filter-input";
 pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
+/// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
+pub const MAP_RELAY_PORTS: &str = "relay-ports";
+
 /// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
 pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 
@@ -44,7 +47,7 @@ pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 10] = [
+const PIECE_SETS: [&str; 11] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -55,6 +58,7 @@ const PIECE_SETS: [&str; 10] = [
     MAP_NO_ENDPOINT_SERVICES,
     MAP_AFFINITY_SERVICES,
     MAP_AFFINITY_NODEPORTS,
+    MAP_RELAY_PORTS,
 ];
 
 impl PieceSet {

@@ -63,7 +63,7 @@ pub(super) fn topology_filter(eps: Vec<Endpoint>, cfg: &RenderConfig) -> Vec<End
 
 /// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
 /// fallback so that a rolling update does not black-hole a service).
-pub(super) fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
+pub fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
     let of_family = || all.iter().filter(move |e| IpFamily::of(&e.ip) == f);
     let ready: Vec<Endpoint> = of_family().filter(|e| e.ready).cloned().collect();
     if !ready.is_empty() {

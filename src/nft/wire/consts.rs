@@ -125,6 +125,9 @@ pub const NFTA_NAT_FLAGS: u16 = 7;
 
 pub const NFTA_MASQ_FLAGS: u16 = 1;
 
+pub const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
+pub const NFTA_REDIR_FLAGS: u16 = 3;
+
 pub const NFTA_REJECT_TYPE: u16 = 1;
 pub const NFTA_REJECT_ICMP_CODE: u16 = 2;
 

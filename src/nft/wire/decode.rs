@@ -375,6 +375,10 @@ pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
         "masq" => Expr::Masq {
             flags: be32(a, NFTA_MASQ_FLAGS).unwrap_or(0),
         },
+        "redir" => Expr::Redir {
+            reg_proto: be32(a, NFTA_REDIR_REG_PROTO_MIN),
+            flags: be32(a, NFTA_REDIR_FLAGS).unwrap_or(0),
+        },
         "reject" => {
             let code = a
                 .get(NFTA_REJECT_ICMP_CODE)

@@ -555,6 +555,14 @@ fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
                 m.attr_be32(NFTA_MASQ_FLAGS, *flags);
             }
         }
+        Expr::Redir { reg_proto, flags } => {
+            if let Some(r) = reg_proto {
+                m.attr_be32(NFTA_REDIR_REG_PROTO_MIN, *r);
+            }
+            if *flags != 0 {
+                m.attr_be32(NFTA_REDIR_FLAGS, *flags);
+            }
+        }
         Expr::Reject(kind) => {
             let (t, code) = match kind {
                 RejectKind::IcmpUnreach(c) => (0, *c),

@@ -492,6 +492,36 @@ fn pinned_masquerade_rule() {
     );
 }
 
+/// The redirect of userspace mode, `... redirect to :ip daddr . meta l4proto . th dport map @relay-ports`,
+/// whose map lookup leaves the port in register 1: nft --debug=netlink shows `[ redir proto_min reg 1 flags
+/// 0x2 ]` (no proto_max: nft sends the minimum alone).
+#[cfg(target_endian = "little")]
+#[test]
+fn pinned_redirect_expression() {
+    let rule = Rule {
+        exprs: vec![Expr::Redir {
+            reg_proto: Some(REG_1),
+            flags: NAT_F_PROTO_SPECIFIED,
+        }],
+        comment: None,
+    };
+    assert_pinned(
+        &one_message(Family::Ip, rule_op(rule)),
+        concat!(
+            "50000000 060a 050c 02000000 00000000",
+            "02000000",
+            "0c00 0100 6e66746b75626500",
+            "0600 0200 63000000",
+            "2800 0480",
+            "    2400 0180",
+            "        0a00 0100 7265646972000000", // "redir"
+            "        1400 0280",
+            "            0800 0100 00000001", //   REG_PROTO_MIN 1
+            "            0800 0300 00000002", //   FLAGS NF_NAT_RANGE_PROTO_SPECIFIED
+        ),
+    );
+}
+
 /// `nft add rule ip nftkube c meta l4proto tcp reject with tcp reset`
 #[cfg(target_endian = "little")]
 #[test]
@@ -921,6 +951,14 @@ fn all_exprs() -> Vec<Expr> {
         });
     }
     v.push(Expr::Masq { flags: 0 });
+    v.push(Expr::Redir {
+        reg_proto: Some(REG_1),
+        flags: NAT_F_PROTO_SPECIFIED,
+    });
+    v.push(Expr::Redir {
+        reg_proto: None,
+        flags: 0,
+    });
     v.push(Expr::Masq {
         flags: NAT_F_PROTO_RANDOM_FULLY,
     });
@@ -979,9 +1017,10 @@ fn variant(e: &Expr) -> usize {
         // Decoded as a lookup of the kernel's name for the set, resolved when a table is read: see
         // `anonymous_sets_go_in_the_batch_before_their_rule`.
         Expr::LookupAnon { .. } => 17,
+        Expr::Redir { .. } => 18,
     }
 }
-const VARIANTS: usize = 18;
+const VARIANTS: usize = 19;
 
 #[test]
 fn anonymous_sets_go_in_the_batch_before_their_rule() {

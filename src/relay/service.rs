@@ -1,0 +1,164 @@
+//! What the listener of one relayed service port shares with its connections: the balancer, the live
+//! connections (so an endpoint that leaves takes its connections with it) and the relay-wide limits.
+
+use super::balancer::Balancer;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, Semaphore};
+
+/// Limits shared by every listener of a relay.
+#[derive(Debug)]
+pub struct Limits {
+    /// One permit per relayed TCP connection or UDP flow.
+    pub connections: Arc<Semaphore>,
+    /// Dial timeouts, one per attempt (each attempt tries the next endpoint).
+    pub dial_timeouts: Vec<Duration>,
+    /// Counters for logs and tests.
+    pub stats: Stats,
+}
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub accepted: AtomicU64,
+    pub dial_failures: AtomicU64,
+    /// Accepts or dials that failed for want of file descriptors (EMFILE / ENFILE).
+    pub fd_exhausted: AtomicU64,
+    pub closed_by_endpoint_removal: AtomicU64,
+}
+
+impl Stats {
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One relayed service port.
+#[derive(Debug)]
+pub struct Service {
+    /// For logs: "namespace/name:port".
+    pub name: String,
+    pub limits: Arc<Limits>,
+    balancer: Mutex<Balancer>,
+    live: Mutex<Live>,
+    /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
+    generation: AtomicU64,
+}
+
+/// Live connections (or UDP flows): id → (endpoint, a sender whose drop tells the connection to close).
+#[derive(Debug, Default)]
+struct Live {
+    next_id: u64,
+    by_id: HashMap<u64, (SocketAddr, oneshot::Sender<()>)>,
+}
+
+/// Ends a connection's registration when dropped.
+pub struct Registration {
+    service: Arc<Service>,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.service.live().by_id.remove(&self.id);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Service {
+    pub fn new(
+        name: String,
+        limits: Arc<Limits>,
+        endpoints: Vec<SocketAddr>,
+        affinity: Option<Duration>,
+    ) -> Arc<Service> {
+        let mut balancer = Balancer::new(affinity);
+        balancer.set_endpoints(endpoints);
+        Arc::new(Service {
+            name,
+            limits,
+            balancer: Mutex::new(balancer),
+            live: Mutex::new(Live::default()),
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    fn live(&self) -> MutexGuard<'_, Live> {
+        lock(&self.live)
+    }
+
+    /// The endpoint for a new connection from `client` (see [`Balancer::pick`]).
+    pub fn pick(&self, client: IpAddr, reset: bool) -> Option<SocketAddr> {
+        lock(&self.balancer).pick(client, reset, Instant::now())
+    }
+
+    /// New endpoints and affinity. Connections and flows to endpoints that remain are untouched; those to
+    /// removed endpoints are told to close. Returns how many were.
+    pub fn update(&self, endpoints: Vec<SocketAddr>, affinity: Option<Duration>) -> usize {
+        {
+            let mut b = lock(&self.balancer);
+            b.set_affinity(affinity);
+            b.set_endpoints(endpoints.clone());
+            self.generation.fetch_add(1, Ordering::Release);
+        }
+        let mut live = self.live();
+        let before = live.by_id.len();
+        // Dropping the sender wakes the connection's task, which closes both sides.
+        live.by_id.retain(|_, (ep, _)| endpoints.contains(ep));
+        let closed = before - live.by_id.len();
+        for _ in 0..closed {
+            Stats::bump(&self.limits.stats.closed_by_endpoint_removal);
+        }
+        closed
+    }
+
+    /// Registers a connection to `endpoint`; the receiver completes when it must close (its endpoint left).
+    /// An endpoint that left between the pick and now closes it at once.
+    pub fn register(
+        self: &Arc<Self>,
+        endpoint: SocketAddr,
+    ) -> (Registration, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        let still_there = lock(&self.balancer).endpoints().contains(&endpoint);
+        let mut live = self.live();
+        let id = live.next_id;
+        live.next_id += 1;
+        if still_there {
+            live.by_id.insert(id, (endpoint, tx));
+        }
+        let reg = Registration {
+            service: self.clone(),
+            id,
+        };
+        (reg, rx)
+    }
+
+    /// Whether `endpoint` is still one of the service's. `checked` is the generation the caller last saw it
+    /// valid at: while no update happened since, the answer needs no lock.
+    pub fn still_serves(&self, endpoint: SocketAddr, checked: &AtomicU64) -> bool {
+        let now = self.generation.load(Ordering::Acquire);
+        if checked.load(Ordering::Relaxed) == now {
+            return true;
+        }
+        let valid = lock(&self.balancer).endpoints().contains(&endpoint);
+        if valid {
+            checked.store(now, Ordering::Relaxed);
+        }
+        valid
+    }
+
+    /// The current generation (see [`Service::still_serves`]).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Connections and flows currently relayed.
+    pub fn live_count(&self) -> usize {
+        self.live().by_id.len()
+    }
+}
