@@ -10,8 +10,9 @@ use super::socket::Features;
 use super::unnated::Frontends;
 use super::walker::Walker;
 use super::Metrics;
-use crate::model::{Changes, ClusterState};
+use crate::model::{Changes, ClusterState, NamespacedName, Protocol, ServicePortName};
 use crate::netlink::NetlinkError;
+use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -155,6 +156,48 @@ impl Planner {
         let mut filter = resolve(&targets, &self.index, state);
         filter.node_port_addresses = self.node_port_addresses.clone();
         Round { targets, filter }
+    }
+
+    /// The part of `running` (the targets of a walk planned before this commit) that this commit's `changes`
+    /// may have made healthy again: deleted addresses in use again, lost frontends and NodePorts that a
+    /// changed service owns now, judged ports of changed services. O(changes + running's lost addresses and
+    /// frontends), never O(running's judged ports). Call after [`Self::take_targets`] for the same commit.
+    pub fn touched(&self, running: &Targets, changes: &Changes, state: &ClusterState) -> Targets {
+        let changed: HashSet<&NamespacedName> = changes
+            .changed_services
+            .iter()
+            .chain(changes.newly_active_services.iter().map(|n| &n.service))
+            .chain(changes.stale_endpoints.iter().map(|(n, _)| &n.service))
+            .collect();
+        let owned_by_changed =
+            |owner: Option<&ServicePortName>| owner.is_some_and(|o| changed.contains(&o.service));
+        let mut t = Targets::default();
+        t.ips.extend(
+            running
+                .ips
+                .iter()
+                .filter(|ip| self.index.ip_in_use(**ip, Protocol::Udp)),
+        );
+        t.frontends.extend(
+            running
+                .frontends
+                .iter()
+                .filter(|fe| owned_by_changed(self.index.owner(fe))),
+        );
+        t.node_ports.extend(
+            running
+                .node_ports
+                .iter()
+                .filter(|np| owned_by_changed(self.index.node_port_owner(np))),
+        );
+        for name in changed {
+            for sp in state.service_ports(name) {
+                if running.judged.contains(&sp.name) {
+                    t.judged.insert(sp.name.clone());
+                }
+            }
+        }
+        t
     }
 
     /// [`Self::take_targets`] then [`Self::resolve`]; None when there is nothing to look at.

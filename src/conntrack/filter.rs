@@ -214,6 +214,29 @@ impl StaleFilter {
     pub fn is_stale(&self, e: &Entry) -> bool {
         self.check(e).is_some()
     }
+
+    /// Whether some target of this filter concerns `e`'s original destination (its address, its frontend
+    /// or its NodePort on a node address), whatever the verdict.
+    pub fn judges(&self, e: &Entry) -> bool {
+        let Some(proto) = proto_of(e.orig.proto) else {
+            return false;
+        };
+        let fe = Frontend {
+            ip: e.orig.dst,
+            port: e.orig.dport,
+            proto,
+        };
+        let np = NodePort {
+            port: e.orig.dport,
+            proto,
+        };
+        let on_node =
+            self.node_port_addresses.is_empty() || self.node_port_addresses.contains(&e.orig.dst);
+        self.ips.contains(&(e.orig.dst, proto))
+            || self.frontends.contains_key(&fe)
+            || self.removed.contains(&fe)
+            || (on_node && self.node_ports.contains_key(&np))
+    }
 }
 
 /// What a cleanup needs to see: per (address, protocol) pair, or per protocol for any address.

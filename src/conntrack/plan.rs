@@ -145,6 +145,11 @@ impl FrontendIndex {
         self.owners.get(fe)
     }
 
+    /// The current owner of a NodePort.
+    pub fn node_port_owner(&self, np: &NodePort) -> Option<&ServicePortName> {
+        self.node_port_owners.get(np)
+    }
+
     pub fn ip_in_use(&self, ip: IpAddr, proto: Protocol) -> bool {
         self.ip_refs.contains_key(&(ip, proto))
     }

@@ -10,8 +10,8 @@
 //!
 //! A walk in progress while a later commit lands was planned against the older state: an endpoint that the
 //! later commit adds back (or makes serving again) gets new flows that the older filter finds stale. So each
-//! commit also resolves the running walk's targets against its own state, and the walk deletes only what
-//! both filters find stale (asked right before the deletes: a flow confirmed between that question and its
+//! commit also resolves what it touched of the running walk's targets against its own state (O(changes)), and
+//! the walk deletes only what both verdicts find stale (asked right before the deletes: a flow confirmed between that question and its
 //! delete, a window of microseconds, can still go; it is re-balanced by the rules on its next packet).
 
 use super::cleaner::{
@@ -92,17 +92,33 @@ struct Queue {
     abandon: bool,
     /// A job is in progress (taken from `jobs`, its outcome not yet handed back).
     busy: bool,
-    /// The cleanup in progress: its job and targets.
-    running: Option<(u64, Targets)>,
-    /// Its targets resolved against the newest commit's state (see [`CleanupQueue::after_sync`]).
-    refreshed: Option<(u64, Arc<StaleFilter>)>,
+    /// The cleanup in progress: its job and targets (shared, not copied: a startup walk's are the cluster's).
+    running: Option<(u64, Arc<Targets>)>,
+    /// What later commits changed of it (see [`CleanupQueue::after_sync`]).
+    refreshed: Option<Arc<Refreshed>>,
+}
+
+/// The part of a running walk's targets that commits after its planning touched, resolved against the newest
+/// commit's state.
+struct Refreshed {
+    job: u64,
+    targets: Targets,
+    filter: StaleFilter,
+}
+
+impl Refreshed {
+    /// The newest verdict on `e` if a later commit touched its destination.
+    fn verdict(&self, e: &Entry) -> Option<bool> {
+        let touched = self.filter.judges(e) || self.targets.ips.contains(&e.orig.dst);
+        touched.then(|| self.filter.is_stale(e))
+    }
 }
 
 impl Queue {
     /// Whether `e`, found stale by job `id`'s filter, is still stale as of the newest commit.
     fn still_stale(&self, id: u64, e: &Entry) -> bool {
         match &self.refreshed {
-            Some((job, filter)) if *job == id => filter.is_stale(e),
+            Some(r) if r.job == id => r.verdict(e).unwrap_or(true),
             _ => true,
         }
     }
@@ -167,6 +183,7 @@ impl CleanupQueue {
             .name("conntrack-cleanup".into())
             .spawn(move || {
                 let _done = done_tx; // dropped when this thread ends, however it ends
+                yield_to_the_proxy_loop();
                 work(walker, &s, &failed_tx);
             })?;
         Ok(CleanupQueue {
@@ -189,20 +206,21 @@ impl CleanupQueue {
     /// A sync committed: queues the walk for what its changes (and those of failed syncs and walks before it)
     /// made stale. Returns at once.
     ///
-    /// A walk in progress was planned against an older state: its targets are resolved again against this
-    /// one, and it spares what this commit made healthy (an endpoint added back serves new flows that the
-    /// older filter would find stale).
+    /// A walk in progress was planned against an older state: what this commit touched of its targets is
+    /// resolved again against this one, and the walk spares what this commit made healthy (an endpoint added
+    /// back serves new flows that the older filter would find stale).
     pub fn after_sync(&mut self, changes: &Changes, state: &ClusterState) {
         self.commits += 1;
         while let Ok(targets) = self.failed.try_recv() {
             self.planner.retry_later(targets);
         }
         let mut targets = self.planner.take_targets(changes, state);
-        self.refresh_running(state);
+        self.refresh_running(changes, state);
         let mut first_commit = self.commits;
-        if let Some((waiting, first)) = self.take_waiting_clean() {
+        if let Some((mut waiting, first)) = self.take_waiting_clean() {
             // Not started yet: it runs once, with this commit's targets, judged against this state.
-            targets.merge(waiting);
+            waiting.merge(targets);
+            targets = waiting;
             first_commit = first;
         }
         if targets.is_empty() {
@@ -309,18 +327,34 @@ impl CleanupQueue {
         true
     }
 
-    /// Resolves the targets of the cleanup in progress, if any, against `state`, for its last check.
-    fn refresh_running(&self, state: &ClusterState) {
-        let Some((id, targets)) = self.shared.lock().running.clone() else {
-            return;
+    /// Resolves what this commit (and earlier ones since its planning) touched of the cleanup in progress, if
+    /// any, against `state`, for the walk's last check. O(changes), not O(the running walk).
+    fn refresh_running(&self, changes: &Changes, state: &ClusterState) {
+        let (running, earlier) = {
+            let q = self.shared.lock();
+            let Some((id, targets)) = q.running.clone() else {
+                return;
+            };
+            let earlier = q.refreshed.clone().filter(|r| r.job == id);
+            ((id, targets), earlier)
         };
-        let filter = Arc::new(self.planner.resolve(targets, state).filter);
+        let (id, targets) = running;
+        let mut touched = self.planner.touched(&targets, changes, state);
+        if let Some(r) = earlier {
+            touched.merge(r.targets.clone());
+        }
+        if touched.is_empty() {
+            return;
+        }
+        let round = self.planner.resolve(touched, state);
+        let refreshed = Arc::new(Refreshed {
+            job: id,
+            targets: round.targets,
+            filter: round.filter,
+        });
         let mut q = self.shared.lock();
-        if q.running
-            .as_ref()
-            .is_some_and(|(running, _)| *running == id)
-        {
-            q.refreshed = Some((id, filter));
+        if q.running.as_ref().is_some_and(|(job, _)| *job == id) {
+            q.refreshed = Some(refreshed);
         }
     }
 
@@ -367,6 +401,25 @@ impl Drop for CleanupQueue {
     }
 }
 
+/// Walks are background work: on a busy node the proxy loop's commits get the CPU first. Lowers this
+/// thread's own nice value (Linux applies it per thread); the kernel's dump and delete work runs in its
+/// system calls, so that counts too. A failure changes nothing but the scheduling, and is logged.
+fn yield_to_the_proxy_loop() {
+    const NICE: libc::c_int = 10;
+    // SAFETY: gettid has no preconditions; setpriority with PRIO_PROCESS and a thread id changes the nice
+    // value of that thread only, and reads no memory of ours.
+    let r = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, NICE)
+    };
+    if r != 0 {
+        tracing::debug!(
+            "conntrack cleanup: cannot lower the worker's priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// The worker thread: one job at a time, oldest first, until closed (and the queue empty) or abandoned.
 fn work<W: Walk>(mut walker: W, shared: &Shared, failed: &mpsc::Sender<Targets>) {
     while let Some(job) = next_job(shared) {
@@ -377,11 +430,14 @@ fn work<W: Walk>(mut walker: W, shared: &Shared, failed: &mpsc::Sender<Targets>)
         };
         match job.work {
             Work::Clean { targets, filter } => {
+                let targets = Arc::new(targets);
                 shared.lock().running = Some((job.id, targets.clone()));
                 let still_stale = |e: &Entry| shared.lock().still_stale(job.id, e);
                 let result = walker.cleanup(&filter, &still_stale);
+                shared.lock().running = None; // the planner's copy, if it holds one, is its last
                 if log_cleanup(&result, Some(queued)).is_none() {
                     // The planner may be gone at shutdown: then nobody retries, as nobody syncs.
+                    let targets = Arc::try_unwrap(targets).unwrap_or_else(|t| (*t).clone());
                     let _ = failed.send(targets);
                 }
             }

@@ -291,6 +291,39 @@ fn a_walk_in_progress_spares_what_a_later_commit_made_healthy() {
 }
 
 #[test]
+fn a_later_commit_changes_the_verdicts_of_what_it_touched_only() {
+    let to_reused_ip = flow(ECHO, "10.244.1.2:5353");
+    let to_removed_c = flow(OTHER, "10.244.3.2:5353");
+    let mut h = Harness::with_probes(true, &[], vec![to_reused_ip.clone(), to_removed_c.clone()]);
+    two_services(&mut h);
+    h.permits.send(()).unwrap();
+    // Walk 2: echo deleted (every flow to its address), C removed from other.
+    h.state.delete_service(&key("echo"));
+    h.state.apply_slice(slice("other", &["10.244.4.2"]));
+    h.commit();
+    h.wait_started(2);
+    // Commit 3, while walk 2 runs: a new service takes echo's address; other is left alone.
+    h.state.apply_service(key("again"), udp_port("again", ECHO));
+    h.state.apply_slice(slice("again", &["10.244.1.2"]));
+    h.commit();
+    h.permits.send(()).unwrap();
+    h.wait_started(3);
+    h.permits.send(()).unwrap();
+    assert!(h.queue.wait_idle(T));
+    let seen = h.seen();
+    let Seen::Clean(filter, answers) = &seen[1] else {
+        panic!("{seen:?}")
+    };
+    assert!(filter.is_stale(&to_reused_ip) && filter.is_stale(&to_removed_c));
+    assert_eq!(
+        answers,
+        &[false, true],
+        "the address is in use again (its new service's walk judges it next); other was not touched"
+    );
+    h.queue.stop();
+}
+
+#[test]
 fn a_failed_walk_is_retried_after_the_next_commit_against_the_endpoints_of_then() {
     let mut h = Harness::new(false, &[2]);
     two_services(&mut h);
