@@ -145,14 +145,20 @@ impl FakeApi {
         let thread = std::thread::Builder::new()
             .name("fake-api".into())
             .spawn(move || loop {
-                if shared.stop.load(Ordering::SeqCst) || shared.state.lock().unwrap().down {
-                    return; // drops the listener: connections are refused
-                }
+                // Read with the down flag, before the accept: a connection accepted while an outage begins
+                // belongs to the generation before it, and is cut with the others.
+                let generation = {
+                    let st = shared.state.lock().unwrap();
+                    if shared.stop.load(Ordering::SeqCst) || st.down {
+                        return; // drops the listener: connections are refused
+                    }
+                    st.generation
+                };
                 match listener.accept() {
                     Ok((stream, _)) => {
                         let s = shared.clone();
                         std::thread::spawn(move || {
-                            let _ = handle(&s, stream);
+                            let _ = handle(&s, stream, generation);
                         });
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -415,7 +421,7 @@ fn status_body(code: u16, reason: &str, message: &str) -> String {
     .to_string()
 }
 
-fn handle(shared: &Shared, mut stream: TcpStream) -> io::Result<()> {
+fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
@@ -465,7 +471,7 @@ fn handle(shared: &Shared, mut stream: TcpStream) -> io::Result<()> {
     let fields = params.get("fieldSelector").cloned().unwrap_or_default();
     let selected = |o: &Value| labels_match(&labels, o) && fields_match(&fields, o);
     if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) {
-        return watch(shared, stream, resource, &params, &selected);
+        return watch(shared, stream, generation, resource, &params, &selected);
     }
     // A list, possibly one page of it.
     let st = shared.state.lock().unwrap();
@@ -514,6 +520,7 @@ fn chunk(stream: &mut TcpStream, data: &str) -> io::Result<()> {
 fn watch(
     shared: &Shared,
     mut stream: TcpStream,
+    generation: u64,
     resource: Resource,
     params: &HashMap<String, String>,
     selected: &dyn Fn(&Value) -> bool,
@@ -535,7 +542,6 @@ fn watch(
         "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     )?;
     let mut st = shared.state.lock().unwrap();
-    let generation = st.generation;
     if from != 0 && from < st.compacted {
         let ev = json!({"type": "ERROR", "object": serde_json::from_str::<Value>(
             &status_body(410, "Expired", &format!("too old resource version: {from} ({})", st.compacted)))

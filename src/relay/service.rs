@@ -130,6 +130,10 @@ impl Service {
         live.next_id += 1;
         if still_there {
             live.by_id.insert(id, (endpoint, tx));
+        } else {
+            // Removed while it was being dialed: dropping `tx` closes the connection at once, and it counts
+            // as closed for its endpoint's removal like the ones `update` closes.
+            Stats::bump(&self.limits.stats.closed_by_endpoint_removal);
         }
         let reg = Registration {
             service: self.clone(),
