@@ -384,6 +384,19 @@ fn tcp_udp_from_outside_localhost_hairpin_hostip_and_ipv6() {
     // Hairpin: the container reaches its own host port; without SNAT its answer would bypass the node.
     assert_eq!(tcp(&c1.ns, n4, 8080).unwrap(), "c1", "hairpin TCP");
     assert_eq!(udp(&c1.ns, n4, 8053).unwrap(), "c1", "hairpin UDP");
+    // A neighbour on the same bridge: c1's answer would go straight back over the bridge without SNAT.
+    let c2 = Container::start("c2");
+    node.attach(&net, &c2, "eth0", json!([]));
+    assert_eq!(
+        tcp(&c2.ns, n4, 8080).unwrap(),
+        "c1",
+        "a neighbour's TCP to c1's host port"
+    );
+    assert_eq!(
+        udp(&c2.ns, n4, 8053).unwrap(),
+        "c1",
+        "a neighbour's UDP to c1's host port"
+    );
     // A hostIP mapping answers on that address only, and only in its family.
     assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1", "hostIP mapping");
     assert_unanswered(
@@ -411,7 +424,7 @@ fn tcp_udp_from_outside_localhost_hairpin_hostip_and_ipv6() {
     node.detach(&net, &c1, "eth0", &prev, maps.clone());
     assert_unanswered(tcp_short(ext, n4, 8080), "TCP after DEL");
     assert_unanswered(udp_short(ext, n4, 8053), "UDP after DEL");
-    for set in ["ports-net-a", "hostip-net-a", "masq-net-a", "targets-net-a"] {
+    for set in ["ports-net-a", "hostip-net-a", "targets-net-a"] {
         assert!(node.elements(Family::Ip, set).is_empty(), "{set} after DEL");
         assert!(
             node.elements(Family::Ip6, set).is_empty(),
@@ -576,7 +589,7 @@ fn check_gc_status_and_version() {
     assert_listable(node.ns());
     assert_unanswered(tcp_short(ext, n4, 8081), "c1's port after GC");
     assert_eq!(tcp(ext, n4, 9090).unwrap(), "c2", "c2's port after GC");
-    let owners: Vec<Option<String>> = ["ports-net-a", "masq-net-a", "targets-net-a"]
+    let owners: Vec<Option<String>> = ["ports-net-a", "targets-net-a"]
         .iter()
         .flat_map(|s| node.elements(Family::Ip, s))
         .map(|(_, c)| c)

@@ -73,8 +73,8 @@ pub fn family_of(ip: &IpAddr) -> Family {
 /// What a chained plugin needs from the previous plugin's result.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PrevResult {
-    /// The container's first address of each family.
-    pub container_ips: Vec<IpAddr>,
+    /// The container's first address of each family, with its prefix length (the container's subnet).
+    pub container_ips: Vec<(IpAddr, u8)>,
     /// Interfaces in the node's namespace (the bridge, the host end of a veth): where route_localnet goes.
     pub host_interfaces: Vec<String>,
     /// The object itself, passed on as this plugin's result.
@@ -85,8 +85,58 @@ impl PrevResult {
     pub fn container_ip(&self, family: Family) -> Option<IpAddr> {
         self.container_ips
             .iter()
-            .copied()
+            .map(|(ip, _)| *ip)
             .find(|ip| family_of(ip) == family)
+    }
+
+    /// The container's subnet in `family`: (network address, prefix length).
+    pub fn container_subnet(&self, family: Family) -> Option<Subnet> {
+        let (ip, prefix) = *self
+            .container_ips
+            .iter()
+            .find(|(ip, _)| family_of(ip) == family)?;
+        Some(Subnet::of(ip, prefix))
+    }
+}
+
+/// An address prefix: its network address (host bits cleared) and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Subnet {
+    pub net: IpAddr,
+    pub prefix: u8,
+}
+
+impl Subnet {
+    pub fn of(ip: IpAddr, prefix: u8) -> Subnet {
+        let net = match ip {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - prefix.min(32) as u32)
+                    .unwrap_or(0);
+                IpAddr::from((u32::from(a) & mask).to_be_bytes())
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - prefix.min(128) as u32)
+                    .unwrap_or(0);
+                IpAddr::from((u128::from(a) & mask).to_be_bytes())
+            }
+        };
+        Subnet { net, prefix }
+    }
+
+    pub fn parse(text: &str) -> Option<Subnet> {
+        let (ip, prefix) = text.split_once('/')?;
+        let ip: IpAddr = ip.parse().ok()?;
+        let prefix: u8 = prefix.parse().ok()?;
+        let max = if ip.is_ipv4() { 32 } else { 128 };
+        (prefix <= max).then(|| Subnet::of(ip, prefix))
+    }
+}
+
+impl std::fmt::Display for Subnet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.net, self.prefix)
     }
 }
 
@@ -324,30 +374,34 @@ fn prev_result(v: &Value) -> Result<PrevResult, CniError> {
         Some(Value::Array(a)) => a,
         Some(_) => return Err(invalid("prevResult.ips: not a list")),
     };
-    let mut container_ips: Vec<IpAddr> = Vec::new();
+    let mut container_ips: Vec<(IpAddr, u8)> = Vec::new();
     for (i, ip) in ips.iter().enumerate() {
         let at = format!("prevResult.ips[{i}]");
         let address = ip
             .get("address")
             .and_then(Value::as_str)
             .ok_or_else(|| invalid(format!("{at}.address: missing")))?;
+        let subnet = Subnet::parse(address).ok_or_else(|| {
+            invalid(format!(
+                "{at}.address: {address:?} is not an address/prefix"
+            ))
+        })?;
         let addr: IpAddr = address
-            .split('/')
-            .next()
-            .and_then(|a| a.parse().ok())
-            .ok_or_else(|| {
-                invalid(format!(
-                    "{at}.address: {address:?} is not an address/prefix"
-                ))
-            })?;
+            .split_once('/')
+            .and_then(|(a, _)| a.parse().ok())
+            .unwrap_or(subnet.net);
         // An address of a host-side interface is not the container's.
         let on_host = ip
             .get("interface")
             .and_then(Value::as_u64)
             .and_then(|k| interfaces.get(k as usize))
             .is_some_and(|iface| !in_sandbox(iface));
-        if !on_host && !container_ips.iter().any(|c| c.is_ipv4() == addr.is_ipv4()) {
-            container_ips.push(addr);
+        if !on_host
+            && !container_ips
+                .iter()
+                .any(|(c, _)| c.is_ipv4() == addr.is_ipv4())
+        {
+            container_ips.push((addr, subnet.prefix));
         }
     }
     Ok(PrevResult {
@@ -429,6 +483,14 @@ mod tests {
         let prev = c.prev_result.unwrap();
         assert_eq!(prev.host_interfaces, vec!["cni0", "veth1"]);
         assert_eq!(prev.container_ips.len(), 2);
+        assert_eq!(
+            prev.container_subnet(Family::Ip).unwrap().to_string(),
+            "10.88.0.0/16"
+        );
+        assert_eq!(
+            prev.container_subnet(Family::Ip6).unwrap().to_string(),
+            "fd00::/64"
+        );
     }
 
     #[test]

@@ -137,7 +137,8 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
     let removed = transact(&names, |tx, family, view| {
         let want = wanted(conf, &names, family, &owner);
         if !want.is_empty() {
-            state::ensure_structure(tx, family, view, &names, conf);
+            let subnet = prev.container_subnet(family);
+            state::ensure_structure(tx, family, view, &names, conf, subnet);
         }
         Ok(state::converge(tx, family, view, &names, &want, &owner))
     })?;
@@ -188,8 +189,12 @@ fn check(conf: &NetConf, a: &Attachment) -> Result<(), CniError> {
     for family in FAMILIES {
         let view = read(&mut sock, family, &names)?;
         let want = wanted(conf, &names, family, &owner);
+        let subnet = conf
+            .prev_result
+            .as_ref()
+            .and_then(|p| p.container_subnet(family));
         problems.extend(state::differences(
-            family, &view, &names, conf, &want, &owner,
+            family, &view, &names, conf, subnet, &want, &owner,
         ));
     }
     if problems.is_empty() {

@@ -5,25 +5,30 @@
 //! table ip nftkube-portmap {
 //!   map ports-NET  { typeof meta l4proto . th dport : ip daddr . th dport }             any local address
 //!   map hostip-NET { typeof ip daddr . meta l4proto . th dport : ip daddr . th dport }  one node address
-//!   set masq-NET    { typeof ip saddr . ip daddr . meta l4proto . th dport }  container . container . proto . port
 //!   set targets-NET { typeof ip daddr . meta l4proto . th dport }            container . proto . port
 //!   chain dnat-NET { CONDITIONS meta l4proto { tcp, udp, sctp } dnat ip addr . port to ip daddr . meta l4proto . th dport map @hostip-NET
 //!                    CONDITIONS meta l4proto { tcp, udp, sctp } dnat ip addr . port to meta l4proto . th dport map @ports-NET }
 //!   chain pre-NET  { type nat hook prerouting priority -100; fib daddr type local jump dnat-NET }
 //!   chain out-NET  { type nat hook output priority -100; fib daddr type local jump dnat-NET }
 //!   chain post-NET { type nat hook postrouting priority 100;
-//!                    ct status dnat ip saddr . ip daddr . meta l4proto . th dport @masq-NET meta mark set meta mark | BIT   (hairpin)
-//!                    ct status dnat ip saddr 127.0.0.0/8 ip daddr . meta l4proto . th dport @targets-NET meta mark set ... (localhost, v4)
-//!                    ct status dnat ip daddr . meta l4proto . th dport @targets-NET meta mark set ...    (masqAll instead of both)
+//!                    ct status dnat ip saddr SUBNET ip daddr . meta l4proto . th dport @targets-NET meta mark set meta mark | BIT
+//!                    ct status dnat ip saddr 127.0.0.0/8 ip daddr . meta l4proto . th dport @targets-NET meta mark set ...
 //!                    meta mark & BIT == BIT masquerade }
 //! }
 //! ```
+//!
+//! The postrouting rules are upstream's SNAT: connections from the containers' own subnet (hairpin: a
+//! container to its own host port, or to a neighbour's on the same bridge, whose answer would otherwise go
+//! straight back over the bridge and miss the node's NAT) and, in IPv4, from 127.0.0.1; with `masqAll`, one rule
+//! for every connection to a mapped container instead. `targets` restricts them to connections this network
+//! DNATed to its containers. One hairpin rule per container subnet seen on the network (its comment names
+//! the subnet, so that the next ADD keeps it).
 //!
 //! Every element carries the comment `CONTAINERID IFNAME`: DEL, CHECK and GC find an attachment's elements by
 //! reading the kernel. Each network has its own chains and maps, so its conditions and its DEL never touch
 //! another network. No rule per mapping: a mapping is one element in each of three sets.
 
-use super::netconf::{NetConf, PortMapping};
+use super::netconf::{NetConf, PortMapping, Subnet};
 use crate::nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
 use crate::nft::ir::*;
 use std::net::IpAddr;
@@ -45,7 +50,6 @@ pub struct Names {
     pub dnat: String,
     pub ports: String,
     pub hostip: String,
-    pub masq: String,
     pub targets: String,
 }
 
@@ -61,14 +65,13 @@ impl Names {
             dnat: n("dnat"),
             ports: n("ports"),
             hostip: n("hostip"),
-            masq: n("masq"),
             targets: n("targets"),
         }
     }
 
     /// The sets that hold elements of attachments.
-    pub fn element_sets(&self) -> [&str; 4] {
-        [&self.ports, &self.hostip, &self.masq, &self.targets]
+    pub fn element_sets(&self) -> [&str; 3] {
+        [&self.ports, &self.hostip, &self.targets]
     }
 
     pub fn chains(&self) -> [&str; 4] {
@@ -98,17 +101,21 @@ fn addr_fields(family: Family) -> (Field, Field, TypeofExpr, TypeofExpr) {
 /// The sets of a network, declared `typeof` as nft declares them, so that their listing reloads.
 pub fn sets(family: Family, names: &Names) -> Vec<Set> {
     use TypeofExpr::{MetaL4proto as Proto, ThDport as Port};
-    let (_, _, saddr, daddr) = addr_fields(family);
+    let (_, _, _, daddr) = addr_fields(family);
     vec![
         Set::typed(&names.ports, vec![Proto, Port], vec![daddr, Port]),
         Set::typed(&names.hostip, vec![daddr, Proto, Port], vec![daddr, Port]),
-        Set::typed(&names.masq, vec![saddr, daddr, Proto, Port], vec![]),
         Set::typed(&names.targets, vec![daddr, Proto, Port], vec![]),
     ]
 }
 
-/// The chains of a network, with their rules.
-pub fn chains(family: Family, names: &Names, conf: &NetConf) -> Vec<ChainState> {
+/// The chains of a network, with their rules; `subnets`: the container subnets of the network in `family`.
+pub fn chains(
+    family: Family,
+    names: &Names,
+    conf: &NetConf,
+    subnets: &[Subnet],
+) -> Vec<ChainState> {
     let entry = |name: &str, hook| ChainState {
         chain: Chain::base(name, ChainType::Nat, hook, DSTNAT),
         rules: vec![RuleBuilder::new()
@@ -121,7 +128,7 @@ pub fn chains(family: Family, names: &Names, conf: &NetConf) -> Vec<ChainState> 
         entry(&names.out, Hook::Output),
         ChainState {
             chain: Chain::base(&names.post, ChainType::Nat, Hook::Postrouting, SRCNAT),
-            rules: masquerade_rules(family, names, conf),
+            rules: masquerade_rules(family, names, conf, subnets),
         },
         ChainState {
             chain: Chain::regular(&names.dnat),
@@ -178,41 +185,38 @@ fn dnat_through(rule: RuleBuilder, family: Family, key: &[Field], map: &str) -> 
     .build()
 }
 
-/// Upstream's SNAT semantics: with `snat`, hairpin and (IPv4) localhost connections are masqueraded, or all
-/// of them with `masqAll`; the decision sets `markMasqBit`, and marked packets are masqueraded.
-fn masquerade_rules(family: Family, names: &Names, conf: &NetConf) -> Vec<Rule> {
+/// Upstream's SNAT semantics: with `snat`, connections from the container subnets (hairpin) and, in IPv4, from
+/// 127.0.0.0/8 are masqueraded, or all of them with `masqAll`; the decision sets `markMasqBit`, and marked
+/// packets are masqueraded.
+fn masquerade_rules(
+    family: Family,
+    names: &Names,
+    conf: &NetConf,
+    subnets: &[Subnet],
+) -> Vec<Rule> {
     if !conf.snat {
         return Vec::new();
     }
     let bit = 1u32 << conf.mark_masq_bit;
     let (saddr, daddr, _, _) = addr_fields(family);
-    let dnatted = || RuleBuilder::new().ct_has(CtKey::Status, CT_STATUS_DNAT);
     let target = [daddr, Field::L4Proto, Field::ThDport];
+    let to_target = |r: RuleBuilder| {
+        r.ct_has(CtKey::Status, CT_STATUS_DNAT)
+            .in_set(&target, &names.targets, false)
+            .mark_or(bit)
+    };
+    let from = |net: &IpAddr, prefix: u8| RuleBuilder::new().prefix(saddr, net, prefix, false);
     let mut rules = Vec::new();
     if conf.masq_all {
-        rules.push(
-            dnatted()
-                .in_set(&target, &names.targets, false)
-                .mark_or(bit)
-                .build(),
-        );
+        rules.push(to_target(RuleBuilder::new()).build());
     } else {
-        let hairpin = [saddr, daddr, Field::L4Proto, Field::ThDport];
-        rules.push(
-            dnatted()
-                .in_set(&hairpin, &names.masq, false)
-                .mark_or(bit)
-                .build(),
-        );
+        for s in subnets {
+            let rule = from(&s.net, s.prefix).comment(subnet_comment(s));
+            rules.push(to_target(rule).build());
+        }
         if family == Family::Ip {
             let loopback: IpAddr = [127, 0, 0, 0].into();
-            rules.push(
-                dnatted()
-                    .prefix(saddr, &loopback, 8, false)
-                    .in_set(&target, &names.targets, false)
-                    .mark_or(bit)
-                    .build(),
-            );
+            rules.push(to_target(from(&loopback, 8)).build());
         }
     }
     rules.push(
@@ -222,6 +226,22 @@ fn masquerade_rules(family: Family, names: &Names, conf: &NetConf) -> Vec<Rule> 
             .build(),
     );
     rules
+}
+
+const SUBNET_COMMENT: &str = "hairpin from ";
+
+fn subnet_comment(s: &Subnet) -> String {
+    format!("{SUBNET_COMMENT}{s}")
+}
+
+/// The container subnets a network's postrouting chain already masquerades (from its rules' comments).
+pub fn known_subnets(chain: Option<&ChainState>) -> Vec<Subnet> {
+    chain
+        .into_iter()
+        .flat_map(|c| &c.rules)
+        .filter_map(|r| r.comment.as_deref()?.strip_prefix(SUBNET_COMMENT))
+        .filter_map(Subnet::parse)
+        .collect()
 }
 
 /// The comment that marks an attachment's elements.
@@ -242,8 +262,8 @@ pub struct Wanted {
     pub element: CommentedElement,
 }
 
-/// The elements of one attachment in one family: for each mapping that applies, one in `ports` or `hostip`,
-/// one in `masq` and one in `targets`.
+/// The elements of one attachment in one family: for each mapping that applies, one in `ports` or `hostip`
+/// and one in `targets`.
 pub fn elements(
     family: Family,
     names: &Names,
@@ -282,11 +302,6 @@ pub fn elements(
                 Some(value),
             ),
         }
-        push(
-            &names.masq,
-            concat_key(&[c.clone(), c.clone(), proto.clone(), cport.clone()]),
-            None,
-        );
         push(&names.targets, concat_key(&[c.clone(), proto, cport]), None);
     }
     out.sort();
@@ -343,8 +358,8 @@ mod tests {
             c,
             "c1 eth0",
         );
-        // ports, hostip, and masq/targets shared by both mappings (same container port).
-        assert_eq!(e.len(), 4, "{e:#?}");
+        // ports, hostip, and one targets element for both mappings (the same container port).
+        assert_eq!(e.len(), 3, "{e:#?}");
         let ports = e.iter().find(|w| w.set == n.ports).unwrap();
         assert_eq!(
             published(Family::Ip, &n, &n.ports, &ports.element.element.key),

@@ -1,7 +1,7 @@
 //! The kernel as the plugin's only record: reading one network's objects in one family, and planning the
 //! changes that bring them to what a command wants. Planning is pure (tested without root).
 
-use super::netconf::NetConf;
+use super::netconf::{NetConf, Subnet};
 use super::render::{self, Names, Wanted, TABLE};
 use crate::nft::ir::*;
 use crate::nft::netlink::{DumpError, NftSocket};
@@ -51,6 +51,7 @@ pub fn ensure_structure(
     view: &NetworkView,
     names: &Names,
     conf: &NetConf,
+    subnet: Option<Subnet>,
 ) {
     let empty = TableState::new(family, TABLE);
     let table = match &view.table {
@@ -65,7 +66,7 @@ pub fn ensure_structure(
             tx.push(family, TABLE, Op::AddSet(set));
         }
     }
-    let wanted = render::chains(family, names, conf);
+    let wanted = render::chains(family, names, conf, &subnets(table, names, subnet));
     let stale: Vec<&ChainState> = wanted
         .iter()
         .filter(|c| table.chains.get(&c.chain.name) != Some(*c))
@@ -88,6 +89,15 @@ pub fn ensure_structure(
             );
         }
     }
+}
+
+/// The container subnets the network's hairpin rules cover: those its chain has, and `new`.
+fn subnets(table: &TableState, names: &Names, new: Option<Subnet>) -> Vec<Subnet> {
+    let mut all = render::known_subnets(table.chains.get(&names.post));
+    all.extend(new);
+    all.sort();
+    all.dedup();
+    all
 }
 
 /// What a plan removed: (set, element) pairs, to clean conntrack after the commit.
@@ -181,6 +191,7 @@ pub fn differences(
     view: &NetworkView,
     names: &Names,
     conf: &NetConf,
+    subnet: Option<Subnet>,
     wanted: &[Wanted],
     owner: &str,
 ) -> Vec<String> {
@@ -193,7 +204,7 @@ pub fn differences(
         return out;
     };
     if !wanted.is_empty() {
-        for c in render::chains(family, names, conf) {
+        for c in render::chains(family, names, conf, &subnets(table, names, subnet)) {
             match table.chains.get(&c.chain.name) {
                 None => out.push(format!(
                     "{} is missing",
@@ -232,6 +243,10 @@ mod tests {
 
     fn conf() -> NetConf {
         netconf::parse(br#"{"cniVersion": "1.1.0", "name": "n1"}"#).unwrap()
+    }
+
+    fn subnet() -> Option<Subnet> {
+        Subnet::parse("10.0.0.0/24")
     }
 
     fn wanted(names: &Names, port: u16, ip: &str, owner: &str) -> Vec<Wanted> {
@@ -297,6 +312,7 @@ mod tests {
             &NetworkView::default(),
             &names,
             &conf(),
+            subnet(),
         );
         let a = wanted(&names, 8080, "10.0.0.2", "a eth0");
         converge(
@@ -319,17 +335,21 @@ mod tests {
         let view = applied(&tx);
 
         let mut again = Transaction::default();
-        ensure_structure(&mut again, Family::Ip, &view, &names, &conf());
+        ensure_structure(&mut again, Family::Ip, &view, &names, &conf(), subnet());
         converge(&mut again, Family::Ip, &view, &names, &a, "a eth0");
         assert!(again.is_empty(), "{again:#?}");
-        assert!(differences(Family::Ip, &view, &names, &conf(), &a, "a eth0").is_empty());
+        assert!(differences(Family::Ip, &view, &names, &conf(), subnet(), &a, "a eth0").is_empty());
 
         let mut del = Transaction::default();
         let removed = remove_where(&mut del, Family::Ip, &view, &names, |c| c == Some("a eth0"));
-        assert_eq!(removed.len(), 3);
+        assert_eq!(removed.len(), 2, "a's ports and targets elements");
         let after = applied_on(view, &del);
-        assert!(!differences(Family::Ip, &after, &names, &conf(), &a, "a eth0").is_empty());
-        assert!(differences(Family::Ip, &after, &names, &conf(), &b, "b eth0").is_empty());
+        assert!(
+            !differences(Family::Ip, &after, &names, &conf(), subnet(), &a, "a eth0").is_empty()
+        );
+        assert!(
+            differences(Family::Ip, &after, &names, &conf(), subnet(), &b, "b eth0").is_empty()
+        );
     }
 
     #[test]
@@ -352,7 +372,7 @@ mod tests {
         assert_eq!(removed.len(), 1, "the old ports element, replaced");
         let after = applied_on(view, &take);
         assert!(
-            differences(Family::Ip, &after, &names, &conf(), &b, "b eth0")
+            differences(Family::Ip, &after, &names, &conf(), subnet(), &b, "b eth0")
                 .iter()
                 .all(|d| d.contains("chain"))
         );
