@@ -707,3 +707,196 @@ fn bad_configs_are_refused_naming_the_field_and_change_nothing() {
         "{out}"
     );
 }
+
+/// A container runtime: Debian's podman (CNI backend, runc) runs a container from a local root filesystem
+/// (busybox-static, no image pull) with `-p 18080:8080` on a network whose plugin list is bridge, then
+/// nftkube's portmap (`nftkube-portmap`). Podman runs in the test's node namespace (so the bridge is made
+/// there); its configuration, storage and state live in the test's directory. (libcni itself keeps its result
+/// cache under /var/lib/cni/results, which podman cannot move; `podman rm` empties it again.)
+#[test]
+fn podman_publishes_a_port_through_nftkube_portmap() {
+    let node = Node::new("pm-podman");
+    for tool in ["podman", "runc", "conmon"] {
+        assert!(
+            which(tool),
+            "{tool} missing: install podman, runc and busybox-static (ci/install-deps does)"
+        );
+    }
+    let pod = Podman::new(&node);
+    let name = unique_name("pmpod");
+    let id = pod.run(&[
+        "run",
+        "-d",
+        "--name",
+        &name,
+        "--network",
+        "pmnet",
+        "-p",
+        "18080:8080",
+        "--rootfs",
+        pod.rootfs().to_str().unwrap(),
+        "/bin/busybox",
+        "httpd",
+        "-f",
+        "-p",
+        "8080",
+        "-h",
+        "/www",
+    ]);
+    let _cleanup = Removal {
+        pod: &pod,
+        name: &name,
+    };
+    assert_listable(node.ns());
+    let page = http_get(node.sb.ext(), SocketAddr::new(v4(node_ip_v4()), 18080));
+    assert!(page.contains("served by podman"), "{page}");
+    let comments: Vec<Option<String>> = node
+        .elements(Family::Ip, "ports-pmnet")
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    assert_eq!(
+        comments,
+        vec![Some(format!("{id} eth0"))],
+        "the element names podman's container"
+    );
+
+    pod.run(&["rm", "-f", "-t", "0", &name]);
+    assert_listable(node.ns());
+    assert!(
+        node.elements(Family::Ip, "ports-pmnet").is_empty(),
+        "DEL through podman rm"
+    );
+    assert_unanswered(
+        tcp_short(node.sb.ext(), v4(node_ip_v4()), 18080),
+        "the port after podman rm",
+    );
+}
+
+fn which(tool: &str) -> bool {
+    [
+        "/usr/bin",
+        "/usr/sbin",
+        "/bin",
+        "/sbin",
+        "/usr/libexec/podman",
+    ]
+    .iter()
+    .any(|d| Path::new(d).join(tool).exists())
+}
+
+/// Podman's configuration in the test's directory: containers.conf (runc, cgroupfs, CNI with the test's plugin
+/// and configuration directories, explicit ulimits), storage.conf (vfs, graph and run roots), the network
+/// `pmnet`, and a busybox root filesystem serving one page.
+struct Podman {
+    dir: PathBuf,
+    ns_path: PathBuf,
+    ns_name: String,
+}
+
+impl Podman {
+    fn new(node: &Node) -> Podman {
+        let dir = node.dir.join("podman");
+        let rootfs = dir.join("rootfs");
+        for d in ["bin", "www", "proc", "sys", "dev", "etc", "tmp"] {
+            std::fs::create_dir_all(rootfs.join(d)).unwrap();
+        }
+        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+            .expect("/bin/busybox (busybox-static) missing");
+        std::fs::write(rootfs.join("www/index.html"), "served by podman\n").unwrap();
+        let (conf_dir, bin) = (dir.join("net.d"), dir.join("cni-bin"));
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        std::fs::create_dir_all(&bin).unwrap();
+        for p in ["bridge", "host-local", "loopback"] {
+            std::os::unix::fs::symlink(Path::new(CNI_BIN).join(p), bin.join(p)).unwrap();
+        }
+        std::os::unix::fs::symlink(nftkube_bin(), bin.join("nftkube-portmap")).unwrap();
+        let conflist = json!({"cniVersion": "1.0.0", "name": "pmnet", "plugins": [
+            {"type": "bridge", "bridge": "pmpod0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+             "ipam": {"type": "host-local", "dataDir": dir.join("ipam"),
+                      "ranges": [[{"subnet": "10.97.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+            {"type": "nftkube-portmap", "capabilities": {"portMappings": true}}]});
+        std::fs::write(conf_dir.join("pmnet.conflist"), conflist.to_string()).unwrap();
+        let d = dir.display();
+        std::fs::write(
+            dir.join("containers.conf"),
+            format!(
+                "[containers]\ndefault_ulimits = [\"nofile=20000:20000\", \"nproc=32768:32768\"]\n\
+                 [engine]\nruntime = \"runc\"\ncgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n\
+                 events_logfile_path = \"{d}/events.log\"\ntmp_dir = \"{d}/tmp\"\n\
+                 [network]\nnetwork_backend = \"cni\"\ncni_plugin_dirs = [\"{}\"]\nnetwork_config_dir = \"{}\"\n",
+                bin.display(),
+                conf_dir.display()
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("storage.conf"),
+            format!(
+                "[storage]\ndriver = \"vfs\"\nrunroot = \"{d}/run\"\ngraphroot = \"{d}/storage\"\n"
+            ),
+        )
+        .unwrap();
+        Podman {
+            dir,
+            ns_path: node.ns().path().to_owned(),
+            ns_name: node.ns().name().to_owned(),
+        }
+    }
+
+    fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+
+    /// Runs podman in the node namespace; panics unless it succeeds; returns its stdout, trimmed.
+    fn run(&self, args: &[&str]) -> String {
+        let ns = NetNs::open_existing(&self.ns_name).expect("the node namespace");
+        assert_eq!(ns.path(), self.ns_path);
+        let out = command_in(&ns, "podman")
+            .args(args)
+            .env("CONTAINERS_CONF", self.dir.join("containers.conf"))
+            .env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
+            .output()
+            .expect("running podman");
+        assert!(
+            out.status.success(),
+            "podman {args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+/// Removes the container even when the test fails half-way (its conmon would outlive the test).
+struct Removal<'a> {
+    pod: &'a Podman,
+    name: &'a str,
+}
+
+impl Drop for Removal<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let ns = NetNs::open_existing(&self.pod.ns_name).expect("the node namespace");
+            let _ = command_in(&ns, "podman")
+                .args(["rm", "-f", "-t", "0", self.name])
+                .env("CONTAINERS_CONF", self.pod.dir.join("containers.conf"))
+                .env("CONTAINERS_STORAGE_CONF", self.pod.dir.join("storage.conf"))
+                .output();
+        }
+    }
+}
+
+/// `GET /` over HTTP/1.0 from `ns`; the whole answer.
+fn http_get(ns: &NetNs, dst: SocketAddr) -> String {
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&dst, WAIT)?;
+        s.set_read_timeout(Some(WAIT))?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut s, &mut out)?;
+        Ok::<_, std::io::Error>(out)
+    })
+    .unwrap()
+    .unwrap_or_else(|e| panic!("GET http://{dst}/: {e}"))
+}
