@@ -900,3 +900,56 @@ fn http_get(ns: &NetNs, dst: SocketAddr) -> String {
     .unwrap()
     .unwrap_or_else(|e| panic!("GET http://{dst}/: {e}"))
 }
+
+/// Runtimes create pods in parallel: concurrent ADDs on one network, each its own process, all land (a batch
+/// refused because another invocation changed the same objects is read, planned and sent again), and each
+/// port reaches its own container.
+#[test]
+fn concurrent_adds_on_one_network_all_land() {
+    let node = Node::new("pm-par");
+    let net = Network::a();
+    let containers: Vec<Container> = (0..6).map(|i| Container::start(&format!("p{i}"))).collect();
+    // The interfaces first, one by one (host-local's own lock is not what is tested here).
+    let prevs: Vec<Value> = containers
+        .iter()
+        .map(|c| {
+            let (ok, prev) = node.invoke(
+                "bridge",
+                "ADD",
+                Some((c, "eth0")),
+                &net.bridge_conf(&node.dir),
+            );
+            assert!(ok, "{prev}");
+            prev
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (i, (c, prev)) in containers.iter().zip(&prevs).enumerate() {
+            let (node, net) = (&node, &net);
+            s.spawn(move || {
+                let conf = net.portmap_conf(
+                    Some(prev),
+                    json!([mapping(7000 + i as u16, TCP_PORT, "tcp")]),
+                );
+                let (ok, out) = node.invoke("portmap", "ADD", Some((c, "eth0")), &conf);
+                assert!(ok, "concurrent ADD {i}: {out}");
+            });
+        }
+    });
+    assert_listable(node.ns());
+    assert_eq!(
+        node.elements(Family::Ip, "ports-net-a").len(),
+        containers.len()
+    );
+    // CHECK compares the chains exactly: two invocations that both created the network left one copy of
+    // each rule.
+    for (i, (c, prev)) in containers.iter().zip(&prevs).enumerate() {
+        let maps = json!([mapping(7000 + i as u16, TCP_PORT, "tcp")]);
+        let (ok, out) = node.portmap("CHECK", &net, c, "eth0", prev, maps);
+        assert!(ok, "CHECK {i}: {out}");
+    }
+    for i in 0..containers.len() {
+        let answer = tcp(node.sb.ext(), v4(node_ip_v4()), 7000 + i as u16).unwrap();
+        assert_eq!(answer, format!("p{i}"));
+    }
+}

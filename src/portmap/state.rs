@@ -45,6 +45,8 @@ pub fn read(sock: &mut NftSocket, family: Family, names: &Names) -> Result<Netwo
 
 /// Adds to `tx` what makes the network's table, sets and chains what `conf` asks for. Chains whose rules
 /// differ are replaced within the batch (flush and refill in one transaction: no packet sees them empty).
+/// Every message is idempotent (NEWTABLE, NEWSET and NEWCHAIN without NLM_F_EXCL; a flush before the rules),
+/// so two invocations that both found the network missing leave one copy of it.
 pub fn ensure_structure(
     tx: &mut Transaction,
     family: Family,
@@ -75,9 +77,9 @@ pub fn ensure_structure(
         tx.push(family, TABLE, Op::AddChain(c.chain.clone()));
     }
     for c in stale {
-        if table.chains.contains_key(&c.chain.name) {
-            tx.push(family, TABLE, Op::FlushChain(c.chain.name.clone()));
-        }
+        // Also when the chain was absent: a concurrent invocation may create it between our read and our
+        // commit, and its rules must not end up in the chain twice.
+        tx.push(family, TABLE, Op::FlushChain(c.chain.name.clone()));
         for rule in &c.rules {
             tx.push(
                 family,
@@ -273,6 +275,7 @@ mod tests {
                 Op::AddChain(ch) => {
                     t.add_chain(ch.clone());
                 }
+                Op::FlushChain(chain) => t.chain_mut(chain).rules.clear(),
                 Op::AddRule { chain, rule } => t.chain_mut(chain).rules.push(rule.clone()),
                 Op::AddCommentedElements { set, elements } => {
                     view.elements.entry(set.clone()).or_default().extend(
