@@ -3,7 +3,8 @@
 //!
 //! For each N (ClusterIP services × 5 endpoints, the addresses of ../shared/anchors/gen_rulesets.py):
 //! - nftkube cold full sync (library: render + one netlink batch), and the same through the real binary
-//!   reading generated manifests (wall time to the first completed sync, and the agent's peak RSS);
+//!   reading generated manifests (wall time to the first completed sync, and the agent's peak RSS; with
+//!   `NFTKUBE_BENCH_IDLE_SECONDS=S`, then its CPU time over S idle seconds, as a share of one core);
 //! - a one-endpoint change (same count) and an endpoint-count change, as partial syncs: time and bytes;
 //! - `nft -f` of nftkube's own ruleset (`plan` output);
 //! - upstream kube-proxy's nftables mode: `nft -f` of its first full sync, then its partial sync;
@@ -115,7 +116,7 @@ fn main() {
             format!("{:.0}", lat.as_secs_f64() * 1e6),
         );
 
-        let (agent_wall, agent_rss) = agent_binary(&bin, &model, &work);
+        let (agent_wall, agent_rss, idle) = agent_binary(&bin, &model, &work);
         push(
             "agent binary: manifests → first sync (s)",
             col,
@@ -126,6 +127,16 @@ fn main() {
             col,
             format!("{:.0}", agent_rss as f64 / 1024.0),
         );
+        if let Some((cpu, over)) = idle {
+            push(
+                &format!(
+                    "agent binary: idle CPU over {}s (% of a core)",
+                    over.as_secs()
+                ),
+                col,
+                format!("{:.3}", cpu * 100.0),
+            );
+        }
 
         let plan = work.join("plan.nft");
         std::fs::write(&plan, model.plan_text()).unwrap();
@@ -480,8 +491,9 @@ fn upstream_iptables(anchors: &Path, restore: &str) -> Option<(Duration, Duratio
 }
 
 /// The real binary on generated manifests in a fresh namespace: time to its first completed sync, and its
-/// peak RSS (VmHWM) at that point.
-fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64) {
+/// peak RSS (VmHWM) at that point; then, if `NFTKUBE_BENCH_IDLE_SECONDS` is set, the CPU time it uses while
+/// nothing changes (periodic checks included) as a share of one core, and over how long.
+fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64, Option<(f64, Duration)>) {
     let dir: PathBuf = work.join("manifests");
     m.write_manifests(&dir);
     let ns = NetNs::create(&unique_name("nkbench")).unwrap();
@@ -501,9 +513,9 @@ fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64) {
     .stdout(Stdio::null())
     .spawn()
     .unwrap();
-    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let mut wall = None;
-    for line in BufReader::new(stderr).lines() {
+    for line in lines.by_ref() {
         let line = line.unwrap();
         if line.contains("sync complete") {
             wall = Some(start.elapsed());
@@ -519,10 +531,37 @@ fn agent_binary(bin: &Path, m: &Model, work: &Path) -> (Duration, u64) {
             Some((k, v.trim().trim_end_matches(" kB").parse().ok()?))
         })
         .collect();
+    // Keep reading its log, so that it never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    let idle = idle_seconds().map(|over| (idle_cpu(child.id(), over), over));
     // SAFETY: kill on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
-    (wall.expect("agent never synced"), hwm["VmHWM"])
+    (wall.expect("agent never synced"), hwm["VmHWM"], idle)
+}
+
+fn idle_seconds() -> Option<Duration> {
+    let s: u64 = std::env::var("NFTKUBE_BENCH_IDLE_SECONDS")
+        .ok()?
+        .parse()
+        .ok()?;
+    (s > 0).then(|| Duration::from_secs(s))
+}
+
+/// CPU time (user + system, every thread) process `pid` uses over the next `over`, as a share of one core.
+fn idle_cpu(pid: u32, over: Duration) -> f64 {
+    let ticks = || -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split(' ').collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let (before, start) = (ticks(), Instant::now());
+    std::thread::sleep(over);
+    (ticks() - before) as f64 / hz / start.elapsed().as_secs_f64()
 }
 
 /// Median time for a new TCP connection (connect, one answer, close) from a pod to the last of `n` services,

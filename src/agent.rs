@@ -1,20 +1,28 @@
-//! The proxy loop: watch the source, keep the kernel in sync, retry failures, resync periodically.
+//! The proxy agent: its options, the loop that keeps the kernel in sync with the source (`run`), and the
+//! one-shot commands (`plan`, `cleanup`).
+
+mod run;
+pub mod runner;
+pub mod wake;
+
+pub use wake::{Doorbell, Inbox, StopHandle, Wake};
+
+use run::ProxyLoop;
 
 use crate::admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
 use crate::config::{DetectLocal, Resolved, SourceSpec};
-use crate::metrics;
 use crate::model::{Cidr, ClusterState, NamespacedName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::monitor::{self, Drift};
 use crate::nft::netlink::NftSocket;
 use crate::render::{self, names::TABLE, RenderConfig};
-use crate::source::{apply_event, Event, KubeSource, ManifestSource, ProxySource};
+use crate::source::{apply_event, KubeSource, ManifestSource, ManifestWatcher, ProxySource};
 use crate::sync::{delete_tables, SyncEngine, SyncError, SyncReport};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Everything the proxy loop needs to know.
 #[derive(Debug, Clone)]
@@ -26,8 +34,9 @@ pub struct ProxyOptions {
     pub sync_period: Duration,
     /// Syncs are at least this far apart, so bursts of changes coalesce (`--min-sync-period`).
     pub min_sync_period: Duration,
-    /// How often the manifest directory is checked for changes.
-    pub poll_interval: Duration,
+    /// How often the manifest directory is checked for changes that inotify did not report (a filesystem
+    /// without events; a directory created later is found sooner through its parent's events).
+    pub manifest_fallback: Duration,
     /// `--nodeport-addresses`, re-resolved against the node's addresses at every full sync.
     pub nodeport_cidrs: Vec<Cidr>,
     /// Health, metrics and healthCheckNodePort servers (None: no admin servers).
@@ -35,6 +44,9 @@ pub struct ProxyOptions {
     /// NodeCIDR: `render.cluster_cidrs` come from this node's podCIDRs (API source), and nothing is
     /// programmed before they are known. The other modes are in `render.local_detector`.
     pub detect_local: DetectLocal,
+    /// Periodic checks read the kernel back at least this often even when its generation id is unchanged
+    /// (`--full-read-period`; zero: every check reads).
+    pub full_read_period: Duration,
     /// Elements per transaction above which a sync is committed in several (`--max-transaction-elements`).
     pub max_transaction_elements: usize,
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
@@ -49,11 +61,12 @@ impl ProxyOptions {
             render,
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
-            poll_interval: Duration::from_millis(500),
+            manifest_fallback: Duration::from_secs(30),
             nodeport_cidrs: Vec::new(),
             admin: None,
             detect_local: DetectLocal::ClusterCidr,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
+            full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
         }
     }
@@ -69,11 +82,13 @@ impl ProxyOptions {
             render,
             sync_period: r.sync_period.max(Duration::from_millis(100)),
             min_sync_period: r.min_sync_period,
-            poll_interval: Duration::from_millis(500),
+            // A changed file that inotify did not report is read within a sync period.
+            manifest_fallback: r.sync_period.max(Duration::from_millis(100)),
             nodeport_cidrs: r.nodeport_cidrs,
             admin: Some(r.admin),
             detect_local: r.detect_local,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
+            full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
         }
     }
@@ -98,227 +113,87 @@ pub fn plan(
     render::render(state.service_map(), &state.endpoints_map(), cfg)
 }
 
-/// Opens the configured source (the API source builds its client here: a bad kubeconfig fails now).
-fn open_source(spec: &SourceSpec) -> anyhow::Result<ProxySource> {
-    Ok(match spec {
-        SourceSpec::Manifests(dir) => ProxySource::Manifests(ManifestSource::new(dir.clone())),
-        SourceSpec::Kube(k) => ProxySource::Kube(KubeSource::start(k.clone())?),
+/// Opens the configured source on threads of its own (the API source builds its client here: a bad
+/// kubeconfig fails now); it rings `bell` when events are waiting.
+fn open_source(opts: &ProxyOptions, bell: &Doorbell) -> anyhow::Result<ProxySource> {
+    let notify = bell.notifier(Wake::Source);
+    Ok(match &opts.source {
+        SourceSpec::Manifests(dir) => ProxySource::Manifests(ManifestWatcher::start(
+            dir.clone(),
+            opts.manifest_fallback,
+            notify,
+        )?),
+        SourceSpec::Kube(k) => ProxySource::Kube(KubeSource::start_notifying(k.clone(), notify)?),
     })
 }
 
-/// Runs until `stop` is set. Rules stay in place when it returns, as kube-proxy's do.
+/// Runs until `inbox`'s stop handle is used. Rules stay in place when it returns, as kube-proxy's do.
 ///
 /// Nothing is programmed before the source has delivered a complete snapshot (`Event::Synced`): an API
 /// that cannot be reached at startup leaves whatever an earlier run programmed untouched.
-pub fn run_proxy(opts: &ProxyOptions, stop: &AtomicBool) -> anyhow::Result<()> {
-    let mut source = open_source(&opts.source)?;
-    let mut state = ClusterState::new();
+pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
+    let bell = inbox.doorbell();
+    let source = open_source(opts, &bell)?;
     let socket = NftSocket::open()
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
     engine.set_max_transaction_elements(opts.max_transaction_elements);
-    let monitor = start_monitor(&mut engine)?;
+    // Stopped and joined when dropped, whichever way this function returns.
+    let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
     // Clean what the renderer programs: ClusterIPs, external IPs, LoadBalancer IPs and NodePorts (on any node
     // address: a stale entry to a NodePort is stale whichever address it came in on).
-    let frontend_kinds = crate::conntrack::FrontendKinds::ALL;
-    let mut conntrack = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
-        kinds: frontend_kinds,
+    let mut cleaner = crate::conntrack::Cleaner::with_options(crate::conntrack::CleanerOptions {
+        kinds: crate::conntrack::FrontendKinds::ALL,
         ..Default::default()
     });
     if let Some(f) = opts.conntrack_features {
-        conntrack.set_features(f);
+        cleaner.set_features(f);
     }
-
+    // Its thread inherits this one's network namespace, whose conntrack table it cleans.
+    let conntrack = crate::conntrack::CleanupQueue::start(cleaner)?;
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));
     let admin = match &opts.admin {
         Some(a) => Some(Admin::start(a, health.clone(), conntrack.metrics())?),
         None => None,
     };
-    let mut observer = Observer::new(health, admin, opts.render.node_name.clone());
-    // The API source's channel is cheap to poll; the manifest source stats files.
-    let poll_interval = match opts.source {
-        SourceSpec::Kube(_) => Duration::ZERO,
-        SourceSpec::Manifests(_) => opts.poll_interval,
-    };
-
-    let mut cfg = opts.render.clone();
-    let mut synced = false;
-    let mut waiting_logged = false;
-    let mut dirty = true;
-    let mut last_sync: Option<Instant> = None;
-    let mut last_full = Instant::now();
-    let mut backoff = Duration::from_secs(1);
-    let mut retry_at: Option<Instant> = None;
-    let mut last_poll: Option<Instant> = None;
-    // Someone else changed our tables and the full sync that repairs it has not succeeded yet.
-    let mut repairing = false;
-
-    while !stop.load(Ordering::SeqCst) {
-        if last_poll.is_none_or(|t| t.elapsed() >= poll_interval) {
-            last_poll = Some(Instant::now());
-            let events = source.poll();
-            if !events.is_empty() {
-                dirty = true;
-                for ev in events {
-                    observer.on_event(&ev);
-                    if ev == Event::Synced && !synced {
-                        synced = true;
-                        tracing::info!(
-                            services = state.service_map().len(),
-                            "source synced: complete snapshot received"
-                        );
-                    }
-                    apply_event(&mut state, ev);
-                }
-                if synced {
-                    observer.sync_requested();
-                }
-            }
-        }
-        if opts.render.node_zone.is_none() {
-            // Topology hints: this node's zone from its Node object (unless given as a flag).
-            let zone = observer.node.as_ref().and_then(|n| n.zone.clone());
-            if zone.is_some() && zone != cfg.node_zone {
-                tracing::info!(zone = ?zone, "this node's zone, from its Node object");
-                cfg.node_zone = zone;
-                engine.force_full_sync();
-                dirty = true;
-            }
-        }
-        if opts.detect_local == DetectLocal::NodeCidr {
-            let node_cidrs = observer.node.as_ref().map(|n| &n.pod_cidrs);
-            if let Some(cidrs) = node_cidrs.filter(|c| !c.is_empty()) {
-                if cfg.cluster_cidrs.is_empty() {
-                    tracing::info!(pod_cidrs = ?cidrs, "local traffic: this node's podCIDRs");
-                    cfg.cluster_cidrs = cidrs.clone();
-                    engine.force_full_sync();
-                    dirty = true;
-                } else if *cidrs != cfg.cluster_cidrs {
-                    // What kube-proxy does too: the rules were built for the old ranges.
-                    anyhow::bail!(
-                        "this node's podCIDRs changed from {:?} to {cidrs:?}: exiting to restart with them (the rules stay)",
-                        cfg.cluster_cidrs
-                    );
-                }
-            }
-        }
-        if last_full.elapsed() >= opts.sync_period {
-            engine.force_full_sync();
-            dirty = true;
-            if synced {
-                observer.sync_requested();
-            }
-        }
-        if monitor.drift.detected.swap(false, Ordering::SeqCst) {
-            // Someone changed our tables: read them back and repair now, bypassing the debounce.
-            engine.force_full_sync();
-            repairing = true;
-            dirty = true;
-            last_sync = None;
-            if synced {
-                observer.sync_requested();
-            }
-        }
-        let ready =
-            synced && (opts.detect_local != DetectLocal::NodeCidr || !cfg.cluster_cidrs.is_empty());
-        if dirty && !ready && !waiting_logged {
-            waiting_logged = true;
-            tracing::info!(
-                "waiting for the source's first complete snapshot (and, with NodeCIDR, this node's podCIDRs) before programming anything"
-            );
-        }
-        let debounced = last_sync.is_none_or(|t| t.elapsed() >= opts.min_sync_period);
-        let retry_due = retry_at.is_none_or(|t| Instant::now() >= t);
-        if dirty && ready && debounced && retry_due {
-            let changes = state.take_changes();
-            last_sync = Some(Instant::now());
-            observer.sync_started();
-            if engine.needs_full_sync() {
-                // Node addresses can change; full syncs pick that up for NodePorts.
-                refresh_node_addresses(&mut cfg, &opts.nodeport_cidrs);
-            }
-            match sync_once(&mut engine, &state, &changes.changed_services, &cfg) {
-                Ok(report) => {
-                    if report.full {
-                        // The health check servers follow the addresses NodePorts are now served on.
-                        observer.nodeport_addresses(&cfg.nodeport_addresses);
-                    }
-                    observer.sync_succeeded(&report, &changes.changed_services, &state);
-                    // The rules are in: delete the UDP / SCTP flows this round (and failed ones) made stale.
-                    conntrack.after_sync(&changes, &state);
-                    if report.full {
-                        last_full = Instant::now();
-                    }
-                    if report.full && report.changes > 0 {
-                        // Rules were missing or wrong until now: connections tried meanwhile may have left
-                        // entries that would keep a reused source port away from the service.
-                        let frontends = crate::conntrack::Frontends::of(
-                            &state,
-                            frontend_kinds,
-                            &cfg.nodeport_addresses,
-                            &cfg.node_ips,
-                        );
-                        conntrack.clear_black_holes(&frontends);
-                    }
-                    let repair = std::mem::take(&mut repairing);
-                    if repair {
-                        metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
-                    }
-                    metrics::record_sync(report.full, report.elapsed);
-                    metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
-                    tracing::info!(
-                        full = report.full,
-                        changes = report.changes,
-                        repair,
-                        bytes = report.bytes,
-                        transactions = report.transactions,
-                        services = state.service_map().len(),
-                        changed_services = changes.changed_services.len(),
-                        commit_ms = report.commit_time.as_secs_f64() * 1000.0,
-                        elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
-                        "sync complete"
-                    );
-                    // Chains released by this commit are deleted by the next one.
-                    dirty = engine.has_pending_cleanup();
-                    retry_at = None;
-                    backoff = Duration::from_secs(1);
-                }
-                Err(e) => {
-                    conntrack.sync_failed(&changes);
-                    metrics::SYNC_FAILURES.fetch_add(1, Ordering::Relaxed);
-                    metrics::PENDING_CHANGES
-                        .store(changes.changed_services.len() as u64, Ordering::Relaxed);
-                    tracing::error!(
-                        retry_in_s = backoff.as_secs(),
-                        "sync failed, the previous rules stay in place: {e}"
-                    );
-                    retry_at = Some(Instant::now() + backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    monitor.stop.store(true, Ordering::SeqCst);
-    let _ = monitor.thread.join();
+    let observer = Observer::new(health, admin, opts.render.node_name.clone());
+    let drift = monitor.drift.clone();
+    let mut proxy = ProxyLoop::new(opts, source, engine, conntrack, observer, drift);
+    let result = proxy.run(&inbox);
+    proxy.finish();
+    drop(monitor);
     tracing::info!("stopping; rules stay in place");
-    Ok(())
+    result
 }
 
+/// The nf_tables event monitor's thread; stopped and joined when dropped.
 struct Monitor {
     drift: Arc<Drift>,
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Watches nf_tables events on a thread of its own, in this thread's network namespace (a new thread
-/// inherits it).
-fn start_monitor(engine: &mut SyncEngine<NftSocket>) -> anyhow::Result<Monitor> {
+/// inherits it); `notify` is called whenever drift is raised.
+fn start_monitor(
+    engine: &mut SyncEngine<NftSocket>,
+    notify: crate::source::Notify,
+) -> anyhow::Result<Monitor> {
     let drift = Arc::new(Drift::default());
     let stop = Arc::new(AtomicBool::new(false));
     // The port handle is kept current when the engine's socket is replaced after a broken exchange.
-    let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone());
+    let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone())
+        .with_notify(notify);
     let st = stop.clone();
     let thread = std::thread::Builder::new()
         .name("nft-monitor".into())
@@ -331,7 +206,7 @@ fn start_monitor(engine: &mut SyncEngine<NftSocket>) -> anyhow::Result<Monitor> 
     Ok(Monitor {
         drift,
         stop,
-        thread,
+        thread: Some(thread),
     })
 }
 

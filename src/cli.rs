@@ -139,7 +139,8 @@ pub struct ProxyArgs {
     pub master: Option<String>,
     #[command(flatten)]
     pub render: RenderArgs,
-    /// Full resync (re-read the kernel and repair drift) at least this often: "30s", or seconds.
+    /// Periodic check at least this often: the node's addresses re-read, and the kernel's ruleset verified
+    /// (by its generation id; read back and repaired when that moved): "30s", or seconds.
     #[arg(long, visible_alias = "iptables-sync-period", default_value = "30s", value_parser = config::parse_duration_flag)]
     pub sync_period: Duration,
     /// Minimum time between syncs, so that bursts of changes coalesce: "1s", or seconds.
@@ -164,6 +165,10 @@ pub struct ProxyArgs {
     /// the kernel's nf_tables lock for long (changes that belong together are never cut apart).
     #[arg(long, default_value_t = crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_transaction_elements: u64,
+    /// Periodic checks read our tables back in full at least this often, even when the ruleset's
+    /// generation id says nothing changed since our last sync ("0": at every check).
+    #[arg(long, default_value = "10m", value_parser = config::parse_duration_flag)]
+    pub full_read_period: Duration,
 }
 
 impl ProxyArgs {
@@ -236,6 +241,7 @@ impl ProxyArgs {
         let mut opts = ProxyOptions::from_resolved(r, render);
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
+        opts.full_read_period = self.full_read_period;
         Ok(opts)
     }
 }

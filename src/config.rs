@@ -170,8 +170,8 @@ pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
 
 /// Parses a configuration (YAML or JSON).
 pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
-    let root: Value =
-        serde_yaml::from_str(text).map_err(|e| ConfigError(format!("not valid YAML: {e}")))?;
+    let root = crate::yaml::parse_document(text)
+        .map_err(|e| ConfigError(format!("not valid YAML: {e}")))?;
     let Value::Object(map) = &root else {
         return err("the file is not a mapping");
     };
@@ -1142,7 +1142,7 @@ iptables:
         let text = include_str!("../deploy/nftkube.yaml");
         let cm: serde_json::Value = text
             .split("\n---")
-            .map(|d| serde_yaml::from_str::<serde_json::Value>(d).unwrap())
+            .map(|d| crate::yaml::parse_document(d).unwrap())
             .find(|d| d["kind"] == "ConfigMap")
             .unwrap();
         let f = parse(cm["data"]["config.conf"].as_str().unwrap()).unwrap();

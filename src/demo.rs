@@ -6,7 +6,7 @@
 //! address it saw, prints the live ruleset read back from the kernel, and removes everything. The host's own
 //! namespace is never touched.
 
-use crate::agent::{run_proxy, ProxyOptions};
+use crate::agent::{run_proxy, Inbox, ProxyOptions};
 use crate::model::{ClusterState, Protocol, ServicePort};
 use crate::netns::{unique_name, NetNs};
 use crate::nft::ir::Family;
@@ -19,8 +19,6 @@ use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Ports the demo backends listen on (the examples' targetPorts).
@@ -71,16 +69,15 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         },
     );
     opts.min_sync_period = Duration::from_millis(200);
-    let stop = Arc::new(AtomicBool::new(false));
-    let agent_stop = stop.clone();
+    let (stop, inbox) = Inbox::new();
     let started = Instant::now();
     let agent = sb
         .node()
-        .spawn(move || run_proxy(&opts, &agent_stop))
+        .spawn(move || run_proxy(&opts, inbox))
         .context("starting the agent in the node namespace")?;
 
     let result = exercise(&sb, &services, requests, started);
-    stop.store(true, Ordering::SeqCst);
+    stop.stop();
     let agent_result = agent
         .join()
         .map_err(|_| anyhow::anyhow!("the agent thread panicked"))?;

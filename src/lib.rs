@@ -17,3 +17,4 @@ pub mod render;
 pub mod sandbox;
 pub mod source;
 pub mod sync;
+pub mod yaml;

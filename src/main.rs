@@ -3,34 +3,64 @@ use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 
-/// The library's flag: the proxy loop and every netlink wait in progress both watch it.
-use nftkube::netlink::SHUTDOWN as STOP;
+/// The library's flag: every netlink wait in progress watches it.
+use nftkube::netlink::SHUTDOWN;
 
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
+/// Blocks SIGTERM and SIGINT in this thread and in every thread started from it afterwards, so that they
+/// stay pending until the thread of `forward_stop_signals` takes them with sigwait: outside a signal
+/// handler, where it may wake the proxy loop.
+fn block_stop_signals() -> libc::sigset_t {
+    // SAFETY: the set is initialised by sigemptyset before use; pthread_sigmask only changes this thread's
+    // mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
 }
 
-/// SIGTERM and SIGINT ask the proxy loop to stop at its next turn.
-fn install_signal_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe; sigaction is given a
-        // zeroed, fully initialised struct.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
-        }
-    }
+/// Takes the blocked stop signals: the first stops the proxy (netlink waits end within their slice, the
+/// loop wakes at once); a second one exits at once.
+fn forward_stop_signals(
+    set: libc::sigset_t,
+    stop: nftkube::agent::StopHandle,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let mut received = 0;
+            loop {
+                let mut sig = 0;
+                // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
+                if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                    continue;
+                }
+                received += 1;
+                if received > 1 {
+                    eprintln!("nftkube: second signal {sig}: exiting now");
+                    std::process::exit(1);
+                }
+                tracing::info!(signal = sig, "stop requested");
+                SHUTDOWN.store(true, Ordering::SeqCst);
+                stop.stop();
+            }
+        })
+        .map(drop)
 }
 
 /// Probes what needs more than CAP_NET_ADMIN, drops every other capability, then runs the proxy loop.
 ///
 /// The drop happens here, on the main thread while it is the only one (the conntrack probe's thread has
-/// ended; the source, monitor and admin threads are spawned by `run_proxy`), so every thread inherits the
-/// reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
+/// ended; the signal thread is started after it, the source, monitor and admin threads by `run_proxy`), so
+/// every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
 /// privileges.
-fn start_proxy(mut opts: nftkube::agent::ProxyOptions) -> anyhow::Result<()> {
+fn start_proxy(
+    mut opts: nftkube::agent::ProxyOptions,
+    signals: libc::sigset_t,
+) -> anyhow::Result<()> {
     // The probe creates a scratch network namespace (CAP_SYS_ADMIN): before the drop, never again after.
     opts.conntrack_features = Some(nftkube::conntrack::probe_features());
     let ports = opts
@@ -46,7 +76,9 @@ fn start_proxy(mut opts: nftkube::agent::ProxyOptions) -> anyhow::Result<()> {
         bounding = format!("{:#x}", dropped.bounding),
         "capabilities dropped (kept: CAP_NET_ADMIN, and CAP_NET_BIND_SERVICE for a healthz or metrics port below 1024); no_new_privs set"
     );
-    nftkube::agent::run_proxy(&opts, &STOP)
+    let (stop, inbox) = nftkube::agent::Inbox::new();
+    forward_stop_signals(signals, stop)?;
+    nftkube::agent::run_proxy(&opts, inbox)
 }
 
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
@@ -90,14 +122,14 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Proxy(args) => {
-            install_signal_handlers();
+            let signals = block_stop_signals();
             let sub = matches.subcommand_matches("proxy");
             // A flag given on the command line overrides the config file; a default does not.
             let given = |id: &str| {
                 sub.and_then(|m| m.value_source(id)) == Some(clap::parser::ValueSource::CommandLine)
             };
             match args.options(&given) {
-                Ok(opts) => start_proxy(opts),
+                Ok(opts) => start_proxy(opts, signals),
                 Err(e) => return usage_error(&e),
             }
         }

@@ -612,7 +612,7 @@ fn watch(
 pub fn objects_from_yaml(text: &str) -> Vec<Value> {
     text.split("\n---")
         .filter(|d| !d.trim().is_empty())
-        .filter_map(|d| serde_yaml::from_str::<Value>(d).ok())
+        .filter_map(|d| nftkube::yaml::parse_document(d).ok())
         .filter(|v| v.is_object())
         .collect()
 }

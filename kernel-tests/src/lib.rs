@@ -294,7 +294,7 @@ impl Drop for Agent {
 pub struct TimedOut;
 
 /// The arguments `Agent::start` gives `nftkube`: `proxy --manifests DIR` with the sandbox's node name and cluster
-/// CIDRs, a short debounce, then `extra`.
+/// CIDRs, a short debounce (unless `extra` sets one), then `extra`.
 pub fn proxy_args(manifests: &Path, extra: &[&str]) -> Vec<std::ffi::OsString> {
     proxy_args_from(&["--manifests".into(), manifests.into()], extra)
 }
@@ -307,15 +307,11 @@ pub fn proxy_args_from(source: &[std::ffi::OsString], extra: &[&str]) -> Vec<std
         .map(Into::into)
         .collect();
     args.extend(source.iter().cloned());
-    for a in [
-        "--hostname-override",
-        "node-1",
-        "--cluster-cidr",
-        &cidrs,
-        "--min-sync-period",
-        "0.2",
-    ] {
+    for a in ["--hostname-override", "node-1", "--cluster-cidr", &cidrs] {
         args.push(a.into());
+    }
+    if !extra.contains(&"--min-sync-period") {
+        args.extend(["--min-sync-period".into(), "0.2".into()]);
     }
     args.extend(extra.iter().map(Into::into));
     args

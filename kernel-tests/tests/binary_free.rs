@@ -747,9 +747,13 @@ fn the_tracer_sees_processes_and_execs() {
 fn no_process_is_spawned_during_full_and_partial_syncs_repairs_and_cleanup() {
     let sb = sandbox("nk-noexec", 3);
     let m = Manifests::examples();
-    // --sync-period 1: periodic full resyncs (which read the kernel back) while it is traced.
+    // --sync-period 1: periodic full resyncs (which read the kernel back: --full-read-period 0) while it is
+    // traced.
     let mut cmd = command_in(sb.node(), nftkube_bin());
-    cmd.args(proxy_args(&m.dir, &["--sync-period", "1"]));
+    cmd.args(proxy_args(
+        &m.dir,
+        &["--sync-period", "1", "--full-read-period", "0"],
+    ));
     let mut agent = Traced::spawn(cmd);
     let log = || agent.log();
 

@@ -61,7 +61,7 @@ fn ask(sb: &Sandbox, sport: u16, dst: SocketAddr) -> usize {
     parse_answer(&a).unwrap().0
 }
 
-/// Completed syncs that applied some change (the cleanup runs inside each, before "sync complete" is logged).
+/// Completed syncs that applied some change.
 fn change_syncs(agent: &Agent) -> usize {
     agent
         .log()
@@ -70,7 +70,33 @@ fn change_syncs(agent: &Agent) -> usize {
         .count()
 }
 
-/// Waits for the next sync that applies a change (after `before` of them). `before` must be counted after
+/// The position among all completed syncs (1-based: the commit number the cleanup worker logs) of the
+/// `n`-th sync that applied a change.
+fn commit_of_change_sync(log: &str, n: usize) -> Option<u64> {
+    let syncs = log.lines().filter(|l| l.contains("sync complete"));
+    let mut changes = 0;
+    for (i, l) in syncs.enumerate() {
+        if !l.contains("changed_services=0") {
+            changes += 1;
+            if changes == n {
+                return Some(i as u64 + 1);
+            }
+        }
+    }
+    None
+}
+
+/// The highest commit number a finished conntrack walk covered (its `last_commit`).
+fn cleaned_through(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("conntrack cleanup") || l.contains("never DNATed"))
+        .filter_map(|l| l.split("last_commit=").nth(1)?.split(' ').next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Waits for the next sync that applies a change (after `before` of them), then for the conntrack walk that
+/// follows its commit: the walk runs beside the loop, after the sync's line. `before` must be counted after
 /// [`wait_programmed`]: until the initial sync's line is out, a count taken now would be 0 and that line would
 /// pass for the change.
 fn wait_change_sync(agent: &Agent, before: usize) {
@@ -80,6 +106,10 @@ fn wait_change_sync(agent: &Agent, before: usize) {
     );
     wait_until(SYNC, || change_syncs(agent) > before)
         .unwrap_or_else(|_| panic!("no sync applied the change; log:\n{}", agent.log()));
+    let commit = commit_of_change_sync(&agent.log(), before + 1).expect("just seen");
+    wait_until(SYNC, || cleaned_through(&agent.log()) >= commit).unwrap_or_else(|_| {
+        panic!("no conntrack walk followed commit {commit}; log:\n{}", agent.log())
+    });
 }
 
 /// The lines the agent logged about conntrack cleanups.
@@ -94,10 +124,8 @@ fn cleanup_lines(agent: &Agent) -> Vec<String> {
 
 /// Waits until the agent's initial sync is complete and TCP to echo answers.
 ///
-/// The rules answer traffic as soon as the initial sync commits, but its "sync complete" line comes only after
-/// its conntrack cleanup, which may take seconds: every dump walks the kernel's conntrack hash table, which is
-/// shared by all namespaces (another test's 100k entries included). A test that counted change syncs before
-/// that line would take the initial sync for its change and look at the table before the change's cleanup ran.
+/// The rules answer traffic as soon as the initial sync commits, before its "sync complete" line: a test that
+/// counted change syncs before that line would take the initial sync for its change.
 fn wait_programmed(sb: &Sandbox, agent: &Agent) {
     agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {

@@ -193,8 +193,13 @@ fn health_check_node_ports_listen_on_the_nodeport_addresses_and_follow_them() {
     let m = Manifests::examples();
     let port = 32011;
     m.write("lb.yaml", &local_lb(port));
-    // Full syncs every second: they pick up the node's address changes.
-    let agent = Agent::start(sb.node(), &m.dir, &["--sync-period", "1s"]);
+    // Periodic checks every second, each a full sync that reads the kernel back (`--full-read-period 0`):
+    // they pick up the node's address changes, and "sync complete" lines mark that one has run.
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &["--sync-period", "1s", "--full-read-period", "0"],
+    );
     agent.wait_syncs(1, SYNC);
 
     // The NodePort addresses (default: those of the link with the default route, eth0) answer.

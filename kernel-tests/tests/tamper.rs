@@ -270,8 +270,12 @@ fn a_foreign_set_and_element_are_removed() {
 /// periodic full syncs cause no repair.
 #[test]
 fn the_agents_own_commits_cause_no_repair() {
-    // Periodic full syncs every second as well: they read the kernel back and must find it as committed.
-    let (_sb, m, agent, _) = steady("nk-tself", &["--sync-period", "1"]);
+    // Periodic full syncs every second as well, each reading the kernel back (`--full-read-period 0`, not
+    // trusting the generation id): they must find it as committed.
+    let (_sb, m, agent, _) = steady(
+        "nk-tself",
+        &["--sync-period", "1", "--full-read-period", "0"],
+    );
     let slices = m.read("endpointslices.yaml");
     let fewer = without_endpoint(&slices, &sandbox::pod_ip_v4(1).to_string());
     let syncs = || agent.log().matches("sync complete").count();
@@ -410,7 +414,12 @@ endpoints:
     let sb = sandbox("nk-taff", 2);
     let m = Manifests::examples();
     m.write("sticky.yaml", STICKY);
-    let agent = Agent::start(sb.node(), &m.dir, &["--sync-period", "0.5"]);
+    // Periodic full syncs that read the kernel back (`--full-read-period 0`).
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &["--sync-period", "0.5", "--full-read-period", "0"],
+    );
     let full_syncs = || {
         agent
             .log()

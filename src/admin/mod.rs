@@ -344,6 +344,11 @@ impl Observer {
         self.health.queued();
     }
 
+    /// A periodic check found the kernel still holding what the last sync committed: as healthy as a sync.
+    pub fn kernel_verified(&self) {
+        self.health.updated();
+    }
+
     /// A sync starts: the changes received so far are in it.
     pub fn sync_started(&self) {
         metrics::SERVICE_CHANGES_PENDING.store(0, Ordering::Relaxed);

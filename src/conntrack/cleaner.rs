@@ -1,20 +1,20 @@
-//! The cleanup the proxy loop runs after each successful commit.
+//! The cleanup after each commit, in two halves: the [`Planner`] works out from the model's changes what may
+//! have gone stale (cheap, proportional to the changes, on the proxy loop's thread), the
+//! [`Walker`](super::walker::Walker) walks the kernel's conntrack table and deletes it (the expensive part).
+//! [`Cleaner`] runs both in turn on the calling thread; [`super::worker::CleanupQueue`] runs the walks on a
+//! thread of their own.
 
 use super::filter::StaleFilter;
 use super::plan::{collect_targets, resolve, FrontendIndex, FrontendKinds, Pending, Targets};
-use super::socket::{probe, CtSocket, Features};
+use super::socket::Features;
 use super::unnated::Frontends;
-use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
+use super::walker::Walker;
 use super::Metrics;
-use crate::model::{Changes, ClusterState, Protocol};
+use crate::model::{Changes, ClusterState};
 use crate::netlink::NetlinkError;
-use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// Stale entries logged one by one (debug level) per cleanup.
-const LOGGED_ENTRIES: usize = 16;
+use std::time::Duration;
 
 /// How the cleaner works.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,33 +53,6 @@ impl Default for CleanerOptions {
     }
 }
 
-/// Probes the kernel's ctnetlink filters in a scratch namespace (needs CAP_SYS_ADMIN: `nftkube proxy` does
-/// it before dropping that), logging what it found; without them (or on failure), per-family dumps.
-pub fn probe_features() -> Features {
-    let start = Instant::now();
-    match probe() {
-        Ok(f) => {
-            tracing::info!(
-                elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
-                dump_proto_v4 = f.dump_proto_v4,
-                dump_proto_v6 = f.dump_proto_v6,
-                dump_addr_v4 = f.dump_addr_v4,
-                dump_addr_v6 = f.dump_addr_v6,
-                filtered_delete_v4 = f.filtered_delete_v4,
-                filtered_delete_v6 = f.filtered_delete_v6,
-                "conntrack: kernel features probed"
-            );
-            f
-        }
-        Err(e) => {
-            tracing::warn!(
-                "conntrack: cannot probe kernel filters ({e}); dumping per address family"
-            );
-            Features::default()
-        }
-    }
-}
-
 /// What one cleanup did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CleanupReport {
@@ -110,9 +83,90 @@ pub enum CleanupError {
     },
 }
 
-/// Deletes stale UDP / SCTP conntrack entries after each commit (see [`super::filter`] for which).
+/// The planning half: which frontends and endpoints a round of changes asks to look at.
 ///
-/// How the agent uses it (src/agent.rs):
+/// It keeps the frontend index (the frontends as of the previous round: a deleted one is known only from
+/// there), the changes of syncs that failed, and the targets of walks that failed, until the next commit.
+pub struct Planner {
+    kinds: FrontendKinds,
+    node_port_addresses: Vec<IpAddr>,
+    /// Changes of syncs that failed: the kernel still has the rules they were meant to replace.
+    pending: Pending,
+    /// Targets of a cleanup that failed, retried after the next commit.
+    retry: Targets,
+    index: FrontendIndex,
+}
+
+/// One round's work for a walker: the filter to walk with, and the targets it came from (handed back to the
+/// planner if the walk fails, and judged again then against the endpoints of that time).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Round {
+    pub targets: Targets,
+    pub filter: StaleFilter,
+}
+
+impl Planner {
+    pub fn new(opts: &CleanerOptions) -> Planner {
+        Planner {
+            kinds: opts.kinds,
+            node_port_addresses: opts.node_port_addresses.clone(),
+            pending: Pending::new(),
+            retry: Targets::default(),
+            index: FrontendIndex::new(),
+        }
+    }
+
+    /// A sync failed: its changes wait for the next successful one.
+    pub fn sync_failed(&mut self, changes: &Changes) {
+        self.pending.merge(changes);
+    }
+
+    /// A walk failed: its targets are looked at again after the next commit.
+    pub fn retry_later(&mut self, targets: Targets) {
+        self.retry.merge(targets);
+    }
+
+    /// A sync committed: the targets its changes (and those of failed syncs and walks before it) ask to look
+    /// at, updating the frontend index. O(changes).
+    pub fn take_targets(&mut self, changes: &Changes, state: &ClusterState) -> Targets {
+        // Merge only behind a failed sync: a copy of a first sync's changes (every service) would be
+        // ~14 MB at 50k services, at the moment the agent's memory peaks.
+        let behind = !self.pending.is_empty();
+        if behind {
+            self.pending.merge(changes);
+        }
+        let round = if behind {
+            self.pending.changes()
+        } else {
+            changes
+        };
+        let mut targets = Targets::default();
+        if !round.is_empty() {
+            targets = collect_targets(round, &mut self.index, state, self.kinds);
+        }
+        self.pending.clear();
+        targets.merge(std::mem::take(&mut self.retry));
+        targets
+    }
+
+    /// The filter for `targets`, with the current owners of their frontends and the serving endpoints of
+    /// `state`. O(targets).
+    pub fn resolve(&self, targets: Targets, state: &ClusterState) -> Round {
+        let mut filter = resolve(&targets, &self.index, state);
+        filter.node_port_addresses = self.node_port_addresses.clone();
+        Round { targets, filter }
+    }
+
+    /// [`Self::take_targets`] then [`Self::resolve`]; None when there is nothing to look at.
+    pub fn plan(&mut self, changes: &Changes, state: &ClusterState) -> Option<Round> {
+        let targets = self.take_targets(changes, state);
+        (!targets.is_empty()).then(|| self.resolve(targets, state))
+    }
+}
+
+/// Deletes stale UDP / SCTP conntrack entries after each commit (see [`super::filter`] for which), on the
+/// calling thread: the planner and the walker in turn. The agent runs the walker on a thread of its own
+/// instead ([`super::worker::CleanupQueue`]); this is the same code, for tests, benches and tools.
 ///
 /// ```text
 /// let changes = state.take_changes();
@@ -122,15 +176,8 @@ pub enum CleanupError {
 /// }
 /// ```
 pub struct Cleaner {
-    opts: CleanerOptions,
-    /// Changes of syncs that failed: the kernel still has the rules they were meant to replace.
-    pending: Pending,
-    /// Targets of a cleanup that failed, retried after the next commit.
-    retry: Targets,
-    index: FrontendIndex,
-    socket: Option<CtSocket>,
-    features: Option<Features>,
-    metrics: Arc<Metrics>,
+    planner: Planner,
+    walker: Walker,
 }
 
 impl Default for Cleaner {
@@ -146,81 +193,45 @@ impl Cleaner {
 
     pub fn with_options(opts: CleanerOptions) -> Cleaner {
         Cleaner {
-            opts,
-            pending: Pending::new(),
-            retry: Targets::default(),
-            index: FrontendIndex::new(),
-            socket: None,
-            features: None,
-            metrics: Arc::new(Metrics::default()),
+            planner: Planner::new(&opts),
+            walker: Walker::new(opts),
         }
+    }
+
+    /// The two halves, to run apart.
+    pub fn into_parts(self) -> (Planner, Walker) {
+        (self.planner, self.walker)
     }
 
     /// The counters (shared; an admin endpoint can hold on to them).
     pub fn metrics(&self) -> Arc<Metrics> {
-        self.metrics.clone()
+        self.walker.metrics()
     }
 
     /// The kernel features in use (probing on first call, if enabled).
     pub fn features(&mut self) -> Features {
-        if let Some(f) = self.features {
-            return f;
-        }
-        let f = if self.opts.probe {
-            probe_features()
-        } else {
-            Features::default()
-        };
-        self.features = Some(f);
-        f
+        self.walker.features()
     }
 
     /// Sets the features instead of probing (tests, and kernels known in advance).
     pub fn set_features(&mut self, f: Features) {
-        self.features = Some(f);
+        self.walker.set_features(f);
     }
 
     /// A sync failed: its changes wait for the next successful one.
     pub fn sync_failed(&mut self, changes: &Changes) {
-        self.pending.merge(changes);
+        self.planner.sync_failed(changes);
     }
 
     /// A sync committed: clean what its changes (and those of failed syncs before it) made stale. Logs the
     /// outcome; a failure keeps the targets for the cleanup after the next commit.
     pub fn after_sync(&mut self, changes: &Changes, state: &ClusterState) -> Option<CleanupReport> {
-        // Merge only behind a failed cleanup: a copy of a first sync's changes (every service) would be
-        // ~14 MB at 50k services, at the moment the agent's memory peaks.
-        let behind = !self.pending.is_empty();
-        if behind {
-            self.pending.merge(changes);
+        let round = self.planner.plan(changes, state)?;
+        let report = log_cleanup(&self.walker.cleanup(&round.filter), None);
+        if report.is_none() {
+            self.planner.retry_later(round.targets);
         }
-        let round = if behind {
-            self.pending.changes()
-        } else {
-            changes
-        };
-        let mut targets = Targets::default();
-        if !round.is_empty() {
-            targets = collect_targets(round, &mut self.index, state, self.opts.kinds);
-        }
-        self.pending.clear();
-        targets.merge(std::mem::take(&mut self.retry));
-        if targets.is_empty() {
-            return None;
-        }
-        let mut filter = resolve(&targets, &self.index, state);
-        filter.node_port_addresses = self.opts.node_port_addresses.clone();
-        match self.cleanup(&filter) {
-            Ok(r) => {
-                log_report(&r, "conntrack cleanup");
-                Some(r)
-            }
-            Err(e) => {
-                tracing::error!("conntrack cleanup failed, retrying after the next sync: {e}");
-                self.retry = targets;
-                None
-            }
-        }
+        report
     }
 
     /// After a repair: deletes the TCP, UDP and SCTP flows to `frontends` that were never DNATed (see
@@ -230,205 +241,80 @@ impl Cleaner {
         if frontends.is_empty() {
             return None;
         }
-        if self.opts.dump_filters {
-            // Probe once, outside the timed cleanup (it creates a namespace: a one-off cost).
-            self.features();
-        }
-        let start = Instant::now();
-        let r = self.clear_black_holes_inner(frontends, start);
-        match r {
-            Ok(r) => {
-                self.metrics.record(&r);
-                log_report(&r, "conntrack: flows to services that were never DNATed");
-                Some(r)
-            }
-            Err(e) => {
-                self.metrics.record_failure(start.elapsed());
-                self.socket = None;
-                tracing::error!("conntrack: deleting flows that were never DNATed failed: {e}");
-                None
-            }
-        }
-    }
-
-    fn clear_black_holes_inner(
-        &mut self,
-        frontends: &Frontends,
-        start: Instant,
-    ) -> Result<CleanupReport, CleanupError> {
-        let features = match self.opts.dump_filters {
-            true => self.features(),
-            false => Features::default(),
-        };
-        let mut report = CleanupReport::default();
-        let sock = self.socket()?;
-        let mut stale = Vec::new();
-        for d in frontends.dumps(|family| features.dump_proto(family)) {
-            report.dumps += 1;
-            sock.dump(&d, |e| {
-                report.scanned += 1;
-                if frontends.is_black_hole(&e) {
-                    stale.push(e);
-                }
-            })
-            .map_err(|source| CleanupError::Netlink {
-                what: "dump",
-                source,
-            })?;
-        }
-        report.stale = stale.len();
-        for e in stale.iter().take(LOGGED_ENTRIES) {
-            tracing::debug!(orig = %e.orig, status = e.status, "conntrack: deleting a flow that was never DNATed");
-        }
-        delete_into(sock, &stale, &mut report)?;
-        report.elapsed = start.elapsed();
-        Ok(report)
-    }
-
-    fn socket(&mut self) -> Result<&mut CtSocket, CleanupError> {
-        if self.socket.is_none() {
-            self.socket = Some(CtSocket::open().map_err(CleanupError::Open)?);
-        }
-        Ok(self.socket.as_mut().expect("just opened"))
+        log_black_holes(&self.walker.clear_black_holes(frontends), None)
     }
 
     /// Deletes the entries `filter` finds stale, in the calling thread's namespace (the socket is opened there
     /// on first use). Records the metrics.
     pub fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
-        if !filter.is_empty() && (self.opts.dump_filters || self.opts.filtered_delete) {
-            // Probe once, outside the timed cleanup (it creates a namespace: a one-off cost).
-            self.features();
-        }
-        let start = Instant::now();
-        let r = self.cleanup_inner(filter, start);
-        match &r {
-            Ok(report) => self.metrics.record(report),
-            Err(_) => {
-                self.metrics.record_failure(start.elapsed());
-                // Start over with a fresh socket next time (a dump may have been cut short).
-                self.socket = None;
-            }
-        }
-        r
+        self.walker.cleanup(filter)
     }
+}
 
-    fn cleanup_inner(
-        &mut self,
-        filter: &StaleFilter,
-        start: Instant,
-    ) -> Result<CleanupReport, CleanupError> {
-        let mut report = CleanupReport::default();
-        if filter.is_empty() {
-            report.elapsed = start.elapsed();
-            return Ok(report);
-        }
-        let probed = self.opts.dump_filters || self.opts.filtered_delete;
-        let mut features = if probed {
-            self.features()
-        } else {
-            Features::default()
-        };
-        let features_before = features;
-        let opts = self.opts.clone();
-        let sock = self.socket()?;
+/// Where a walk run by the worker stood: the commits it follows and how long it waited for its turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queued {
+    pub first_commit: u64,
+    pub last_commit: u64,
+    pub waited: Duration,
+}
 
-        let mut rest = filter.clone();
-        if opts.filtered_delete {
-            for (ip, proto, port) in filter.delete_all_targets() {
-                if !features.filtered_delete(family_of(&ip)) {
-                    continue;
-                }
-                let df = match port {
-                    Some(p) => DeleteFilter::to_socket(ip, p, proto.number()),
-                    None => DeleteFilter::to_ip(ip, proto.number()),
-                };
-                match sock.filtered_delete(&df) {
-                    Ok(()) => {
-                        rest.forget_delete_all(ip, proto, port);
-                        report.filtered_deletes += 1;
-                    }
-                    // The kernel refused after all: the dump path handles this target.
-                    Err(e) if e.is_refusal() => {
-                        tracing::warn!("conntrack: filtered delete refused ({e}); dumping instead");
-                    }
-                    Err(e) => {
-                        return Err(CleanupError::Netlink {
-                            what: "filtered delete",
-                            source: e,
-                        })
-                    }
+/// Logs a cleanup after a commit; the report, or None on failure (then retried after the next commit).
+pub fn log_cleanup(
+    result: &Result<CleanupReport, CleanupError>,
+    queued: Option<Queued>,
+) -> Option<CleanupReport> {
+    match result {
+        Ok(r) => {
+            log_report(r, queued, "conntrack cleanup");
+            Some(r.clone())
+        }
+        Err(e) => {
+            match queued {
+                Some(q) => tracing::error!(
+                    first_commit = q.first_commit,
+                    last_commit = q.last_commit,
+                    "conntrack cleanup failed, retrying after the next sync: {e}"
+                ),
+                None => {
+                    tracing::error!("conntrack cleanup failed, retrying after the next sync: {e}")
                 }
             }
+            None
         }
+    }
+}
 
-        let dumps = plan_dumps(&rest, &features, &opts);
-        let mut seen = HashSet::new();
-        let mut stale: Vec<Entry> = Vec::new();
-        for d in dumps {
-            report.dumps += 1;
-            let mut collect = |e: Entry| {
-                report.scanned += 1;
-                if rest.is_stale(&e) && seen.insert((e.orig, e.zone)) {
-                    stale.push(e);
-                }
-            };
-            match sock.dump(&d, &mut collect) {
-                Ok(_) => {}
-                Err(e) if e.is_refusal() && d.proto.is_some() => {
-                    // A kernel that refuses the filter: fall back to the family dump for good.
-                    tracing::warn!("conntrack: filtered dump refused ({e}); dumping per family");
-                    if d.family == AF_INET {
-                        features.dump_proto_v4 = false;
-                        features.dump_addr_v4 = false;
-                    } else {
-                        features.dump_proto_v6 = false;
-                        features.dump_addr_v6 = false;
-                    }
-                    report.dumps += 1;
-                    sock.dump(&DumpFilter::family(d.family), &mut collect)
-                        .map_err(|source| CleanupError::Netlink {
-                            what: "dump",
-                            source,
-                        })?;
-                }
-                Err(source) => {
-                    return Err(CleanupError::Netlink {
-                        what: "dump",
-                        source,
-                    })
-                }
-            }
+/// Logs a black-hole cleanup after a repair; the report, or None on failure (not retried).
+pub fn log_black_holes(
+    result: &Result<CleanupReport, CleanupError>,
+    queued: Option<Queued>,
+) -> Option<CleanupReport> {
+    match result {
+        Ok(r) => {
+            log_report(
+                r,
+                queued,
+                "conntrack: flows to services that were never DNATed",
+            );
+            Some(r.clone())
         }
-        if probed && features != features_before {
-            self.features = Some(features);
+        Err(e) => {
+            tracing::error!("conntrack: deleting flows that were never DNATed failed: {e}");
+            None
         }
-        report.stale = stale.len();
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            for e in stale.iter().take(LOGGED_ENTRIES) {
-                tracing::debug!(
-                    orig = %e.orig,
-                    reply = %e.reply,
-                    id = ?e.id,
-                    zone = e.zone.id(),
-                    "conntrack: deleting stale entry"
-                );
-            }
-            if stale.len() > LOGGED_ENTRIES {
-                tracing::debug!(
-                    more = stale.len() - LOGGED_ENTRIES,
-                    "conntrack: deleting more stale entries"
-                );
-            }
-        }
-        delete_into(self.socket()?, &stale, &mut report)?;
-        report.elapsed = start.elapsed();
-        Ok(report)
     }
 }
 
 /// One line per cleanup: at info when it deleted or failed to delete something, else at debug (a cleanup
-/// that finds nothing runs after many syncs).
-fn log_report(r: &CleanupReport, what: &str) {
+/// that finds nothing runs after many syncs). `elapsed_ms` is the walk's own time; a queued walk also says
+/// which commits it follows and how long it waited behind earlier walks (`queued_ms`).
+fn log_report(r: &CleanupReport, queued: Option<Queued>, what: &str) {
+    let q = queued.unwrap_or(Queued {
+        first_commit: 0,
+        last_commit: 0,
+        waited: Duration::ZERO,
+    });
     macro_rules! log {
         ($lvl:ident) => {
             tracing::$lvl!(
@@ -440,6 +326,9 @@ fn log_report(r: &CleanupReport, what: &str) {
                 errors = r.errors,
                 filtered_deletes = r.filtered_deletes,
                 elapsed_ms = r.elapsed.as_secs_f64() * 1000.0,
+                first_commit = q.first_commit,
+                last_commit = q.last_commit,
+                queued_ms = q.waited.as_secs_f64() * 1000.0,
                 "{what}"
             )
         };
@@ -448,153 +337,5 @@ fn log_report(r: &CleanupReport, what: &str) {
         log!(info);
     } else {
         log!(debug);
-    }
-}
-
-/// Deletes `stale` by exact tuple and counts the outcome into `report`; failures are logged (the first few).
-fn delete_into(
-    sock: &mut CtSocket,
-    stale: &[Entry],
-    report: &mut CleanupReport,
-) -> Result<(), CleanupError> {
-    let outcome = sock.delete(stale).map_err(|source| CleanupError::Netlink {
-        what: "delete",
-        source,
-    })?;
-    report.deleted = outcome.deleted;
-    report.gone = outcome.gone;
-    report.errors = outcome.errors.len();
-    for (e, err) in outcome.errors.iter().take(5) {
-        tracing::warn!(entry = %e.orig, zone = e.zone.id(), "conntrack delete failed: {err}");
-    }
-    Ok(())
-}
-
-/// The dumps that see every entry `filter` may find stale, as narrow as the kernel allows: per address when
-/// there are few, per protocol otherwise, per family where the kernel's filters are not trusted.
-pub fn plan_dumps(
-    filter: &StaleFilter,
-    features: &Features,
-    opts: &CleanerOptions,
-) -> Vec<DumpFilter> {
-    let scopes = filter.dump_scopes();
-    let mut out = Vec::new();
-    for family in [AF_INET, AF_INET6] {
-        let mut by_proto: BTreeMap<Protocol, Vec<IpAddr>> = BTreeMap::new();
-        for (ip, p) in &scopes.addresses {
-            if family_of(ip) == family {
-                by_proto.entry(*p).or_default().push(*ip);
-            }
-        }
-        for p in &scopes.any_address {
-            by_proto.entry(*p).or_default();
-        }
-        if by_proto.is_empty() {
-            continue;
-        }
-        if !(opts.dump_filters && features.dump_proto(family)) {
-            out.push(DumpFilter::family(family));
-            continue;
-        }
-        for (p, ips) in by_proto {
-            let per_address = features.dump_addr(family)
-                && !scopes.any_address.contains(&p)
-                && ips.len() <= opts.max_address_dumps;
-            if per_address {
-                out.extend(ips.into_iter().map(|ip| DumpFilter::dst(ip, p.number())));
-            } else {
-                out.push(DumpFilter::proto(family, p.number()));
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::filter::Frontend;
-    use super::*;
-    use std::net::SocketAddr;
-
-    fn fe(s: &str) -> Frontend {
-        let a: SocketAddr = s.parse().unwrap();
-        Frontend {
-            ip: a.ip(),
-            port: a.port(),
-            proto: Protocol::Udp,
-        }
-    }
-
-    const ALL: Features = Features::ALL;
-
-    #[test]
-    fn dumps_per_address_then_per_protocol_then_per_family() {
-        let mut f = StaleFilter::new();
-        f.frontend(fe("10.96.0.10:53"), []);
-        f.frontend(fe("10.96.0.11:53"), []);
-        f.frontend(fe("[fd00:96::10]:53"), []);
-        let opts = CleanerOptions::default();
-        let d = plan_dumps(&f, &ALL, &opts);
-        assert_eq!(
-            d,
-            vec![
-                DumpFilter::dst("10.96.0.10".parse().unwrap(), 17),
-                DumpFilter::dst("10.96.0.11".parse().unwrap(), 17),
-                DumpFilter::dst("fd00:96::10".parse().unwrap(), 17),
-            ]
-        );
-        // Many addresses: one dump of the protocol.
-        let few = CleanerOptions {
-            max_address_dumps: 1,
-            ..CleanerOptions::default()
-        };
-        assert_eq!(
-            plan_dumps(&f, &ALL, &few),
-            vec![
-                DumpFilter::proto(AF_INET, 17),
-                DumpFilter::dst("fd00:96::10".parse().unwrap(), 17),
-            ]
-        );
-        // IPv6 address filters fail the probe (Linux 6.18): one dump of the protocol for IPv6.
-        let no_v6_addr = Features {
-            dump_addr_v6: false,
-            ..ALL
-        };
-        assert_eq!(
-            plan_dumps(&f, &no_v6_addr, &opts)[2],
-            DumpFilter::proto(AF_INET6, 17)
-        );
-        // No filter works for a family: one unfiltered dump of that family.
-        let no_v6 = Features {
-            dump_addr_v6: false,
-            dump_proto_v6: false,
-            ..ALL
-        };
-        assert_eq!(
-            plan_dumps(&f, &no_v6, &opts)[2],
-            DumpFilter::family(AF_INET6)
-        );
-        // Nothing probed: per family.
-        assert_eq!(
-            plan_dumps(&f, &Features::default(), &opts),
-            vec![DumpFilter::family(AF_INET), DumpFilter::family(AF_INET6)]
-        );
-        // NodePorts on any address: per protocol.
-        let mut np = StaleFilter::new();
-        np.node_port(
-            super::super::filter::NodePort {
-                port: 30053,
-                proto: Protocol::Udp,
-            },
-            [],
-        );
-        assert_eq!(
-            plan_dumps(&np, &ALL, &opts),
-            vec![
-                DumpFilter::proto(AF_INET, 17),
-                DumpFilter::proto(AF_INET6, 17)
-            ]
-        );
-        assert!(plan_dumps(&StaleFilter::new(), &ALL, &opts).is_empty());
     }
 }

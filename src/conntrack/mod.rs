@@ -10,6 +10,9 @@
 //! 2. decide in user space (the rule "reply source is not a serving endpoint" has no kernel filter);
 //! 3. delete each stale entry by its exact original tuple, zone and id.
 //!
+//! The proxy runs the planning on its loop and the walks (1–3) on a thread of their own ([`worker`]), so a
+//! sync never waits for a conntrack walk.
+//!
 //! A DELETE without a tuple flushes the whole table; [`wire`] cannot encode one and the socket refuses to send
 //! one. Kernel-side filtered deletes (6.12+) are used only if enabled and probed (see [`CleanerOptions`]).
 
@@ -18,16 +21,18 @@ pub mod filter;
 pub mod plan;
 pub mod socket;
 pub mod unnated;
+pub mod walker;
 pub mod wire;
+pub mod worker;
 
-pub use cleaner::{
-    plan_dumps, probe_features, Cleaner, CleanerOptions, CleanupError, CleanupReport,
-};
+pub use cleaner::{Cleaner, CleanerOptions, CleanupError, CleanupReport, Planner, Round};
 pub use filter::{Frontend, NodePort, Reason, StaleFilter};
 pub use plan::{build_filter, FrontendIndex, FrontendKinds, Pending, Targets};
 pub use socket::{probe, CtSocket, DeleteOutcome, Features};
 pub use unnated::Frontends;
+pub use walker::{plan_dumps, probe_features, Walker};
 pub use wire::{DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, ZoneScope};
+pub use worker::{CleanupQueue, Walk};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -16,6 +16,11 @@ pub trait Backend {
         table: &str,
         set: &str,
     ) -> Result<Vec<Element>, DumpError>;
+    /// The ruleset's generation id, which every commit by anyone changes; None for a backend without one
+    /// (which then is always read back in full).
+    fn generation(&mut self) -> Result<Option<u32>, DumpError> {
+        Ok(None)
+    }
     /// Reads several tables as one consistent view (no commit by anyone in between), for a full sync.
     /// Backends that cannot change during a read need nothing more than reading each table.
     fn read_tables(
@@ -49,5 +54,8 @@ impl Backend for NftSocket {
         tables: &[(Family, &str)],
     ) -> Result<Vec<Option<TableState>>, DumpError> {
         NftSocket::read_tables(self, tables)
+    }
+    fn generation(&mut self) -> Result<Option<u32>, DumpError> {
+        Ok(Some(NftSocket::generation(self)?))
     }
 }

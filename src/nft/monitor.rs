@@ -57,6 +57,8 @@ pub struct Watcher {
     pub drift: Arc<Drift>,
     /// A foreign change to our table was seen in a transaction whose NEWGEN has not come yet.
     pending: AtomicBool,
+    /// Called after the drift flag is raised (wakes the proxy loop).
+    notify: Option<crate::source::Notify>,
 }
 
 impl Watcher {
@@ -66,6 +68,20 @@ impl Watcher {
             table: table.into(),
             drift,
             pending: AtomicBool::new(false),
+            notify: None,
+        }
+    }
+
+    /// Calls `notify` whenever drift is raised.
+    pub fn with_notify(mut self, notify: crate::source::Notify) -> Watcher {
+        self.notify = Some(notify);
+        self
+    }
+
+    fn raise(&self) {
+        self.drift.detected.store(true, Ordering::SeqCst);
+        if let Some(n) = &self.notify {
+            n();
         }
     }
 
@@ -93,7 +109,7 @@ impl Watcher {
 
     fn lost(&self, why: &str) {
         self.drift.lost.fetch_add(1, Ordering::Relaxed);
-        self.drift.detected.store(true, Ordering::SeqCst);
+        self.raise();
         tracing::warn!("nf_tables events lost: {why}; reading our tables back with a full sync");
     }
 
@@ -116,7 +132,7 @@ impl Watcher {
                 }
             } else if is_new_generation(msg.msg_type) && self.pending.swap(false, Ordering::SeqCst)
             {
-                self.drift.detected.store(true, Ordering::SeqCst);
+                self.raise();
             }
         }
     }

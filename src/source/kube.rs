@@ -2,7 +2,8 @@
 //! source emits.
 //!
 //! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
-//! after `410 Gone`, exponential backoff 0.8 s → 30 s with jitter, as client-go's reflector) run on a
+//! after `410 Gone`, exponential backoff 0.8 s → 30 s with jitter, as client-go's reflector, starting over as
+//! soon as the API answers the watcher again: [`super::backoff`]) run on a
 //! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
 //! proxy loop through a channel. The runtime thread never changes network namespace: it inherits the one
 //! of the thread that started it.
@@ -35,6 +36,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
 
+use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::{Event, NodeInfo};
 use crate::model::{Cidr, Interner, NameKey, NamespacedName, ServicePort, SharedName, SliceInfo};
@@ -512,7 +514,12 @@ impl KubeSource {
     /// Builds the client (reads the kubeconfig or the in-cluster service account; a configuration error
     /// is returned here) and starts watching. Does not wait for the API to answer.
     pub fn start(opts: KubeOptions) -> anyhow::Result<KubeSource> {
-        let (tx, rx) = mpsc::channel();
+        KubeSource::start_notifying(opts, std::sync::Arc::new(|| {}))
+    }
+
+    /// [`KubeSource::start`], calling `notify` after each batch it queues.
+    pub fn start_notifying(opts: KubeOptions, notify: super::Notify) -> anyhow::Result<KubeSource> {
+        let (tx, rx) = super::Outbox::channel(notify);
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -529,7 +536,7 @@ impl KubeSource {
                     }
                 };
                 rt.block_on(async move {
-                    let client = match client(&opts).await {
+                    let connections = match config(&opts).await.and_then(|c| Connections::new(&c)) {
                         Ok(c) => c,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -537,7 +544,7 @@ impl KubeSource {
                         }
                     };
                     let _ = ready_tx.send(Ok(()));
-                    let watch = run(client, opts.node_name.clone(), tx).boxed();
+                    let watch = run(connections, opts.node_name.clone(), tx).boxed();
                     futures::future::select(watch, stop_rx).await;
                 });
             })?;
@@ -588,8 +595,8 @@ impl Drop for KubeSource {
     }
 }
 
-/// The client for `--kubeconfig` / `--master`, or the in-cluster service account.
-async fn client(opts: &KubeOptions) -> Result<kube::Client, String> {
+/// The client configuration for `--kubeconfig` / `--master`, or the in-cluster service account.
+async fn config(opts: &KubeOptions) -> Result<kube::Config, String> {
     let master = match opts.master.as_deref().filter(|m| !m.is_empty()) {
         Some(m) => Some(
             m.parse::<http::Uri>()
@@ -619,22 +626,62 @@ async fn client(opts: &KubeOptions) -> Result<kube::Client, String> {
         config.root_cert = Some(Vec::new());
     }
     tracing::info!(server = %config.cluster_url, "watching the Kubernetes API");
-    kube::Client::try_from(config).map_err(|e| format!("building the API client: {e}"))
+    Ok(config)
+}
+
+/// A watcher's client and the backoff that the client's answers reset.
+struct Connection {
+    client: kube::Client,
+    backoff: WatchBackoff,
+}
+
+impl Connection {
+    fn new(config: &kube::Config) -> Result<Connection, String> {
+        let answered = Answered::default();
+        let client = counting_client(config.clone(), &answered)
+            .map_err(|e| format!("building the API client: {e}"))?;
+        Ok(Connection {
+            client,
+            backoff: WatchBackoff::new(answered),
+        })
+    }
+}
+
+/// One connection per watcher, so that each one's backoff follows its own requests.
+struct Connections {
+    services: Connection,
+    slices: Connection,
+    node: Connection,
+}
+
+impl Connections {
+    fn new(config: &kube::Config) -> Result<Connections, String> {
+        Ok(Connections {
+            services: Connection::new(config)?,
+            slices: Connection::new(config)?,
+            node: Connection::new(config)?,
+        })
+    }
 }
 
 type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
 
 /// Runs the three watchers until the receiver goes away.
-async fn run(client: kube::Client, node_name: String, tx: mpsc::Sender<Vec<Event>>) {
+async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
+    let Connections {
+        services,
+        slices,
+        node,
+    } = connections;
     let proxied = watcher::Config::default()
         .labels(PROXY_LABEL_SELECTOR)
         .any_semantic();
-    let services = watcher::watcher(kube::Api::<Service>::all(client.clone()), proxied.clone())
-        .default_backoff()
+    let services = watcher::watcher(kube::Api::<Service>::all(services.client), proxied.clone())
+        .backoff(services.backoff)
         .map(|r| (Kind::Service, r.map(|e| map_event(e, Converted::service))))
         .boxed();
-    let slices = watcher::watcher(kube::Api::<EndpointSlice>::all(client.clone()), proxied)
-        .default_backoff()
+    let slices = watcher::watcher(kube::Api::<EndpointSlice>::all(slices.client), proxied)
+        .backoff(slices.backoff)
         .map(|r| {
             (
                 Kind::EndpointSlice,
@@ -648,8 +695,8 @@ async fn run(client: kube::Client, node_name: String, tx: mpsc::Sender<Vec<Event
             .fields(&format!("metadata.name={node_name}"))
             .any_semantic();
         streams.push(
-            watcher::watcher(kube::Api::<Node>::all(client), cfg)
-                .default_backoff()
+            watcher::watcher(kube::Api::<Node>::all(node.client), cfg)
+                .backoff(node.backoff)
                 .map(|r| (Kind::Node, r.map(|e| map_event(e, Converted::node))))
                 .boxed(),
         );

@@ -39,6 +39,18 @@ pub struct SourceError {
     pub reason: String,
 }
 
+impl SourceError {
+    /// A failure of a whole file (or of the path itself).
+    fn of_file(path: PathBuf, reason: String) -> SourceError {
+        SourceError {
+            path,
+            document: None,
+            object: None,
+            reason,
+        }
+    }
+}
+
 impl fmt::Display for SourceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.path.display())?;
@@ -321,29 +333,144 @@ impl ManifestSource {
         Ok(out)
     }
 
+    /// Reads every file: the documents are parsed in parallel, in contiguous runs of the files' order, and
+    /// merged in that order, so the first definition of an object still wins.
     fn read(&self) -> Snapshot {
         let mut snap = Snapshot::default();
-        match self.files() {
-            Ok(files) => {
-                for path in files {
-                    read_file(&path, &mut snap);
-                }
-            }
+        let files = match self.files() {
+            Ok(files) => files,
             Err(reason) => {
                 snap.unreadable = true;
-                report(
-                    &mut snap,
-                    SourceError {
-                        path: self.path.clone(),
-                        document: None,
-                        object: None,
-                        reason,
-                    },
-                );
+                let path = self.path.clone();
+                report(&mut snap, SourceError::of_file(path, reason));
+                return snap;
             }
+        };
+        let mut texts = Vec::with_capacity(files.len());
+        for path in files {
+            match read_text(&path) {
+                Ok(text) => texts.push((Arc::new(path), text)),
+                Err(reason) => {
+                    snap.tainted.insert(path.clone());
+                    report(&mut snap, SourceError::of_file(path, reason));
+                }
+            }
+        }
+        let documents: Vec<Document> = texts
+            .iter()
+            .flat_map(|(path, text)| documents_of(path, text))
+            .collect();
+        for part in parse_parallel(&documents) {
+            merge(&mut snap, part);
         }
         snap
     }
+}
+
+/// One document of a file, ready to parse.
+struct Document<'a> {
+    path: &'a Arc<PathBuf>,
+    index: usize,
+    text: std::borrow::Cow<'a, str>,
+    json: bool,
+}
+
+/// A file's documents: a JSON file is one; a YAML stream is split at its markers (see `split_documents`).
+fn documents_of<'a>(path: &'a Arc<PathBuf>, text: &'a str) -> Vec<Document<'a>> {
+    let json = path.extension().is_some_and(|e| e == "json");
+    let texts: Vec<std::borrow::Cow<'a, str>> = if json {
+        vec![text.into()]
+    } else {
+        split_documents(text).into_iter().map(Into::into).collect()
+    };
+    texts
+        .into_iter()
+        .enumerate()
+        .map(|(index, text)| Document {
+            path,
+            index,
+            text,
+            json,
+        })
+        .collect()
+}
+
+/// Parses `documents` on up to one thread per CPU, each a contiguous run of about the same number of bytes;
+/// the snapshots come back in the documents' order.
+fn parse_parallel(documents: &[Document]) -> Vec<Snapshot> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let total: usize = documents.iter().map(|d| d.text.len()).sum();
+    // Below this, a thread costs more than it saves.
+    const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
+    let runs = threads.min(total / MIN_BYTES_PER_THREAD).max(1);
+    let mut chunks = Vec::with_capacity(runs);
+    let (mut start, mut bytes) = (0, 0);
+    for (i, d) in documents.iter().enumerate() {
+        bytes += d.text.len();
+        if bytes * runs >= total * (chunks.len() + 1) && chunks.len() + 1 < runs {
+            chunks.push(&documents[start..=i]);
+            start = i + 1;
+        }
+    }
+    chunks.push(&documents[start..]);
+    if chunks.len() == 1 {
+        return vec![parse_documents(chunks[0])];
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = chunks
+            .iter()
+            .map(|chunk| scope.spawn(move || parse_documents(chunk)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a manifest parser thread panicked"))
+            .collect()
+    })
+}
+
+fn parse_documents(documents: &[Document]) -> Snapshot {
+    let mut snap = Snapshot::default();
+    for d in documents {
+        parse_document(d, &mut snap);
+    }
+    snap
+}
+
+/// Adds `part` (the next documents in order) to `into`: an object `into` already has is a duplicate, and
+/// the first definition wins.
+fn merge(into: &mut Snapshot, part: Snapshot) {
+    into.errors.extend(part.errors);
+    into.keep.extend(part.keep);
+    into.tainted.extend(part.tainted);
+    for (key, (object, origin)) in part.objects {
+        match into.objects.get(&key) {
+            Some((_, first)) => {
+                let err = SourceError {
+                    path: origin.path.to_path_buf(),
+                    document: Some(origin.document),
+                    object: Some(format!("{}/{}", key.namespace, key.name)),
+                    reason: duplicate_reason(key.kind, first),
+                };
+                into.keep.insert(key);
+                report(into, err);
+            }
+            None => {
+                into.objects.insert(key, (object, origin));
+            }
+        }
+    }
+}
+
+fn duplicate_reason(kind: ObjectKind, first: &Origin) -> String {
+    let kind = match kind {
+        ObjectKind::Service => "Service",
+        ObjectKind::Slice => "EndpointSlice",
+    };
+    format!(
+        "duplicate {kind}, already defined in {} document {}; ignoring this one",
+        first.path.display(),
+        first.document
+    )
 }
 
 /// A 64-bit hash of an object: enough to tell whether a re-read changed it.
@@ -377,7 +504,18 @@ fn report(snap: &mut Snapshot, err: SourceError) {
 /// (`fuzz/`); the source itself reads through the same code with the file's bytes.
 pub fn parse_file(path: &Path, bytes: &[u8]) -> (Vec<Event>, Vec<SourceError>) {
     let mut snap = Snapshot::default();
-    read_bytes(path, Ok(bytes), &mut snap);
+    match text_of(Ok(bytes)) {
+        Ok(text) => {
+            let path = Arc::new(path.to_path_buf());
+            for d in documents_of(&path, text) {
+                parse_document(&d, &mut snap);
+            }
+        }
+        Err(reason) => {
+            snap.tainted.insert(path.to_path_buf());
+            report(&mut snap, SourceError::of_file(path.to_path_buf(), reason));
+        }
+    }
     let events = snap
         .objects
         .into_iter()
@@ -386,51 +524,31 @@ pub fn parse_file(path: &Path, bytes: &[u8]) -> (Vec<Event>, Vec<SourceError>) {
     (events, snap.errors)
 }
 
-fn read_file(path: &Path, snap: &mut Snapshot) {
+fn read_text(path: &Path) -> Result<String, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string());
-    read_bytes(path, bytes.as_deref().map_err(Clone::clone), snap);
+    text_of(bytes.as_deref().map_err(Clone::clone)).map(str::to_owned)
 }
 
-fn read_bytes(path: &Path, bytes: Result<&[u8], String>, snap: &mut Snapshot) {
-    let text = match bytes.and_then(|b| std::str::from_utf8(b).map_err(|_| "not UTF-8".to_string()))
-    {
-        Ok(t) => t,
-        Err(e) => {
-            snap.tainted.insert(path.to_path_buf());
-            report(
-                snap,
-                SourceError {
-                    path: path.to_path_buf(),
-                    document: None,
-                    object: None,
-                    reason: format!("cannot read: {e}"),
-                },
-            );
-            return;
-        }
-    };
-    let is_json = path.extension().is_some_and(|e| e == "json");
-    let shared_path = Arc::new(path.to_path_buf());
-    let documents = if is_json {
-        vec![text.to_owned()]
+fn text_of(bytes: Result<&[u8], String>) -> Result<&str, String> {
+    bytes
+        .and_then(|b| std::str::from_utf8(b).map_err(|_| "not UTF-8".to_string()))
+        .map_err(|e| format!("cannot read: {e}"))
+}
+
+fn parse_document(d: &Document, snap: &mut Snapshot) {
+    let parsed: Result<Value, String> = if d.json {
+        serde_json::from_str(&d.text).map_err(|e| format!("invalid JSON: {e}"))
     } else {
-        split_documents(text)
+        crate::yaml::parse_document(&d.text).map_err(|e| format!("invalid YAML: {e}"))
     };
-    for (index, doc) in documents.iter().enumerate() {
-        let parsed: Result<Value, String> = if is_json {
-            serde_json::from_str(doc).map_err(|e| format!("invalid JSON: {e}"))
-        } else {
-            serde_yaml::from_str(doc).map_err(|e| format!("invalid YAML: {e}"))
-        };
-        let mut ctx = DocContext {
-            path: &shared_path,
-            document: index,
-            snap,
-        };
-        match parsed {
-            Ok(value) => ctx.value(value, None, None),
-            Err(reason) => ctx.unidentified(None, reason),
-        }
+    let mut ctx = DocContext {
+        path: d.path,
+        document: d.index,
+        snap,
+    };
+    match parsed {
+        Ok(value) => ctx.value(value, None, None),
+        Err(reason) => ctx.unidentified(None, reason),
     }
 }
 
@@ -581,11 +699,7 @@ impl DocContext<'_> {
                     info.name = key.name.clone();
                 }
                 if let Some((_, first)) = self.snap.objects.get(&key) {
-                    let reason = format!(
-                        "duplicate {kind}, already defined in {} document {}; ignoring this one",
-                        first.path.display(),
-                        first.document
-                    );
+                    let reason = duplicate_reason(key.kind, first);
                     self.snap.keep.insert(key);
                     return self.error(Some(object_name), with_item(item, reason));
                 }
@@ -1107,7 +1221,7 @@ mod tests {
             "list.yaml",
             &format!(
                 "apiVersion: v1\nkind: List\nitems:\n- {}\n- kind: ConfigMap\n  metadata: {{name: x}}\n",
-                serde_json::to_string(&serde_yaml::from_str::<Value>(&service("a", "10.96.0.1")).unwrap()).unwrap()
+                serde_json::to_string(&crate::yaml::parse_document(&service("a", "10.96.0.1")).unwrap()).unwrap()
             ),
         );
         dir.write(
@@ -1159,6 +1273,71 @@ mod tests {
             "{}",
             errors[0]
         );
+    }
+
+    /// Enough documents for several parser threads: the parallel read gives what one thread would, and a
+    /// duplicate in a later run of documents still loses to the first definition.
+    #[test]
+    fn parallel_parsing_merges_in_file_order() {
+        let dir = TempDir::new("par");
+        let many = |from: usize| -> String {
+            (from..from + 2000)
+                .map(|i| {
+                    service(
+                        &format!("s{i}"),
+                        &format!("10.96.{}.{}", i / 250, i % 250 + 1),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("---\n")
+        };
+        dir.write("1.yaml", &many(0));
+        dir.write("2.yaml", &many(2000));
+        dir.write(
+            "3.yaml",
+            &format!("{}---\n{}", many(4000), service("s1", "10.99.0.1")),
+        );
+        let total: u64 = ["1.yaml", "2.yaml", "3.yaml"]
+            .iter()
+            .map(|f| std::fs::metadata(dir.0.join(f)).unwrap().len())
+            .sum();
+        assert!(
+            total > 2 * 256 * 1024,
+            "test bug: too small for two threads ({total} bytes)"
+        );
+
+        let (events, errors) = ManifestSource::new(dir.0.clone()).initial();
+        assert_eq!(events.len(), 6000 + 1, "every service once, then Synced");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].reason.contains("duplicate Service"),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[0].path.ends_with("3.yaml"), "{}", errors[0]);
+        let s1 = events
+            .iter()
+            .find_map(|e| match e {
+                Event::ServiceApplied { key, ports } if &*key.name == "s1" => Some(ports),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(s1[0].cluster_ips[0].to_string(), "10.96.0.2");
+        // The same as one thread reading the documents in order.
+        let texts: Vec<(Arc<PathBuf>, String)> = ["1.yaml", "2.yaml", "3.yaml"]
+            .iter()
+            .map(|f| {
+                (
+                    Arc::new(dir.0.join(f)),
+                    std::fs::read_to_string(dir.0.join(f)).unwrap(),
+                )
+            })
+            .collect();
+        let docs: Vec<Document> = texts.iter().flat_map(|(p, t)| documents_of(p, t)).collect();
+        let one = parse_documents(&docs);
+        let parallel = ManifestSource::new(dir.0.clone()).read();
+        assert_eq!(one.objects.len(), parallel.objects.len());
+        assert!(one.objects.keys().eq(parallel.objects.keys()));
     }
 
     #[test]

@@ -1,16 +1,20 @@
 //! Sources of cluster state: they turn kube objects (from files or from the API) into model events.
 //! The only layer that sees kube types; everything below gets [`Event`]s.
 
+pub mod backoff;
 pub mod convert;
 pub mod kube;
 pub mod manifests;
+pub mod watch;
 
 pub use convert::{ConvertError, ServiceConversion, SliceConversion};
 pub use kube::{KubeOptions, KubeSource};
 pub use manifests::{ManifestSource, SourceError};
+pub use watch::ManifestWatcher;
 
 use crate::model::{Cidr, ClusterState, NamespacedName, ServicePort, SliceInfo};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 /// A change to the cluster state, as every source reports it.
@@ -59,27 +63,50 @@ pub struct NodeInfo {
     pub deleting: bool,
 }
 
-/// Where the proxy loop gets cluster state from.
+/// Called by a source's thread after it has queued events: wakes the consumer.
+pub type Notify = Arc<dyn Fn() + Send + Sync>;
+
+/// A source thread's end of the channel to its consumer: each batch is queued, then announced.
+pub(crate) struct Outbox {
+    tx: std::sync::mpsc::Sender<Vec<Event>>,
+    notify: Notify,
+}
+
+impl Outbox {
+    pub(crate) fn channel(notify: Notify) -> (Outbox, std::sync::mpsc::Receiver<Vec<Event>>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        (Outbox { tx, notify }, rx)
+    }
+
+    /// Queues a batch (an empty one is not sent) and wakes the consumer; an error when it is gone.
+    pub(crate) fn send(
+        &self,
+        batch: Vec<Event>,
+    ) -> Result<(), std::sync::mpsc::SendError<Vec<Event>>> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.tx.send(batch)?;
+        (self.notify)();
+        Ok(())
+    }
+}
+
+/// Where the proxy loop gets cluster state from. Both read on threads of their own and ring the loop's
+/// doorbell (a [`Notify`]) when events are waiting.
 #[derive(Debug)]
 pub enum ProxySource {
-    Manifests(ManifestSource),
+    Manifests(ManifestWatcher),
     Kube(KubeSource),
 }
 
 impl ProxySource {
-    /// Events since the previous call (the first call of a manifest source returns its full snapshot).
-    /// Never blocks. A complete snapshot ends with [`Event::Synced`]; the API source sends each relist
-    /// as one batch, so whatever is returned here is never half of one.
+    /// Events since the previous call (the first events are a complete snapshot). Never blocks. A complete
+    /// snapshot ends with [`Event::Synced`]; each source sends a snapshot as one batch, so whatever is
+    /// returned here is never half of one.
     pub fn poll(&mut self) -> Vec<Event> {
         match self {
-            ProxySource::Manifests(m) => {
-                // Errors are logged by the source.
-                if m.started() {
-                    m.poll().0
-                } else {
-                    m.initial().0
-                }
-            }
+            ProxySource::Manifests(m) => m.poll(),
             ProxySource::Kube(k) => k.poll(),
         }
     }

@@ -54,6 +54,8 @@ pub struct SyncEngine<B: Backend> {
     index: Option<Index>,
     /// Chains that no service needed after the last commit; deleted by the next one.
     unused_chains: BTreeSet<(Family, String)>,
+    /// The ruleset generation our last sync left (None: unknown, or the backend has none).
+    generation: Option<u32>,
     /// Of the last sync: how many transactions, and the longest one.
     transactions: usize,
     longest_transaction: Duration,
@@ -67,6 +69,7 @@ impl<B: Backend> SyncEngine<B> {
             backend,
             index: None,
             unused_chains: BTreeSet::new(),
+            generation: None,
             transactions: 0,
             longest_transaction: Duration::ZERO,
             max_transaction_elements: MAX_ELEMENTS_PER_TRANSACTION,
@@ -95,6 +98,25 @@ impl<B: Backend> SyncEngine<B> {
     /// Makes the next sync a full one (periodic resync, or drift noticed by a monitor).
     pub fn force_full_sync(&mut self) {
         self.index = None;
+    }
+
+    /// Whether the kernel's ruleset is, as far as the generation id tells, exactly what our last sync left:
+    /// no commit by anyone since. A periodic full sync then has nothing to read back. False whenever
+    /// memory is not trusted or the generation cannot be read.
+    pub fn kernel_unchanged(&mut self) -> bool {
+        if self.index.is_none() {
+            return false;
+        }
+        match (self.generation, self.backend.generation()) {
+            (Some(ours), Ok(Some(now))) => ours == now,
+            _ => false,
+        }
+    }
+
+    /// Remembers the generation the sync that just succeeded left (read after it; a commit by someone else
+    /// in between is a foreign change the event monitor reports).
+    fn note_generation(&mut self) {
+        self.generation = self.backend.generation().ok().flatten();
     }
 
     /// Service ports currently committed for a service (to find ports that disappeared).
@@ -140,6 +162,7 @@ impl<B: Backend> SyncEngine<B> {
         self.index = Some(index);
         self.unused_chains = deferred;
         self.prune_affinity(stale_affinity);
+        self.note_generation();
         Ok(SyncReport {
             full: true,
             changes,
@@ -234,6 +257,7 @@ impl<B: Backend> SyncEngine<B> {
                 }
             }
         }
+        self.note_generation();
         Ok(SyncReport {
             full: false,
             changes,
