@@ -44,6 +44,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
+    assert!(
+        reps <= 5000,
+        "at most 5000 rounds (their host ports are 5000 and up, below the filled ones)"
+    );
     let dir = std::env::temp_dir().join(unique_name("nftkube-bench-portmap"));
     std::fs::create_dir_all(&dir).unwrap();
     let ours = dir.join("portmap");
@@ -70,7 +74,7 @@ fn main() {
             vec![Default::default(); subjects.len()];
         for r in 0..reps {
             for (s, (adds, dels)) in subjects.iter().zip(times.iter_mut()) {
-                let (add, del) = s.round(100_000 + r);
+                let (add, del) = s.round(ROUND_BASE + r);
                 adds.push(add);
                 dels.push(del);
             }
@@ -207,17 +211,31 @@ fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1e3)
 }
 
-/// Container `k`: id `bench-k`, address 10.77.x.y, host port 10000 + k mod 50000 → 80.
+/// Containers 0.. fill the namespace; the timed ones are `ROUND_BASE` and up. Their host ports never meet: a
+/// timed ADD that took over a filled container's port would also delete that container's element.
+const ROUND_BASE: usize = 100_000;
+
+/// Container `k`: id `bench-k`, address 10.77.x.y, a host port of its own (10000 + k while filling, 5000 + r
+/// for timed round r) → 80.
 fn conf(k: usize) -> Value {
     let ip = format!("10.77.{}.{}", k / 250 % 256, k % 250 + 2);
     json!({
         "cniVersion": "1.0.0", "name": "bench", "type": "portmap",
         "runtimeConfig": {"portMappings": [
-            {"hostPort": 10000 + k % 50000, "containerPort": 80, "protocol": "tcp"}]},
+            {"hostPort": host_port(k), "containerPort": 80, "protocol": "tcp"}]},
         "prevResult": {"cniVersion": "1.0.0",
             "interfaces": [{"name": "eth0", "sandbox": "/proc/self/ns/net"}],
             "ips": [{"address": format!("{ip}/16"), "interface": 0}]}
     })
+}
+
+fn host_port(k: usize) -> usize {
+    if k >= ROUND_BASE {
+        5000 + (k - ROUND_BASE)
+    } else {
+        assert!(k < 50_000, "at most 50 000 mappings");
+        10_000 + k
+    }
 }
 
 /// Runs the plugin in the calling thread's namespace (a child forked by this thread is in it too); returns

@@ -90,7 +90,14 @@ fn commit_of_change_sync(log: &str, n: usize) -> Option<u64> {
 fn cleaned_through(log: &str) -> u64 {
     log.lines()
         .filter(|l| l.contains("conntrack cleanup") || l.contains("never DNATed"))
-        .filter_map(|l| l.split("last_commit=").nth(1)?.split(' ').next()?.parse().ok())
+        .filter_map(|l| {
+            l.split("last_commit=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
         .max()
         .unwrap_or(0)
 }
@@ -108,7 +115,10 @@ fn wait_change_sync(agent: &Agent, before: usize) {
         .unwrap_or_else(|_| panic!("no sync applied the change; log:\n{}", agent.log()));
     let commit = commit_of_change_sync(&agent.log(), before + 1).expect("just seen");
     wait_until(SYNC, || cleaned_through(&agent.log()) >= commit).unwrap_or_else(|_| {
-        panic!("no conntrack walk followed commit {commit}; log:\n{}", agent.log())
+        panic!(
+            "no conntrack walk followed commit {commit}; log:\n{}",
+            agent.log()
+        )
     });
 }
 
