@@ -32,6 +32,9 @@ pub enum Command {
     Cleanup,
     /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.
     Demo(DemoArgs),
+    /// Act as the CNI portmap plugin (CNI_COMMAND etc. in the environment, the network configuration on
+    /// stdin); the same as running this binary under the name `portmap` or `nftkube-portmap`.
+    Portmap,
     /// Print the version.
     Version,
 }

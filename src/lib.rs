@@ -11,6 +11,7 @@ pub mod netlink;
 pub mod netns;
 pub mod nft;
 pub mod node;
+pub mod portmap;
 pub mod privs;
 pub mod relay;
 pub mod render;

@@ -88,6 +88,13 @@ fn usage_error(e: &str) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
+    if std::env::args_os()
+        .next()
+        .is_some_and(|argv0| nftkube::portmap::invoked_as_plugin(&argv0))
+    {
+        return ExitCode::from(nftkube::portmap::main());
+    }
     // Invalid flags exit with 64, as invalid configuration does; --help and --version with 0.
     let matches = match Cli::command().try_get_matches() {
         Ok(m) => m,
@@ -142,6 +149,7 @@ fn main() -> ExitCode {
         }
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
         Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
+        Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
             println!("nftkube {}", env!("CARGO_PKG_VERSION"));
             Ok(())

@@ -55,7 +55,19 @@ impl FakeKernel {
             let t = tables
                 .get_mut(&key)
                 .ok_or_else(|| fail(i, libc::ENOENT, what.clone()))?;
-            match &c.op {
+            // The fake keeps no user data: a commented element is stored as a plain one.
+            let plain;
+            let op = match &c.op {
+                Op::AddCommentedElements { set, elements } => {
+                    plain = Op::AddElements {
+                        set: set.clone(),
+                        elements: elements.iter().map(|e| e.element.clone()).collect(),
+                    };
+                    &plain
+                }
+                op => op,
+            };
+            match op {
                 Op::AddTable | Op::DeleteTable => unreachable!(),
                 Op::AddChain(ch) => match t.chains.get_mut(&ch.name) {
                     None => {
@@ -138,6 +150,7 @@ impl FakeKernel {
                         .remove(name)
                         .ok_or_else(|| fail(i, libc::ENOENT, what))?;
                 }
+                Op::AddCommentedElements { .. } => unreachable!("made plain above"),
                 Op::AddElements { set, elements } => {
                     let chains: Vec<String> = t.chains.keys().cloned().collect();
                     let s = t

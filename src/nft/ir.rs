@@ -376,6 +376,19 @@ pub struct Element {
     pub value: Option<ElementValue>,
 }
 
+/// An element with a comment, as `nft add element ... { key comment "text" : value }` writes it: the text
+/// goes into the element's user data (NFTA_SET_ELEM_USERDATA), which the kernel keeps and `nft list` shows.
+/// Used where the kernel is the only record of who owns an element (the CNI portmap plugin).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CommentedElement {
+    pub element: Element,
+    pub comment: String,
+}
+
+/// The longest element comment nft accepts in its own syntax (`NFT_USERDATA_MAXLEN` is larger, but a
+/// longer comment would not reload from a listing).
+pub const ELEMENT_COMMENT_MAX: usize = 128;
+
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ElementValue {
     Verdict(Verdict),

@@ -188,6 +188,25 @@ impl NftSocket {
         family: Family,
         name: &str,
     ) -> Result<Option<TableState>, DumpError> {
+        self.dump_table_with(family, name, true)
+    }
+
+    /// Reads one table's chains, rules and set declarations, without the sets' elements: a read whose cost
+    /// does not grow with the elements (the portmap plugin reads its elements by owner, set by set).
+    pub fn dump_table_structure(
+        &mut self,
+        family: Family,
+        name: &str,
+    ) -> Result<Option<TableState>, DumpError> {
+        self.dump_table_with(family, name, false)
+    }
+
+    fn dump_table_with(
+        &mut self,
+        family: Family,
+        name: &str,
+        with_elements: bool,
+    ) -> Result<Option<TableState>, DumpError> {
         let tables = self.dump(NFT_MSG_GETTABLE, family, None, None)?;
         let mut found = None;
         for p in &tables {
@@ -220,6 +239,9 @@ impl NftSocket {
             }
         }
         let anonymous = self.anonymous_sets(family, name, anonymous)?;
+        if !with_elements {
+            set_names.clear();
+        }
         for set in set_names {
             for p in self.dump(NFT_MSG_GETSETELEM, family, Some(name), Some(&set))? {
                 let (t, s, elements) = wire::decode_elements(&p)?;
@@ -249,6 +271,23 @@ impl NftSocket {
         let mut out = Vec::new();
         for p in self.dump(NFT_MSG_GETSETELEM, family, Some(table), Some(set))? {
             let (t, s, elements) = wire::decode_elements(&p)?;
+            if t == table && s == set {
+                out.extend(elements);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The elements of one set, each with its comment (element user data) if it has one.
+    pub fn dump_set_commented(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<(Element, Option<String>)>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETSETELEM, family, Some(table), Some(set))? {
+            let (t, s, elements) = wire::decode_commented_elements(&p)?;
             if t == table && s == set {
                 out.extend(elements);
             }

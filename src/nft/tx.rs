@@ -25,6 +25,11 @@ pub enum Op {
         set: String,
         elements: Vec<Element>,
     },
+    /// Adds elements that carry a comment (their user data).
+    AddCommentedElements {
+        set: String,
+        elements: Vec<CommentedElement>,
+    },
 }
 
 /// One change to one object of one table.
@@ -52,6 +57,9 @@ impl fmt::Display for Change {
             Op::AddSet(s) => write!(f, "add set {} to {t}", s.name),
             Op::DeleteSet(s) => write!(f, "delete set {s} of {t}"),
             Op::AddElements { set, elements } => {
+                write!(f, "add {} elements to set {set} of {t}", elements.len())
+            }
+            Op::AddCommentedElements { set, elements } => {
                 write!(f, "add {} elements to set {set} of {t}", elements.len())
             }
             Op::DeleteElements { set, elements } => {

@@ -74,6 +74,9 @@ pub const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 pub const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 pub const NFTA_SET_ELEM_KEY: u16 = 1;
 pub const NFTA_SET_ELEM_DATA: u16 = 2;
+pub const NFTA_SET_ELEM_USERDATA: u16 = 6;
+/// In an element's user data (libnftnl's TLV): the comment, NUL-terminated.
+pub const NFTNL_UDATA_SET_ELEM_COMMENT: u8 = 0;
 
 pub const NFTA_PAYLOAD_DREG: u16 = 1;
 pub const NFTA_PAYLOAD_BASE: u16 = 2;

@@ -153,6 +153,15 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
 
 /// A set element message: (table, set, elements).
 pub fn decode_elements(payload: &[u8]) -> Result<(String, String, Vec<Element>), DecodeError> {
+    let (table, set, elements) = decode_commented_elements(payload)?;
+    Ok((table, set, elements.into_iter().map(|(e, _)| e).collect()))
+}
+
+/// A set element message with each element's comment (nft's user data TLV), if it has one.
+#[allow(clippy::type_complexity)]
+pub fn decode_commented_elements(
+    payload: &[u8],
+) -> Result<(String, String, Vec<(Element, Option<String>)>), DecodeError> {
     let (_, a) = split(payload, "set elements")?;
     let table = req_str(&a, NFTA_SET_ELEM_LIST_TABLE, "set elements", "table")?.to_owned();
     let set = req_str(&a, NFTA_SET_ELEM_LIST_SET, "set elements", "set")?.to_owned();
@@ -171,13 +180,31 @@ pub fn decode_elements(payload: &[u8]) -> Result<(String, String, Vec<Element>),
                     Some(decode_data(d).map_err(|r| err("set elements", format!("{set}: {r}")))?)
                 }
             };
-            out.push(Element {
+            let comment = e
+                .get(NFTA_SET_ELEM_USERDATA)
+                .and_then(|u| element_comment(u.payload));
+            let element = Element {
                 key: key.into(),
                 value,
-            });
+            };
+            out.push((element, comment));
         }
     }
     Ok((table, set, out))
+}
+
+/// The comment TLV of an element's user data (other TLVs, such as nft's flags, are skipped).
+fn element_comment(mut udata: &[u8]) -> Option<String> {
+    while udata.len() >= 2 {
+        let (kind, len) = (udata[0], udata[1] as usize);
+        let value = udata.get(2..2 + len)?;
+        if kind == NFTNL_UDATA_SET_ELEM_COMMENT {
+            let text = value.strip_suffix(&[0]).unwrap_or(value);
+            return Some(String::from_utf8_lossy(text).into_owned());
+        }
+        udata = &udata[2 + len..];
+    }
+    None
 }
 
 fn decode_data(d: Attr<'_>) -> Result<ElementValue, String> {

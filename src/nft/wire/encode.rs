@@ -156,6 +156,18 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
                 )
             })
             .collect(),
+        Op::AddCommentedElements { set, elements } => elements
+            .chunks(COMMENTED_PER_MESSAGE)
+            .map(|chunk| {
+                (
+                    NFT_MSG_NEWSETELEM,
+                    create,
+                    Box::new(move |m: &mut MsgBuilder| {
+                        encode_commented_elements(m, table, set, chunk)
+                    }) as Body,
+                )
+            })
+            .collect(),
         Op::DeleteElements { set, elements } => element_chunks(elements)
             .into_iter()
             .map(|chunk| {
@@ -328,24 +340,57 @@ fn encode_elements(m: &mut MsgBuilder, table: &str, set: &str, elements: &[Eleme
     m.attr_str(NFTA_SET_ELEM_LIST_SET, set);
     m.nested(NFTA_SET_ELEM_LIST_ELEMENTS, |m| {
         for e in elements {
+            m.nested(NFTA_LIST_ELEM, |m| encode_element(m, e));
+        }
+    });
+}
+
+/// Commented elements per NEWSETELEM message: each is at most ~64 bytes of key and value plus a comment of
+/// at most `ELEMENT_COMMENT_MAX` bytes, so 200 stay well inside the 64 KiB attribute limit.
+const COMMENTED_PER_MESSAGE: usize = 200;
+
+fn encode_commented_elements(
+    m: &mut MsgBuilder,
+    table: &str,
+    set: &str,
+    elements: &[CommentedElement],
+) {
+    m.attr_str(NFTA_SET_ELEM_LIST_TABLE, table);
+    m.attr_str(NFTA_SET_ELEM_LIST_SET, set);
+    m.nested(NFTA_SET_ELEM_LIST_ELEMENTS, |m| {
+        for e in elements {
             m.nested(NFTA_LIST_ELEM, |m| {
-                m.nested(NFTA_SET_ELEM_KEY, |m| {
-                    m.attr(NFTA_DATA_VALUE, &e.key);
-                });
-                match &e.value {
-                    None => {}
-                    Some(ElementValue::Data(d)) => {
-                        m.nested(NFTA_SET_ELEM_DATA, |m| {
-                            m.attr(NFTA_DATA_VALUE, d);
-                        });
-                    }
-                    Some(ElementValue::Verdict(v)) => {
-                        m.nested(NFTA_SET_ELEM_DATA, |m| encode_verdict(m, v));
-                    }
-                }
+                encode_element(m, &e.element);
+                m.attr(NFTA_SET_ELEM_USERDATA, &element_comment_udata(&e.comment));
             });
         }
     });
+}
+
+/// An element comment as nft writes it: one TLV, the text NUL-terminated.
+pub fn element_comment_udata(comment: &str) -> Vec<u8> {
+    let text = &comment.as_bytes()[..comment.len().min(ELEMENT_COMMENT_MAX)];
+    let mut out = vec![NFTNL_UDATA_SET_ELEM_COMMENT, text.len() as u8 + 1];
+    out.extend_from_slice(text);
+    out.push(0);
+    out
+}
+
+fn encode_element(m: &mut MsgBuilder, e: &Element) {
+    m.nested(NFTA_SET_ELEM_KEY, |m| {
+        m.attr(NFTA_DATA_VALUE, &e.key);
+    });
+    match &e.value {
+        None => {}
+        Some(ElementValue::Data(d)) => {
+            m.nested(NFTA_SET_ELEM_DATA, |m| {
+                m.attr(NFTA_DATA_VALUE, d);
+            });
+        }
+        Some(ElementValue::Verdict(v)) => {
+            m.nested(NFTA_SET_ELEM_DATA, |m| encode_verdict(m, v));
+        }
+    }
 }
 
 fn encode_verdict(m: &mut MsgBuilder, v: &Verdict) {

@@ -1531,3 +1531,47 @@ fn sets_and_elements_render_as_nft_text() {
         "{out}"
     );
 }
+
+/// `nft add element ip nftkube ports-net '{ tcp . 8080 comment "c1 eth0" : 10.88.0.2 . 80 }'`: the bytes of
+/// the element list are those `nft --debug=mnl` shows (nft 1.0.6 adds NFTA_SET_ELEM_LIST_SET_ID, which the
+/// kernel needs only for a set created in the same batch).
+#[cfg(target_endian = "little")]
+#[test]
+fn pinned_commented_element() {
+    let element = CommentedElement {
+        element: Element {
+            key: concat_key(&[vec![6], 8080u16.to_be_bytes().to_vec()]).into(),
+            value: Some(ElementValue::Data(
+                concat_key(&[vec![10, 88, 0, 2], 80u16.to_be_bytes().to_vec()]).into(),
+            )),
+        },
+        comment: "c1 eth0".into(),
+    };
+    let op = Op::AddCommentedElements {
+        set: "ports-net".into(),
+        elements: vec![element.clone()],
+    };
+    let bytes = one_message(Family::Ip, op);
+    assert_pinned(
+        &bytes,
+        concat!(
+            "68000000 0c0a 0504 02000000 00000000", // NFT_MSG_NEWSETELEM (12), REQUEST|ACK|CREATE
+            "02000000",
+            "0c00 0100 6e66746b75626500", // NFTA_SET_ELEM_LIST_TABLE
+            "0e00 0200 706f7274732d6e657400 0000", // NFTA_SET_ELEM_LIST_SET "ports-net"
+            "3800 0380",                  // NFTA_SET_ELEM_LIST_ELEMENTS
+            "    3400 0180",              //   NFTA_LIST_ELEM
+            "        1000 0180",          //     NFTA_SET_ELEM_KEY
+            "            0c00 0100 06000000 1f900000", // tcp (padded) . 8080
+            "        1000 0280",          //     NFTA_SET_ELEM_DATA
+            "            0c00 0100 0a580002 00500000", // 10.88.0.2 . 80
+            // NFTA_SET_ELEM_USERDATA: TLV comment (0), 8 bytes, "c1 eth0" NUL-terminated; padded to 4.
+            "        0e00 0600 0008 63312065746830 00 0000",
+        ),
+    );
+    // And back: the dump of that element carries the comment.
+    let payload = &bytes[16..];
+    let (table, set, read) = decode_commented_elements(payload).unwrap();
+    assert_eq!((table.as_str(), set.as_str()), (TABLE, "ports-net"));
+    assert_eq!(read, vec![(element.element, Some("c1 eth0".to_string()))]);
+}

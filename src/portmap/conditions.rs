@@ -1,0 +1,302 @@
+//! `conditionsV4` / `conditionsV6`: a documented subset of nft's match syntax, parsed into typed matches that
+//! become IR expressions. Nothing is passed to the kernel (or to nft) as text.
+//!
+//! Each string of the list holds one or more matches separated by white space; all matches of all strings
+//! must hold (AND) for the network's port mappings to apply. The grammar:
+//!
+//! ```text
+//! match   := addr | ifname | mark
+//! addr    := ("ip" | "ip6") ("saddr" | "daddr") [op] ADDRESS ["/" PREFIX]
+//! ifname  := "iifname" [op] NAME          NAME may be quoted; a trailing "*" matches a prefix
+//! mark    := "meta" "mark" [op] NUMBER    decimal or 0x hexadecimal
+//! op      := "==" | "!="
+//! ```
+//!
+//! `ip` matches are allowed in `conditionsV4` only, `ip6` in `conditionsV6` only. Parsing is linear in the
+//! input and every error names the list, the string's index and the word at fault.
+
+use crate::nft::build::{Field, RuleBuilder};
+use crate::nft::ir::{CmpOp, Family};
+use std::net::IpAddr;
+
+/// One parsed match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Match {
+    /// `ip saddr != 10.0.0.0/8`: the field, the network and its prefix length.
+    Addr {
+        field: Field,
+        net: IpAddr,
+        prefix: u8,
+        negate: bool,
+    },
+    /// `iifname "eth*"`.
+    IifName {
+        name: String,
+        prefix: bool,
+        negate: bool,
+    },
+    /// `meta mark 0x10`.
+    Mark { value: u32, negate: bool },
+}
+
+impl Match {
+    /// Appends the match's expressions to a rule.
+    pub fn apply(&self, rule: RuleBuilder) -> RuleBuilder {
+        match self {
+            Match::Addr {
+                field,
+                net,
+                prefix,
+                negate,
+            } => {
+                let full = if net.is_ipv4() { 32 } else { 128 };
+                if *prefix == full {
+                    let op = if *negate { CmpOp::Neq } else { CmpOp::Eq };
+                    rule.cmp(*field, op, crate::nft::build::ip_bytes(net))
+                } else {
+                    rule.prefix(*field, net, *prefix, *negate)
+                }
+            }
+            Match::IifName {
+                name,
+                prefix,
+                negate,
+            } => rule.iifname(name, *prefix, *negate),
+            Match::Mark { value, negate } => {
+                let op = if *negate { CmpOp::Neq } else { CmpOp::Eq };
+                rule.cmp(Field::Mark, op, value.to_ne_bytes().to_vec())
+            }
+        }
+    }
+}
+
+/// A condition that does not parse: which list, which string, which word, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{list}[{index}]: {reason}")]
+pub struct ConditionError {
+    pub list: &'static str,
+    pub index: usize,
+    pub reason: String,
+}
+
+/// The list's name in the configuration, for errors.
+pub fn list_name(family: Family) -> &'static str {
+    if family == Family::Ip6 {
+        "conditionsV6"
+    } else {
+        "conditionsV4"
+    }
+}
+
+/// Parses every string of a conditions list for a table of `family`.
+pub fn parse(family: Family, conditions: &[String]) -> Result<Vec<Match>, ConditionError> {
+    let mut out = Vec::new();
+    for (index, text) in conditions.iter().enumerate() {
+        let fail = |reason: String| ConditionError {
+            list: list_name(family),
+            index,
+            reason,
+        };
+        let words: Vec<&str> = text.split_whitespace().collect();
+        if words.is_empty() {
+            return Err(fail("empty condition".into()));
+        }
+        let mut p = Parser {
+            words: &words,
+            at: 0,
+            family,
+        };
+        while p.at < words.len() {
+            out.push(p.one().map_err(fail)?);
+        }
+    }
+    Ok(out)
+}
+
+struct Parser<'a> {
+    words: &'a [&'a str],
+    at: usize,
+    family: Family,
+}
+
+impl<'a> Parser<'a> {
+    fn next(&mut self, what: &str) -> Result<&'a str, String> {
+        let w = self
+            .words
+            .get(self.at)
+            .ok_or_else(|| format!("ends where {what} was expected"))?;
+        self.at += 1;
+        Ok(w)
+    }
+
+    /// An optional `==` / `!=`: whether it negates.
+    fn op(&mut self) -> bool {
+        match self.words.get(self.at) {
+            Some(&"!=") => {
+                self.at += 1;
+                true
+            }
+            Some(&"==") => {
+                self.at += 1;
+                false
+            }
+            _ => false,
+        }
+    }
+
+    fn one(&mut self) -> Result<Match, String> {
+        let word = self.next("a match")?;
+        match word {
+            "ip" | "ip6" => self.addr(word),
+            "iifname" => self.iifname(),
+            "meta" => match self.next("a meta key")? {
+                "mark" => self.mark(),
+                "iifname" => self.iifname(),
+                other => Err(format!(
+                    "meta {other:?} is not supported (supported: meta mark, meta iifname)"
+                )),
+            },
+            other => Err(format!(
+                "{other:?} is not a supported match (supported: ip saddr/daddr, ip6 saddr/daddr, iifname, meta mark)"
+            )),
+        }
+    }
+
+    fn addr(&mut self, proto: &str) -> Result<Match, String> {
+        let v6 = proto == "ip6";
+        if v6 != (self.family == Family::Ip6) {
+            return Err(format!(
+                "{proto} matches belong in {}",
+                if v6 { "conditionsV6" } else { "conditionsV4" }
+            ));
+        }
+        let field = match (self.next("saddr or daddr")?, v6) {
+            ("saddr", false) => Field::IpSaddr,
+            ("daddr", false) => Field::IpDaddr,
+            ("saddr", true) => Field::Ip6Saddr,
+            ("daddr", true) => Field::Ip6Daddr,
+            (other, _) => return Err(format!("{proto} {other:?}: expected saddr or daddr")),
+        };
+        let negate = self.op();
+        let text = self.next("an address")?;
+        let (addr, prefix) = match text.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (text, None),
+        };
+        let net: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{text:?} is not an address"))?;
+        if net.is_ipv6() != v6 {
+            return Err(format!("{text:?} is not an {proto} address"));
+        }
+        let full = if v6 { 128 } else { 32 };
+        let prefix = match prefix {
+            None => full,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= full)
+                .ok_or_else(|| format!("{text:?}: prefix length must be 0-{full}"))?,
+        };
+        Ok(Match::Addr {
+            field,
+            net,
+            prefix,
+            negate,
+        })
+    }
+
+    fn iifname(&mut self) -> Result<Match, String> {
+        let negate = self.op();
+        let raw = self.next("an interface name")?;
+        let name = raw
+            .strip_prefix('"')
+            .and_then(|r| r.strip_suffix('"'))
+            .unwrap_or(raw);
+        let (name, prefix) = match name.strip_suffix('*') {
+            Some(n) => (n, true),
+            None => (name, false),
+        };
+        let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        if name.is_empty() || name.len() > 15 || !name.chars().all(valid) {
+            return Err(format!("{raw:?} is not an interface name"));
+        }
+        Ok(Match::IifName {
+            name: name.into(),
+            prefix,
+            negate,
+        })
+    }
+
+    fn mark(&mut self) -> Result<Match, String> {
+        let negate = self.op();
+        let text = self.next("a mark")?;
+        let value = match text.strip_prefix("0x") {
+            Some(hex) => u32::from_str_radix(hex, 16),
+            None => text.parse(),
+        }
+        .map_err(|_| format!("{text:?} is not a 32-bit mark"))?;
+        Ok(Match::Mark { value, negate })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p4(s: &[&str]) -> Result<Vec<Match>, ConditionError> {
+        parse(
+            Family::Ip,
+            &s.iter().map(|x| x.to_string()).collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn parses_the_subset() {
+        let m = p4(&["ip saddr != 10.0.0.0/8 iifname \"eth*\"", "meta mark 0x10"]).unwrap();
+        assert_eq!(
+            m,
+            vec![
+                Match::Addr {
+                    field: Field::IpSaddr,
+                    net: "10.0.0.0".parse().unwrap(),
+                    prefix: 8,
+                    negate: true
+                },
+                Match::IifName {
+                    name: "eth".into(),
+                    prefix: true,
+                    negate: false
+                },
+                Match::Mark {
+                    value: 16,
+                    negate: false
+                },
+            ]
+        );
+        let v6 = parse(Family::Ip6, &["ip6 daddr fd00::1".to_string()]).unwrap();
+        assert!(matches!(v6[0], Match::Addr { prefix: 128, .. }));
+    }
+
+    #[test]
+    fn errors_name_the_place() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["ip saddr"], "conditionsV4[0]: ends where an address"),
+            (
+                &["ip saddr 1.2.3.4", "tcp dport 80"],
+                "conditionsV4[1]: \"tcp\"",
+            ),
+            (&["ip saddr 1.2.3.4/33"], "prefix length"),
+            (&["ip6 saddr ::1"], "belong in conditionsV6"),
+            (&["ip saddr fd00::1"], "not an ip address"),
+            (&["meta mark zz"], "not a 32-bit mark"),
+            (&["iifname a/b"], "not an interface name"),
+            (&["  "], "empty condition"),
+            (&["ip saddr 1.2.3.4; drop"], "not an address"),
+        ];
+        for (input, want) in cases {
+            let e = p4(input).unwrap_err().to_string();
+            assert!(e.contains(want), "{input:?}: {e}");
+        }
+    }
+}

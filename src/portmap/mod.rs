@@ -1,0 +1,52 @@
+//! The CNI portmap plugin on nf_tables: hostPorts mapped to containers through maps in its own tables
+//! (`ip nftkube-portmap`, `ip6 nftkube-portmap`), with the kernel as its only record.
+//!
+//! The nftkube binary speaks the CNI protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a
+//! copy) and as `nftkube portmap`.
+//!
+//! - [`cni`]: the protocol (environment, error object, versions);
+//! - [`netconf`]: the configuration on stdin, typed;
+//! - [`conditions`]: `conditionsV4/V6`, a subset of nft match syntax parsed into IR;
+//! - [`render`]: the objects of a network and the elements of an attachment;
+//! - [`state`]: reading them back and planning one batch;
+//! - [`flows`]: UDP conntrack cleanup;
+//! - [`plugin`]: the commands.
+
+pub mod cni;
+pub mod conditions;
+pub mod flows;
+pub mod netconf;
+pub mod plugin;
+pub mod render;
+pub mod state;
+
+use std::io::{Read, Write};
+
+/// The names the binary answers to as a CNI plugin.
+pub const PLUGIN_NAMES: [&str; 2] = ["portmap", "nftkube-portmap"];
+
+/// Whether argv[0] (a path) names the plugin.
+pub fn invoked_as_plugin(argv0: &std::ffi::OsStr) -> bool {
+    std::path::Path::new(argv0)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| PLUGIN_NAMES.contains(&n))
+}
+
+/// Runs the plugin on the process's environment, stdin and stdout; returns the exit status (0 or 1).
+pub fn main() -> u8 {
+    let mut stdin = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut stdin) {
+        let err =
+            cni::CniError::new(cni::code::IO_FAILURE, "reading stdin").with_details(e.to_string());
+        println!("{}", err.to_json(cni::CURRENT_VERSION));
+        return 1;
+    }
+    let out = plugin::run(|k| std::env::var(k).ok(), &stdin);
+    let mut stdout = std::io::stdout().lock();
+    if !out.stdout.is_empty() {
+        let _ = writeln!(stdout, "{}", out.stdout);
+    }
+    let _ = stdout.flush();
+    u8::from(!out.ok)
+}
