@@ -24,6 +24,13 @@ impl Protocol {
         }
     }
     /// Lower-case name as nft and kube-proxy chain names spell it.
+    /// The protocol of IANA number `n`, if it is one of ours.
+    pub fn from_number(n: u8) -> Option<Protocol> {
+        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+            .into_iter()
+            .find(|p| p.number() == n)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",

@@ -9,34 +9,8 @@ use std::net::IpAddr;
 /// The default `markMasqBit`, upstream's (kubelet's masquerade bit is 14; portmap's default stays clear of it).
 pub const DEFAULT_MARK_MASQ_BIT: u32 = 13;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-    pub fn from_number(n: u8) -> Option<Protocol> {
-        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
-            .into_iter()
-            .find(|p| p.number() == n)
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Sctp => "sctp",
-        }
-    }
-}
+/// The model's protocol: the same three, the same numbers.
+pub use crate::model::Protocol;
 
 /// One `runtimeConfig.portMappings` entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
