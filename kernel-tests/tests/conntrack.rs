@@ -122,6 +122,17 @@ fn wait_change_sync(agent: &Agent, before: usize) {
     });
 }
 
+/// Waits for an agent's first sync and the conntrack walk that follows it (which runs after the sync's line).
+fn wait_first_walk(agent: &Agent) {
+    agent.wait_syncs(1, SYNC);
+    wait_until(SYNC, || cleaned_through(&agent.log()) >= 1).unwrap_or_else(|_| {
+        panic!(
+            "no conntrack walk followed the first sync; log:\n{}",
+            agent.log()
+        )
+    });
+}
+
 /// The lines the agent logged about conntrack cleanups.
 fn cleanup_lines(agent: &Agent) -> Vec<String> {
     agent
@@ -478,7 +489,7 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     // Restart with nothing changed: nothing is deleted.
     assert!(agent.stop());
     agent = Agent::start(sb.node(), &m.dir, &[]);
-    agent.wait_syncs(1, SYNC);
+    wait_first_walk(&agent);
     let after = node_entries(&sb);
     assert_eq!(ids(&after, &is_unrelated), unrelated);
     assert!(tcp
@@ -502,7 +513,7 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
         &without_endpoint(&m.read("endpointslices.yaml"), &l_ip),
     );
     let agent = Agent::start(sb.node(), &m.dir, &[]);
-    agent.wait_syncs(1, SYNC);
+    wait_first_walk(&agent);
     let after = node_entries(&sb);
     assert_eq!(
         flow(&after, IPPROTO_UDP, client_ip(), l_port).map(|e| e.id),
