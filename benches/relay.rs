@@ -94,8 +94,8 @@ fn main() {
     let idle_held = start_servers(sb.pod(1));
     let dir = std::env::temp_dir().join(unique_name("nftkube-bench-relay"));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut agent = start_agent(sb.node(), &dir);
-    let mut haproxy = start_haproxy(sb.node(), &dir);
+    let agent = Reaped(start_agent(sb.node(), &dir));
+    let haproxy = Reaped(start_haproxy(sb.node(), &dir));
     program_dnat(sb.node());
     for p in PROXIES {
         wait_served(sb.client(), p.addr(ACCEPT));
@@ -115,14 +115,21 @@ fn main() {
             m.push(p, "p99", p99);
         }
     }
-    let relay_mem = idle_memory(sb.client(), Path_::Relay, agent.id(), &idle_held);
-    let haproxy_mem = idle_memory(sb.client(), Path_::Haproxy, haproxy.id(), &idle_held);
+    let relay_mem = idle_memory(sb.client(), Path_::Relay, agent.0.id(), &idle_held);
+    let haproxy_mem = idle_memory(sb.client(), Path_::Haproxy, haproxy.0.id(), &idle_held);
     print_table(&m, relay_mem, haproxy_mem, rounds, mb);
-    let _ = agent.kill();
-    let _ = agent.wait();
-    let _ = haproxy.kill();
-    let _ = haproxy.wait();
+    drop((agent, haproxy));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A child process killed and reaped when dropped, also when the bench panics.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The bench holds thousands of sockets (clients and servers of the idle connections).
@@ -449,8 +456,9 @@ fn idle_memory(client: &NetNs, p: Path_, pid: u32, held: &IdleHeld) -> f64 {
     while held.count.load(Ordering::SeqCst) < IDLE_CONNECTIONS {
         assert!(
             start.elapsed() < Duration::from_secs(30),
-            "{}: idle connections not all relayed",
-            p.name()
+            "{}: only {} of {IDLE_CONNECTIONS} idle connections relayed",
+            p.name(),
+            held.count.load(Ordering::SeqCst)
         );
         std::thread::sleep(Duration::from_millis(50));
     }
