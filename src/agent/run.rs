@@ -67,6 +67,9 @@ pub(super) struct ProxyLoop<'a> {
     pub next_check: Instant,
     /// When a periodic check reads the kernel back even if its generation says nothing changed.
     pub next_full_read: Instant,
+    /// The node's addresses were read since the last sync (by a periodic check): the full sync it asked for
+    /// need not read them again.
+    pub addresses_fresh: bool,
     pub relay: Relays,
 }
 
@@ -98,6 +101,7 @@ impl ProxyLoop<'_> {
             backoff: FIRST_BACKOFF,
             next_check: now + opts.sync_period,
             next_full_read: now + opts.full_read_period,
+            addresses_fresh: false,
             relay: Relays::default(),
         }
     }
@@ -249,6 +253,7 @@ impl ProxyLoop<'_> {
             return;
         }
         self.engine.force_full_sync();
+        self.addresses_fresh = true;
         self.request_sync();
     }
 
@@ -269,9 +274,8 @@ impl ProxyLoop<'_> {
         let changes = self.state.take_changes();
         self.runner.ran(now);
         self.observer.sync_started();
-        let full = self.engine.needs_full_sync();
-        if full {
-            // Node addresses can change; full syncs pick that up for NodePorts.
+        // Node addresses can change; full syncs pick that up for NodePorts (unless a periodic check just did).
+        if self.engine.needs_full_sync() && !std::mem::take(&mut self.addresses_fresh) {
             refresh_node_addresses(&mut self.cfg, &self.opts.nodeport_cidrs);
         }
         let synced = match &mut self.relay.userspace {

@@ -584,13 +584,7 @@ impl Drop for KubeSource {
         }
         if let Some(t) = self.thread.take() {
             // The runtime drops the watchers at once; bound the wait anyway (a connect in progress).
-            let deadline = std::time::Instant::now() + Duration::from_secs(2);
-            while !t.is_finished() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+            super::join_within(t, Duration::from_secs(2));
         }
     }
 }

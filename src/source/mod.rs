@@ -66,6 +66,18 @@ pub struct NodeInfo {
 /// Called by a source's thread after it has queued events: wakes the consumer.
 pub type Notify = Arc<dyn Fn() + Send + Sync>;
 
+/// Joins a source's thread if it ends within `limit` (a read or a connect in progress finishes first), and
+/// leaves it to end on its own otherwise.
+pub(crate) fn join_within(thread: std::thread::JoinHandle<()>, limit: std::time::Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while !thread.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    if thread.is_finished() {
+        let _ = thread.join();
+    }
+}
+
 /// A source thread's end of the channel to its consumer: each batch is queued, then announced.
 pub(crate) struct Outbox {
     tx: std::sync::mpsc::Sender<Vec<Event>>,

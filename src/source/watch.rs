@@ -12,7 +12,7 @@ use futures::StreamExt;
 use inotify::{EventMask, EventStream, Inotify, WatchMask};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A write rarely comes alone (truncate, write, close; or a tool writing many files): wait until the
 /// directory has been quiet this long before reading...
@@ -88,14 +88,8 @@ impl Drop for ManifestWatcher {
             let _ = stop.send(());
         }
         if let Some(t) = self.thread.take() {
-            // A read in progress finishes first; bound the wait (a huge directory) and leave it otherwise.
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while !t.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+            // A read in progress (a huge directory) finishes first.
+            super::join_within(t, Duration::from_secs(2));
         }
     }
 }
@@ -233,6 +227,7 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
+    use std::time::Instant;
 
     struct TempDir(PathBuf);
     impl TempDir {
