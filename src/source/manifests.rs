@@ -209,6 +209,11 @@ pub struct ManifestSource {
     /// double the agent's memory. A sorted vector, not a map: a poll re-reads everything and walks it in
     /// order anyway, and a vector has no per-entry overhead.
     emitted: Vec<(ObjectKey, Emitted)>,
+    /// The last read reported no error at all: nothing emitted is protected by a failure, and no object is
+    /// defined twice, so a change to some files can be read from those files alone.
+    clean: bool,
+    /// How many files the last read opened: all of them, or only the changed ones.
+    files_read: usize,
 }
 
 impl ManifestSource {
@@ -218,11 +223,18 @@ impl ManifestSource {
             path,
             fingerprint: None,
             emitted: Vec::new(),
+            clean: false,
+            files_read: 0,
         }
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// How many files the last read opened (all of them, or only those that changed).
+    pub fn files_read(&self) -> usize {
+        self.files_read
     }
 
     /// Whether [`ManifestSource::initial`] has run.
@@ -242,6 +254,7 @@ impl ManifestSource {
             events.push(applied(key, object));
         }
         self.emitted = emitted;
+        self.clean = snap.errors.is_empty();
         events.push(Event::Synced);
         (events, snap.errors)
     }
@@ -253,31 +266,56 @@ impl ManifestSource {
         if self.fingerprint.as_ref() == Some(&fingerprint) {
             return (Vec::new(), Vec::new());
         }
+        let changed = changed_files(self.fingerprint.as_ref(), &fingerprint);
         self.fingerprint = Some(fingerprint);
-        let mut snap = self.read();
-        let objects = std::mem::take(&mut snap.objects);
-        let mut r = Reconcile {
-            snap: &snap,
-            emitted: Vec::with_capacity(objects.len()),
-            events: Vec::new(),
-        };
-        // Both sides are in key order: walk them together.
-        let mut old = std::mem::take(&mut self.emitted).into_iter().peekable();
-        let mut new = objects.into_iter().peekable();
-        loop {
-            let order = match (old.peek(), new.peek()) {
-                (None, None) => break,
-                (Some(_), None) => Ordering::Less,
-                (None, Some(_)) => Ordering::Greater,
-                (Some((a, _)), Some((b, _))) => a.cmp(b),
-            };
-            let before = (order != Ordering::Greater).then(|| old.next()).flatten();
-            let now = (order != Ordering::Less).then(|| new.next()).flatten();
-            r.object(before, now);
+        if let Some(changed) = changed.filter(|_| self.clean) {
+            if let Some(events) = self.poll_files(&changed) {
+                return (events, Vec::new());
+            }
         }
-        r.emitted.shrink_to_fit();
-        self.emitted = r.emitted;
-        (r.events, snap.errors)
+        let snap = self.read();
+        let (events, errors) = self.reconcile_all(snap);
+        self.clean = errors.is_empty();
+        (events, errors)
+    }
+
+    /// Re-reads only the `changed` files (written, added or removed since the last read), when what they
+    /// hold now is as clean as the last read was: no error, and no object that another file defines too.
+    /// None otherwise, and nothing is changed: the caller reads everything again, which sorts out which
+    /// definition wins and what a failure protects.
+    fn poll_files(&mut self, changed: &BTreeSet<PathBuf>) -> Option<Vec<Event>> {
+        let Some(Ok(listed)) = &self.fingerprint else {
+            return None;
+        };
+        let present = changed.iter().filter(|p| listed.contains_key(*p)).cloned();
+        let mut snap = self.read_files(present.collect());
+        if !snap.errors.is_empty() {
+            return None;
+        }
+        let from_changed = |path: &Path| changed.contains(path);
+        // An object of a changed file that an unchanged one defines too: a duplicate, for the full read.
+        if self
+            .emitted
+            .iter()
+            .any(|(key, e)| !from_changed(&e.path) && snap.objects.contains_key(key))
+        {
+            return None;
+        }
+        let objects = std::mem::take(&mut snap.objects);
+        let emitted = std::mem::take(&mut self.emitted);
+        // What a file not read again emitted is unchanged (and, by the check above, not read now).
+        let (emitted, events) = reconcile(&snap, emitted, objects, |e| !from_changed(&e.path));
+        self.emitted = emitted;
+        Some(events)
+    }
+
+    /// The difference between a complete read and what was last emitted.
+    fn reconcile_all(&mut self, mut snap: Snapshot) -> (Vec<Event>, Vec<SourceError>) {
+        let objects = std::mem::take(&mut snap.objects);
+        let emitted = std::mem::take(&mut self.emitted);
+        let (emitted, events) = reconcile(&snap, emitted, objects, |_| false);
+        self.emitted = emitted;
+        (events, snap.errors)
     }
 
     fn files(&self) -> Result<Vec<PathBuf>, String> {
@@ -335,17 +373,26 @@ impl ManifestSource {
 
     /// Reads every file: the documents are parsed in parallel, in contiguous runs of the files' order, and
     /// merged in that order, so the first definition of an object still wins.
-    fn read(&self) -> Snapshot {
-        let mut snap = Snapshot::default();
-        let files = match self.files() {
-            Ok(files) => files,
+    fn read(&mut self) -> Snapshot {
+        self.files_read = 0;
+        match self.files() {
+            Ok(files) => self.read_files(files),
             Err(reason) => {
-                snap.unreadable = true;
+                let mut snap = Snapshot {
+                    unreadable: true,
+                    ..Snapshot::default()
+                };
                 let path = self.path.clone();
                 report(&mut snap, SourceError::of_file(path, reason));
-                return snap;
+                snap
             }
-        };
+        }
+    }
+
+    /// Reads `files`, in their order (see [`ManifestSource::read`]).
+    fn read_files(&mut self, files: Vec<PathBuf>) -> Snapshot {
+        self.files_read = files.len();
+        let mut snap = Snapshot::default();
         // In batches of files, so that the texts held at once stay bounded whatever the directory holds.
         let mut batch: Vec<(Arc<PathBuf>, String)> = Vec::new();
         let mut batch_bytes = 0;
@@ -366,7 +413,8 @@ impl ManifestSource {
                     .iter()
                     .flat_map(|(path, text)| documents_of(path, text))
                     .collect();
-                for part in parse_parallel(&documents) {
+                let parts = parse_parallel(&documents);
+                for part in parts {
                     merge(&mut snap, part);
                 }
                 batch.clear();
@@ -375,6 +423,54 @@ impl ManifestSource {
         }
         snap
     }
+}
+
+/// Walks what was emitted and what was read, both in key order, into the events between them and what is
+/// emitted afterwards. An emitted object for which `untouched` holds is kept as it is (its file was not read).
+fn reconcile(
+    snap: &Snapshot,
+    emitted: Vec<(ObjectKey, Emitted)>,
+    objects: BTreeMap<ObjectKey, (Object, Origin)>,
+    untouched: impl Fn(&Emitted) -> bool,
+) -> (Vec<(ObjectKey, Emitted)>, Vec<Event>) {
+    let mut r = Reconcile {
+        snap,
+        emitted: Vec::with_capacity(emitted.len().max(objects.len())),
+        events: Vec::new(),
+    };
+    let mut old = emitted.into_iter().peekable();
+    let mut new = objects.into_iter().peekable();
+    loop {
+        let order = match (old.peek(), new.peek()) {
+            (None, None) => break,
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (Some((a, _)), Some((b, _))) => a.cmp(b),
+        };
+        let before = (order != Ordering::Greater).then(|| old.next()).flatten();
+        let now = (order != Ordering::Less).then(|| new.next()).flatten();
+        match before {
+            Some(entry) if now.is_none() && untouched(&entry.1) => r.emitted.push(entry),
+            before => r.object(before, now),
+        }
+    }
+    r.emitted.shrink_to_fit();
+    (r.emitted, r.events)
+}
+
+/// The files whose stamp differs between two listings (written, added or removed); None when either listing
+/// failed (then everything is read again).
+fn changed_files(before: Option<&Fingerprint>, now: &Fingerprint) -> Option<BTreeSet<PathBuf>> {
+    let (Some(Ok(before)), Ok(now)) = (before, now) else {
+        return None;
+    };
+    let mut changed: BTreeSet<PathBuf> = now
+        .iter()
+        .filter(|(path, stamp)| before.get(*path) != Some(stamp))
+        .map(|(path, _)| path.clone())
+        .collect();
+    changed.extend(before.keys().filter(|p| !now.contains_key(*p)).cloned());
+    Some(changed)
 }
 
 /// File text read before it is parsed: the manifests in memory at once, apart from what they become.
@@ -1282,6 +1378,97 @@ mod tests {
             "{}",
             errors[0]
         );
+    }
+
+    /// A change to one file of a clean directory reads that file alone; adding and removing files too.
+    #[test]
+    fn a_change_rereads_only_its_file() {
+        let dir = TempDir::new("incremental");
+        let two = format!(
+            "{}---\n{}",
+            service("a", "10.96.0.1"),
+            service("b", "10.96.0.2")
+        );
+        dir.write("svc.yaml", &two);
+        dir.write("eps.yaml", &slice("a-1", "a", &["10.244.1.2"]));
+        dir.write("churn.yaml", &slice("b-1", "b", &["10.244.1.3"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        assert_eq!(src.files_read(), 3);
+        dir.write(
+            "churn.yaml",
+            &slice("b-1", "b", &["10.244.1.3", "10.244.1.4"]),
+        );
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(names(&events), ["slice+ demo/b-1 (2 eps)"]);
+        assert_eq!(src.files_read(), 1);
+        dir.write("new.yaml", &service("c", "10.96.0.3"));
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc+ demo/c (1 ports)"]);
+        assert_eq!(src.files_read(), 1);
+        dir.remove("churn.yaml");
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["slice- demo/b-1"]);
+        assert_eq!(src.files_read(), 0);
+        // What the files not read emitted is still known: removing them deletes it.
+        dir.remove("svc.yaml");
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc- demo/a", "svc- demo/b"]);
+        // The same as a full read would give.
+        let mut fresh = ManifestSource::new(dir.0.clone());
+        let (all, _) = fresh.initial();
+        assert_eq!(
+            names(&all),
+            ["svc+ demo/c (1 ports)", "slice+ demo/a-1 (1 eps)", "synced"]
+        );
+    }
+
+    /// A changed file defining what an unchanged one defines, or any error, sends the read back to every
+    /// file: which definition wins, and what a failure protects, depends on all of them.
+    #[test]
+    fn a_duplicate_or_an_error_rereads_everything() {
+        let dir = TempDir::new("incremental-dup");
+        dir.write("1.yaml", &service("a", "10.96.0.1"));
+        dir.write("2.yaml", &service("b", "10.96.0.2"));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        let both = format!(
+            "{}---\n{}",
+            service("b", "10.96.0.2"),
+            service("a", "10.96.0.9")
+        );
+        dir.write("2.yaml", &both);
+        let (events, errors) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].reason.contains("duplicate Service"),
+            "{}",
+            errors[0]
+        );
+        assert_eq!(src.files_read(), 2);
+        // The first definition goes: the second one takes over (found by reading every file).
+        dir.write("1.yaml", "");
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(names(&events), ["svc+ demo/a (1 ports)"]);
+        let Event::ServiceApplied { ports, .. } = &events[0] else {
+            panic!()
+        };
+        assert_eq!(ports[0].cluster_ips[0].to_string(), "10.96.0.9");
+        assert_eq!(src.files_read(), 2);
+        // Clean again: the next change reads its file alone.
+        dir.write("1.yaml", &service("c", "10.96.0.3"));
+        let (events, _) = src.poll();
+        assert_eq!(names(&events), ["svc+ demo/c (1 ports)"]);
+        assert_eq!(src.files_read(), 1);
+        // A broken document: everything is read, and the object keeps its last good version.
+        dir.write("1.yaml", &service("c", "10.96.0.300"));
+        let (events, errors) = src.poll();
+        assert!(events.is_empty(), "{:?}", names(&events));
+        assert_eq!(errors.len(), 1);
+        assert_eq!(src.files_read(), 2);
     }
 
     /// Enough documents for several parser threads: the parallel read gives what one thread would, and a
