@@ -482,26 +482,28 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
         }
         None => (st.rv, 0usize),
     };
-    let all: Vec<&Value> = st
-        .objects
-        .iter()
-        .filter(|(k, v)| k.0 == resource && selected(v))
-        .map(|(_, v)| v)
-        .collect();
     let limit = params
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
         .unwrap_or(usize::MAX);
-    let page: Vec<Value> = all
-        .iter()
+    // Only this resource's range of the map, and only up to the page's end (plus one, to know whether more
+    // follow): a paged list of 100k objects costs each page its own length, as in a real API server.
+    let first: Key = (resource, String::new(), String::new());
+    let mut page: Vec<Value> = st
+        .objects
+        .range(first..)
+        .take_while(|(k, _)| k.0 == resource)
+        .filter(|(_, v)| selected(v))
         .skip(offset)
-        .take(limit)
-        .map(|v| (*v).clone())
+        .take(limit.saturating_add(1))
+        .map(|(_, v)| v.clone())
         .collect();
+    let more = page.len() > limit;
+    page.truncate(limit);
     let next = offset.saturating_add(limit);
     let mut meta = json!({"resourceVersion": list_rv.to_string()});
-    if next < all.len() {
+    if more {
         meta["continue"] = json!(format!("{list_rv}/{next}"));
     }
     let body =
