@@ -2,7 +2,8 @@
 //! Kubernetes API, every number beside an anchor measured in the same run.
 //!
 //! 1. Cold sync at each N (ClusterIP services × E endpoints): the library's render + commit in a fresh
-//!    namespace (the anchor); the binary from YAML manifests of the same objects; the binary from a fake API
+//!    namespace (the anchor); the binary from YAML manifests of the same objects, and from JSON ones (the
+//!    YAML parser's share of the time); the binary from a fake API
 //!    server that serves them as paged lists (500 per page, as kube-rs asks and kube-apiserver answers) and
 //!    watches. Wall time from spawning the binary to its first "sync complete", and its peak RSS (VmHWM).
 //! 2. Change → new endpoint answering, at `NFTKUBE_BENCH_LATENCY_SERVICES` services (default 10 000): a
@@ -211,6 +212,18 @@ impl Cluster {
                "endpoints": eps})
     }
 
+    /// The same objects as JSON manifests: one `List` per file.
+    fn write_json_manifests(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        let list = |items: Vec<Value>| {
+            json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
+        };
+        let services = (0..self.n).map(Self::service_json).collect();
+        let slices = (0..self.n).map(|i| self.slice_json(i, 0)).collect();
+        std::fs::write(dir.join("services.json"), list(services)).unwrap();
+        std::fs::write(dir.join("endpointslices.json"), list(slices)).unwrap();
+    }
+
     fn load_api(&self, api: &FakeApi) {
         for i in 0..self.n {
             api.apply(Self::service_json(i));
@@ -365,6 +378,22 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
             ratio(wall, library),
         );
         push("  peak RSS (MiB)", col, mib(rss));
+
+        let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
+        cluster.write_json_manifests(&dir);
+        let (wall, rss) = binary_cold(bin, Source::Manifests(&dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        push(
+            "binary from JSON manifests (a List per file): first sync (s)",
+            col,
+            secs(wall),
+        );
+        push(
+            "  ratio: binary (JSON) / library",
+            col,
+            ratio(wall, library),
+        );
+        push("  peak RSS (MiB)  ", col, mib(rss));
 
         let ns = NetNs::create(&unique_name("nklat")).unwrap();
         // The API is served on the namespace's loopback.
