@@ -644,7 +644,37 @@ fn text_of(bytes: Result<&[u8], String>) -> Result<&str, String> {
         .map_err(|e| format!("cannot read: {e}"))
 }
 
+/// A JSON `List` document, its items left as slices of the text: each item becomes a value of its own in
+/// turn, so a list of 100k objects never exists as one parsed value (1154 MiB peak at 100k services and
+/// their slices, against 294 MiB for the same objects as YAML documents). Anything that does not fit this
+/// shape (no items, items not a list, a duplicate key) is read as a whole value instead, with that path's
+/// errors.
+#[derive(serde::Deserialize)]
+struct RawList<'a> {
+    kind: String,
+    #[serde(rename = "apiVersion", default)]
+    api_version: String,
+    #[serde(borrow)]
+    items: Vec<&'a serde_json::value::RawValue>,
+}
+
+fn is_list_kind(kind: &str) -> bool {
+    matches!(kind, "List" | "ServiceList" | "EndpointSliceList")
+}
+
 fn parse_document(d: &Document, snap: &mut Snapshot) {
+    if d.json {
+        if let Ok(list) = serde_json::from_str::<RawList>(d.text) {
+            if is_list_kind(&list.kind) {
+                let mut ctx = DocContext {
+                    path: d.path,
+                    document: d.index,
+                    snap,
+                };
+                return ctx.raw_list(list);
+            }
+        }
+    }
     let parsed: Result<Value, String> = if d.json {
         serde_json::from_str(d.text).map_err(|e| format!("invalid JSON: {e}"))
     } else {
@@ -721,6 +751,18 @@ impl DocContext<'_> {
         self.error(None, with_item(item, reason));
     }
 
+    /// The items of a JSON List, one at a time (see [`RawList`]).
+    fn raw_list(&mut self, list: RawList) {
+        let element_kind = list.kind.strip_suffix("List").filter(|k| !k.is_empty());
+        let default_kind = element_kind.map(|k| (k, list.api_version.as_str()));
+        for (i, raw) in list.items.into_iter().enumerate() {
+            match serde_json::from_str::<Value>(raw.get()) {
+                Ok(value) => self.value(value, Some(i), default_kind),
+                Err(e) => self.unidentified(Some(i), format!("invalid JSON: {e}")),
+            }
+        }
+    }
+
     /// One document, or one item of a List. `default_kind` comes from a typed list (`ServiceList`).
     fn value(&mut self, mut value: Value, item: Option<usize>, default_kind: Option<(&str, &str)>) {
         if value.is_null() {
@@ -745,7 +787,7 @@ impl DocContext<'_> {
             .to_owned();
         match kind.as_str() {
             "Service" | "EndpointSlice" => self.object(&kind, &api_version, value, item),
-            "List" | "ServiceList" | "EndpointSliceList" if item.is_none() => {
+            list if is_list_kind(list) && item.is_none() => {
                 let element_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
                 let Some(items) = obj.get_mut("items").map(Value::take) else {
                     return self.unidentified(item, format!("{kind} without items"));
@@ -1007,6 +1049,33 @@ mod tests {
         assert_eq!(errors[0].reason, "items[0]: not an object");
         let (_, errors) = parse_file(Path::new("a.yaml"), b"\xff");
         assert_eq!(errors[0].reason, "cannot read: not UTF-8");
+    }
+
+    /// A JSON List's items are read one at a time from the text; a list of another shape is read whole, and
+    /// both report as before.
+    #[test]
+    fn json_lists_item_by_item() {
+        let svc = r#"{"metadata": {"name": "a", "namespace": "demo"}, "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}}"#;
+        let typed = format!(
+            r#"{{"kind": "ServiceList", "apiVersion": "v1", "items": [{svc}, 7, {{"kind": "Service"}}]}}"#
+        );
+        let (events, errors) = parse_file(Path::new("l.json"), typed.as_bytes());
+        assert_eq!(names(&events), ["svc+ demo/a (1 ports)"]);
+        let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            [
+                "items[1]: not an object",
+                "items[2]: Service without metadata.name"
+            ]
+        );
+        let (_, errors) = parse_file(Path::new("l.json"), br#"{"kind": "List", "items": {}}"#);
+        assert_eq!(errors[0].reason, "List items is not a list");
+        let (_, errors) = parse_file(
+            Path::new("l.json"),
+            br#"{"kind": "List", "items": [1], "items": [2]}"#,
+        );
+        assert_eq!(errors[0].reason, "items[0]: not an object");
     }
 
     #[test]
