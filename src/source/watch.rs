@@ -17,8 +17,11 @@ use std::time::Duration;
 /// A write rarely comes alone (truncate, write, close; or a tool writing many files): wait until the
 /// directory has been quiet this long before reading...
 const SETTLE: Duration = Duration::from_millis(5);
-/// ...but never longer than this after the first event, so a steady stream of writes is still read.
-const MAX_SETTLE: Duration = Duration::from_millis(50);
+/// ...but never longer than this after the first event, so a steady stream of writes is still read. Under such
+/// a stream every change waits this long before it is read; a read costs only the changed files, so it can
+/// come often (50 ms gave a p99 of 131 ms from a manifest write to traffic under 100 writes per second with
+/// `--min-sync-period` 100 ms, 20 ms gave 112 ms: `kernel-tests/benches/latency.rs`).
+const MAX_SETTLE: Duration = Duration::from_millis(20);
 
 /// Everything that can change what the source reads: files written, created, removed, renamed (a
 /// ConfigMap mount swaps a `..data` symlink), and the watched directory itself going away.
