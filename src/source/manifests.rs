@@ -206,8 +206,8 @@ pub struct ManifestSource {
     fingerprint: Option<Fingerprint>,
     /// A fingerprint of what we last emitted for each object, and where it came from, in key order. Only a
     /// hash: the consumer holds the objects, and keeping a second copy of a 10k-service cluster here would
-    /// double the agent's memory. A sorted vector, not a map: a poll re-reads everything and walks it in
-    /// order anyway, and a vector has no per-entry overhead.
+    /// double the agent's memory. A sorted vector, not a map: a poll walks it in order anyway (and looks
+    /// keys up by binary search), and a vector has no per-entry overhead.
     emitted: Vec<(ObjectKey, Emitted)>,
     /// The last read reported no error at all: nothing emitted is protected by a failure, and no object is
     /// defined twice, so a change to some files can be read from those files alone.
@@ -294,11 +294,12 @@ impl ManifestSource {
         }
         let from_changed = |path: &Path| changed.contains(path);
         // An object of a changed file that an unchanged one defines too: a duplicate, for the full read.
-        if self
-            .emitted
-            .iter()
-            .any(|(key, e)| !from_changed(&e.path) && snap.objects.contains_key(key))
-        {
+        // Looked up in the sorted `emitted`: the cost follows the changed files, not the whole directory.
+        let defined_elsewhere = |key: &ObjectKey| {
+            let found = self.emitted.binary_search_by(|(k, _)| k.cmp(key));
+            found.is_ok_and(|i| !from_changed(&self.emitted[i].1.path))
+        };
+        if snap.objects.keys().any(defined_elsewhere) {
             return None;
         }
         let objects = std::mem::take(&mut snap.objects);
@@ -413,8 +414,7 @@ impl ManifestSource {
                     .iter()
                     .flat_map(|(path, text)| documents_of(path, text))
                     .collect();
-                let parts = parse_parallel(&documents);
-                for part in parts {
+                for part in parse_parallel(&documents) {
                     merge(&mut snap, part);
                 }
                 batch.clear();
