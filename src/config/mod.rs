@@ -9,16 +9,16 @@
 //! periods) plus `iptables` (masquerade) for `ipvs` — `masqueradeBit`, `masqueradeAll`, `syncPeriod`,
 //! `minSyncPeriod`.
 //!
-//! Every other known field is accepted; set to anything but its zero value or kube-proxy's default, it is
-//! warned about by name as not supported. Unknown fields are warned about by name (kube-proxy decodes
-//! leniently too). Invalid values (a bad CIDR, duration, address, mask bit, an unsupported detect-local
+//! The file is read into typed structs (`file.rs`). Every other known field is accepted; set to anything but
+//! its zero value or kube-proxy's default, it is warned about by name as not supported. Unknown fields are
+//! warned about by name (kube-proxy decodes leniently too). Invalid values (a bad CIDR, duration, address, mask bit, an unsupported detect-local
 //! mode) are a [`ConfigError`]: startup stops with exit code 64.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::Value;
+mod file;
 
 use crate::admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
 use crate::model::Cidr;
@@ -75,92 +75,6 @@ pub struct FileConfig {
     pub warnings: Vec<String>,
 }
 
-/// What the file says about each known field.
-#[derive(Clone, Copy)]
-enum Field {
-    /// A mapping whose fields are described too.
-    Object,
-    /// Read by nftkube.
-    Honoured,
-    /// Known, not supported: silent when at its zero value or at one of these kube-proxy defaults.
-    Ignored(&'static [&'static str]),
-}
-
-/// Every field of v1alpha1 (as of Kubernetes 1.33), by dotted path.
-fn field(path: &str) -> Option<Field> {
-    use Field::*;
-    Some(match path {
-        "apiVersion" | "kind" => Honoured,
-        "clientConnection" | "iptables" | "ipvs" | "nftables" | "winkernel" | "detectLocal"
-        | "conntrack" => Object,
-        "clientConnection.kubeconfig" => Honoured,
-        "clientConnection.acceptContentTypes" => Ignored(&["application/json"]),
-        "clientConnection.contentType" => {
-            Ignored(&["application/vnd.kubernetes.protobuf", "application/json"])
-        }
-        "clientConnection.qps" => Ignored(&["5"]),
-        "clientConnection.burst" => Ignored(&["10"]),
-        "hostnameOverride"
-        | "bindAddress"
-        | "healthzBindAddress"
-        | "metricsBindAddress"
-        | "bindAddressHardFail"
-        | "mode"
-        | "detectLocalMode"
-        | "clusterCIDR"
-        | "nodePortAddresses" => Honoured,
-        "featureGates" | "logging" => Ignored(&[]),
-        "enableProfiling" | "showHiddenMetricsForVersion" | "portRange" | "windowsRunAsService" => {
-            Ignored(&[])
-        }
-        "oomScoreAdj" => Ignored(&["-999"]),
-        "configSyncPeriod" => Ignored(&["15m0s", "15m"]),
-        "iptables.masqueradeBit"
-        | "iptables.masqueradeAll"
-        | "iptables.syncPeriod"
-        | "iptables.minSyncPeriod"
-        | "nftables.masqueradeBit"
-        | "nftables.masqueradeAll"
-        | "nftables.syncPeriod"
-        | "nftables.minSyncPeriod"
-        | "ipvs.syncPeriod"
-        | "ipvs.minSyncPeriod" => Honoured,
-        "iptables.localhostNodePorts" => Ignored(&["true"]),
-        "iptables.snatNodeInternalIP" => Ignored(&[]),
-        "ipvs.scheduler" | "ipvs.excludeCIDRs" | "ipvs.strictARP" | "ipvs.tcpTimeout"
-        | "ipvs.tcpFinTimeout" | "ipvs.udpTimeout" => Ignored(&[]),
-        "detectLocal.bridgeInterface" | "detectLocal.interfaceNamePrefix" => Honoured,
-        "conntrack.maxPerCore" => Ignored(&["32768"]),
-        "conntrack.min" => Ignored(&["131072"]),
-        "conntrack.tcpEstablishedTimeout" => Ignored(&["24h0m0s", "24h"]),
-        "conntrack.tcpCloseWaitTimeout" => Ignored(&["1h0m0s", "1h"]),
-        "conntrack.tcpBeLiberal" | "conntrack.udpTimeout" | "conntrack.udpStreamTimeout" => {
-            Ignored(&[])
-        }
-        p if p.starts_with("winkernel.") => Ignored(&[]),
-        _ => return None,
-    })
-}
-
-/// Go's zero value of a decoded field: null, false, 0, "", "0s", empty list or map (recursively).
-fn is_zero(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty() || s == "0s" || s == "0",
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.values().all(is_zero),
-    }
-}
-
-fn scalar_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
 /// Reads and checks a configuration file.
 pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
     let text = std::fs::read_to_string(path)
@@ -172,165 +86,7 @@ pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
 pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
     let root = crate::yaml::parse_document(text)
         .map_err(|e| ConfigError(format!("not valid YAML: {e}")))?;
-    let Value::Object(map) = &root else {
-        return err("the file is not a mapping");
-    };
-    match map.get("apiVersion").and_then(Value::as_str) {
-        Some(API_VERSION) => {}
-        Some(other) => {
-            return err(format!(
-                "apiVersion {other:?} is not supported (want {API_VERSION})"
-            ))
-        }
-        None => return err(format!("apiVersion is missing (want {API_VERSION})")),
-    }
-    match map.get("kind").and_then(Value::as_str) {
-        Some(KIND) => {}
-        other => return err(format!("kind {other:?} is not {KIND}")),
-    }
-    let mut cfg = FileConfig::default();
-    walk(&root, "", &mut cfg.warnings);
-
-    let get = |path: &str| -> Option<&Value> {
-        let mut v = &root;
-        for part in path.split('.') {
-            v = v.get(part)?;
-        }
-        Some(v).filter(|v| !v.is_null())
-    };
-    let string = |path: &str| -> Result<Option<String>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::String(s)) if s.is_empty() => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(other) => err(format!("{path}: want a string, got {other}")),
-        }
-    };
-    let boolean = |path: &str| -> Result<Option<bool>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(other) => err(format!("{path}: want true or false, got {other}")),
-        }
-    };
-    let duration = |path: &str| -> Result<Option<Duration>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::String(s)) if s.is_empty() => Ok(None),
-            Some(Value::String(s)) => parse_go_duration(s)
-                .map(Some)
-                .map_err(|e| ConfigError(format!("{path}: {e}"))),
-            Some(other) => err(format!(
-                "{path}: want a duration string such as \"30s\", got {other}"
-            )),
-        }
-    };
-
-    cfg.kubeconfig = string("clientConnection.kubeconfig")?.map(PathBuf::from);
-    cfg.hostname_override = string("hostnameOverride")?;
-    cfg.bind_address = string("bindAddress")?;
-    cfg.healthz_bind_address = string("healthzBindAddress")?;
-    cfg.metrics_bind_address = string("metricsBindAddress")?;
-    cfg.bind_address_hard_fail = boolean("bindAddressHardFail")?;
-    cfg.mode = string("mode")?;
-    cfg.detect_local_mode = string("detectLocalMode")?;
-    cfg.bridge_interface = string("detectLocal.bridgeInterface")?;
-    cfg.interface_name_prefix = string("detectLocal.interfaceNamePrefix")?;
-    cfg.cluster_cidr = string("clusterCIDR")?;
-    cfg.node_port_addresses = match get("nodePortAddresses") {
-        None => None,
-        Some(Value::Array(a)) => Some(
-            a.iter()
-                .map(|v| match v {
-                    Value::String(s) => Ok(s.clone()),
-                    other => err(format!("nodePortAddresses: want strings, got {other}")),
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        Some(other) => return err(format!("nodePortAddresses: want a list, got {other}")),
-    };
-
-    // The section of the configured mode; the others' non-zero values are warned about.
-    let mode = cfg.mode.clone().unwrap_or_default();
-    let (sync_section, masq_section) = match mode.as_str() {
-        // userspace: kube-proxy's userspace proxier read the iptables section too.
-        "" | "iptables" | "userspace" => ("iptables", "iptables"),
-        "nftables" => ("nftables", "nftables"),
-        "ipvs" => ("ipvs", "iptables"),
-        other => {
-            return err(format!(
-                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables, userspace)"
-            ))
-        }
-    };
-    if !matches!(mode.as_str(), "" | "nftables" | "userspace") {
-        cfg.warnings.push(format!(
-            "mode {mode:?}: nftkube always programs nf_tables; the {sync_section} section's settings are used"
-        ));
-    }
-    for section in ["iptables", "ipvs", "nftables"] {
-        for f in [
-            "masqueradeBit",
-            "masqueradeAll",
-            "syncPeriod",
-            "minSyncPeriod",
-        ] {
-            let path = format!("{section}.{f}");
-            let used = if f.starts_with("masquerade") {
-                section == masq_section
-            } else {
-                section == sync_section
-            };
-            if !used && field(&path).is_some() && get(&path).is_some_and(|v| !is_zero(v)) {
-                cfg.warnings.push(format!(
-                    "{path} is ignored: with mode {:?} the {} section applies",
-                    mode,
-                    if f.starts_with("masquerade") {
-                        masq_section
-                    } else {
-                        sync_section
-                    }
-                ));
-            }
-        }
-    }
-    cfg.masquerade_bit = match get(&format!("{masq_section}.masqueradeBit")) {
-        None => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| {
-            ConfigError(format!(
-                "{masq_section}.masqueradeBit: want an integer, got {v}"
-            ))
-        })?),
-    };
-    cfg.masquerade_all = boolean(&format!("{masq_section}.masqueradeAll"))?;
-    cfg.sync_period = duration(&format!("{sync_section}.syncPeriod"))?.filter(|d| !d.is_zero());
-    cfg.min_sync_period = duration(&format!("{sync_section}.minSyncPeriod"))?;
-    Ok(cfg)
-}
-
-/// Collects warnings for unknown fields and for unsupported fields set to something.
-fn walk(v: &Value, prefix: &str, warnings: &mut Vec<String>) {
-    let Value::Object(map) = v else { return };
-    for (k, child) in map {
-        let path = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
-        match field(&path) {
-            None => warnings.push(format!("unknown field {path} (ignored)")),
-            Some(Field::Object) => walk(child, &path, warnings),
-            Some(Field::Honoured) => {}
-            Some(Field::Ignored(defaults)) => {
-                if !is_zero(child) && !defaults.contains(&scalar_text(child).as_str()) {
-                    warnings.push(format!(
-                        "{path} is not supported by nftkube (ignored; set to {})",
-                        scalar_text(child)
-                    ));
-                }
-            }
-        }
-    }
+    file::read(root)
 }
 
 /// A Go duration ("300ms", "1.5h", "2h45m", "0"): what metav1.Duration and kube-proxy's flags accept.
@@ -1141,11 +897,40 @@ iptables:
         );
     }
 
+    #[test]
+    fn sections_are_typed_and_null_sections_are_empty() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let f = parse(&format!(
+            "{base}clientConnection: null\niptables: ~\ndetectLocal:\n  bridgeInterface: cbr0\n  color: red\nwinkernel:\n  enableDSR: true\n"
+        ))
+        .unwrap();
+        assert_eq!(f.bridge_interface.as_deref(), Some("cbr0"));
+        assert_eq!(
+            f.warnings,
+            [
+                "unknown field detectLocal.color (ignored)",
+                "winkernel.enableDSR is not supported by nftkube (ignored; set to true)"
+            ]
+        );
+        // A section that is not a mapping is an error naming it, as is a list of non-strings.
+        let e = parse(&format!("{base}iptables: 5\n")).unwrap_err().0;
+        assert!(
+            e.contains("iptables: invalid type: integer `5`, expected a mapping"),
+            "{e}"
+        );
+        let e = parse(&format!("{base}nodePortAddresses: [1]\n"))
+            .unwrap_err()
+            .0;
+        assert_eq!(e, "nodePortAddresses: want strings, got 1");
+        let e = parse(&format!("{base}ipvs:\n  masqueradeBit: 3\n")).unwrap();
+        assert_eq!(e.warnings, ["unknown field ipvs.masqueradeBit (ignored)"]);
+    }
+
     /// deploy/nftkube.yaml's ConfigMap: the config loads without a warning, names the kubeconfig, and the
     /// kubeconfig is one the client reads.
     #[test]
     fn the_deploy_config_map_is_valid() {
-        let text = include_str!("../deploy/nftkube.yaml");
+        let text = include_str!("../../deploy/nftkube.yaml");
         let cm: serde_json::Value = text
             .split("\n---")
             .map(|d| crate::yaml::parse_document(d).unwrap())
