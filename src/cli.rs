@@ -2,6 +2,7 @@
 
 use crate::agent::{self, ProxyOptions};
 use crate::config;
+use crate::model::DetectLocal;
 use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -48,11 +49,11 @@ pub struct RenderArgs {
     #[arg(long, default_value = "")]
     pub hostname_override: String,
     /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub cluster_cidr: std::vec::Vec<crate::model::Cidr>,
     /// CIDRs of the node addresses that serve NodePorts, comma-separated; a zero CIDR (0.0.0.0/0, ::/0) means
     /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub nodeport_addresses: std::vec::Vec<crate::model::Cidr>,
     /// Masquerade all traffic sent to service IPs (`--masquerade-all=false` overrides a config file).
     #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
@@ -67,7 +68,7 @@ pub struct RenderArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]
     pub drop_bit: u32,
     /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub service_cidr: std::vec::Vec<crate::model::Cidr>,
     /// How pod traffic is recognised: ClusterCIDR, NodeCIDR (API source), InterfaceNamePrefix or
     /// BridgeInterface.
@@ -87,19 +88,15 @@ pub struct RenderArgs {
 impl RenderArgs {
     /// The render configuration, or what is wrong with the flags.
     pub fn render_config(&self) -> Result<RenderConfig, String> {
-        use crate::render::LocalDetector;
-        let local_detector = match self.detect_local_mode.as_str() {
-            "ClusterCIDR" | "" => LocalDetector::ClusterCidr,
-            "InterfaceNamePrefix" if !self.pod_interface_name_prefix.is_empty() => {
-                LocalDetector::InterfaceNamePrefix(self.pod_interface_name_prefix.clone())
-            }
-            "BridgeInterface" if !self.pod_bridge_interface.is_empty() => {
-                LocalDetector::BridgeInterface(self.pod_bridge_interface.clone())
-            }
-            "InterfaceNamePrefix" => return Err("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix".into()),
-            "BridgeInterface" => return Err("--detect-local-mode=BridgeInterface needs --pod-bridge-interface".into()),
-            other => return Err(format!("--detect-local-mode={other:?} is not supported (ClusterCIDR, InterfaceNamePrefix, BridgeInterface; NodeCIDR needs the Node object)")),
-        };
+        let local_detector = DetectLocal::parse(
+            &self.detect_local_mode,
+            &self.pod_interface_name_prefix,
+            &self.pod_bridge_interface,
+        )
+        .map_err(|e| e.to_string())?;
+        if local_detector == DetectLocal::NodeCidr {
+            return Err("--detect-local-mode=NodeCIDR needs the Node object (nftkube proxy with the Kubernetes API source)".into());
+        }
         if self.masquerade_bit == self.drop_bit {
             return Err(format!(
                 "--masquerade-bit and --drop-bit are both {}",
@@ -112,7 +109,7 @@ impl RenderArgs {
             masquerade_all: self.masquerade_all,
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
-            nodeport_addresses: crate::node::NodePortAddresses::None,
+            nodeport_addresses: crate::model::NodePortAddresses::None,
             drop_bit: 1 << self.drop_bit,
             service_cidrs: self.service_cidr.clone(),
             node_ips: Vec::new(),
@@ -234,17 +231,6 @@ impl ProxyArgs {
         render.node_name = r.node_name.clone();
         render.cluster_cidrs = r.cluster_cidrs.clone();
         render.masquerade_all = r.masquerade_all;
-        render.local_detector = match &r.detect_local {
-            config::DetectLocal::ClusterCidr | config::DetectLocal::NodeCidr => {
-                crate::render::LocalDetector::ClusterCidr
-            }
-            config::DetectLocal::InterfaceNamePrefix(p) => {
-                crate::render::LocalDetector::InterfaceNamePrefix(p.clone())
-            }
-            config::DetectLocal::BridgeInterface(b) => {
-                crate::render::LocalDetector::BridgeInterface(b.clone())
-            }
-        };
         let mut opts = ProxyOptions::from_resolved(r, render);
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);

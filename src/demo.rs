@@ -59,7 +59,7 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         manifests.to_path_buf(),
         RenderConfig {
             node_name: "node-1".into(),
-            cluster_cidrs: crate::agent::parse_cidrs(&format!(
+            cluster_cidrs: crate::model::parse_cidrs(&format!(
                 "{},{}",
                 sandbox::CLUSTER_CIDR_V4,
                 sandbox::CLUSTER_CIDR_V6

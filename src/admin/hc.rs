@@ -23,8 +23,8 @@ use tokio::sync::watch;
 
 use super::health::ProxyHealth;
 use super::http::{self, Handler, Request, Response};
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, NamespacedName, ServiceType, TrafficPolicy};
-use crate::node::NodePortAddresses;
 
 /// What one health check port reports.
 #[derive(Debug, Clone, PartialEq, Eq)]

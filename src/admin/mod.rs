@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 use crate::conntrack;
 use crate::metrics;
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, NamespacedName};
-use crate::node::NodePortAddresses;
 use crate::source::{Event, NodeInfo};
 use crate::sync::SyncReport;
 use hc::{HcConfig, HcDesired, HcService};

@@ -21,7 +21,7 @@ use std::time::Duration;
 mod file;
 
 use crate::admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
-use crate::model::Cidr;
+use crate::model::{Cidr, DetectLocal};
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
@@ -36,20 +36,6 @@ pub struct ConfigError(pub String);
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))
-}
-
-/// How local (pod) traffic is told apart (kube-proxy's `detectLocalMode`).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum DetectLocal {
-    /// Sources inside `clusterCIDR` are local.
-    #[default]
-    ClusterCidr,
-    /// Sources inside this node's `spec.podCIDRs` are local (needs the API source).
-    NodeCidr,
-    /// Packets that arrive on an interface whose name starts with this prefix.
-    InterfaceNamePrefix(String),
-    /// Packets that arrive on this bridge.
-    BridgeInterface(String),
 }
 
 /// The values the file sets (None: not set, or set to its zero value as Go's decoder would leave it).
@@ -170,7 +156,7 @@ pub fn parse_bind_address(
 
 /// A comma-separated list of CIDRs, at most one per family (kube-proxy's clusterCIDR rule).
 pub fn parse_cluster_cidrs(what: &str, s: &str) -> Result<Vec<Cidr>, ConfigError> {
-    let cidrs = crate::agent::parse_cidrs(s).map_err(|e| ConfigError(format!("{what}: {e}")))?;
+    let cidrs = crate::model::parse_cidrs(s).map_err(|e| ConfigError(format!("{what}: {e}")))?;
     check_families(what, &cidrs)?;
     Ok(cidrs)
 }
@@ -400,34 +386,20 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             .trim()
             .to_string()
     };
-    let detect_local = match pick(&flags.detect_local_mode, &file.detect_local_mode).as_str() {
-        "" | "ClusterCIDR" => DetectLocal::ClusterCidr,
-        "NodeCIDR" => {
-            if !kube {
-                return err("detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)");
-            }
-            DetectLocal::NodeCidr
-        }
-        "InterfaceNamePrefix" => {
-            let p = pick(&flags.pod_interface_name_prefix, &file.interface_name_prefix);
-            if p.is_empty() {
-                return err("detectLocalMode InterfaceNamePrefix needs detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)");
-            }
-            DetectLocal::InterfaceNamePrefix(p)
-        }
-        "BridgeInterface" => {
-            let b = pick(&flags.pod_bridge_interface, &file.bridge_interface);
-            if b.is_empty() {
-                return err("detectLocalMode BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)");
-            }
-            DetectLocal::BridgeInterface(b)
-        }
-        other => {
-            return err(format!(
-                "detectLocalMode {other:?} is not one of ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix"
-            ))
-        }
-    };
+    let detect_local = DetectLocal::parse(
+        &pick(&flags.detect_local_mode, &file.detect_local_mode),
+        &pick(
+            &flags.pod_interface_name_prefix,
+            &file.interface_name_prefix,
+        ),
+        &pick(&flags.pod_bridge_interface, &file.bridge_interface),
+    )
+    .map_err(|e| ConfigError(e.to_string()))?;
+    if detect_local == DetectLocal::NodeCidr && !kube {
+        return err(
+            "detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)",
+        );
+    }
     if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
         warnings.push(
             "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"

@@ -200,6 +200,15 @@ impl FromStr for Cidr {
     }
 }
 
+/// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).
+pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<Cidr>())
+        .collect()
+}
+
 impl fmt::Display for Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.addr, self.prefix)
