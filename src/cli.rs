@@ -2,7 +2,7 @@
 
 use crate::agent::{self, ProxyOptions};
 use crate::config;
-use crate::model::DetectLocal;
+use crate::model::{DetectLocal, DetectLocalError};
 use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -85,23 +85,36 @@ pub struct RenderArgs {
     pub node_zone: Option<String>,
 }
 
+/// Flags (or a config file) that do not make a usable configuration; `main` exits 64 with it.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    /// The config file, or a flag it is combined with.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// `--detect-local-mode` and its arguments.
+    #[error(transparent)]
+    DetectLocal(#[from] DetectLocalError),
+    /// NodeCIDR needs the Node object, which `plan` has not.
+    #[error("--detect-local-mode=NodeCIDR needs the Node object (nftkube proxy with the Kubernetes API source)")]
+    NodeCidrWithoutNode,
+    /// The masquerade and drop marks would be the same bit.
+    #[error("--masquerade-bit and --drop-bit are both {0}")]
+    SameMarkBits(u32),
+}
+
 impl RenderArgs {
     /// The render configuration, or what is wrong with the flags.
-    pub fn render_config(&self) -> Result<RenderConfig, String> {
+    pub fn render_config(&self) -> Result<RenderConfig, OptionsError> {
         let local_detector = DetectLocal::parse(
             &self.detect_local_mode,
             &self.pod_interface_name_prefix,
             &self.pod_bridge_interface,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         if local_detector == DetectLocal::NodeCidr {
-            return Err("--detect-local-mode=NodeCIDR needs the Node object (nftkube proxy with the Kubernetes API source)".into());
+            return Err(OptionsError::NodeCidrWithoutNode);
         }
         if self.masquerade_bit == self.drop_bit {
-            return Err(format!(
-                "--masquerade-bit and --drop-bit are both {}",
-                self.drop_bit
-            ));
+            return Err(OptionsError::SameMarkBits(self.drop_bit));
         }
         let mut cfg = RenderConfig {
             node_name: self.hostname_override.clone(),
@@ -215,9 +228,8 @@ impl ProxyArgs {
     }
 
     /// Config file, flags and defaults combined (warnings are logged); Err: what is invalid.
-    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, String> {
-        let r = config::resolve(&self.flags(given), &config::Env::current())
-            .map_err(|e| e.to_string())?;
+    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, OptionsError> {
+        let r = config::resolve(&self.flags(given), &config::Env::current())?;
         for w in &r.warnings {
             tracing::warn!("config: {w}");
         }

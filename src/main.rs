@@ -130,13 +130,13 @@ fn main() -> ExitCode {
             };
             match args.options(&given) {
                 Ok(opts) => start_proxy(opts, signals),
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             }
         }
         Command::Plan(args) => {
             let cfg = match args.render.render_config() {
                 Ok(cfg) => cfg,
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             };
             let Some(manifests) = args.render.manifests.clone() else {
                 return usage_error("plan needs --manifests DIR");

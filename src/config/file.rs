@@ -136,7 +136,7 @@ impl<'de> Deserialize<'de> for GoDuration {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         typed(d, |v| match v {
             Value::String(s) if s.is_empty() => Ok(None),
-            Value::String(s) => parse_go_duration(&s).map(Some),
+            Value::String(s) => parse_go_duration(&s).map(Some).map_err(|e| e.to_string()),
             other => Err(format!(
                 "want a duration string such as \"30s\", got {other}"
             )),

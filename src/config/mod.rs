@@ -75,15 +75,26 @@ pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
     file::read(root)
 }
 
+/// A duration that cannot be read, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Not a Go duration (or a number of seconds, for flags), or too large.
+    #[error("invalid duration {0:?} (examples: \"30s\", \"1m30s\", \"500ms\")")]
+    Invalid(String),
+    /// Below zero.
+    #[error("invalid duration {0:?}: negative")]
+    Negative(String),
+}
+
 /// A Go duration ("300ms", "1.5h", "2h45m", "0"): what metav1.Duration and kube-proxy's flags accept.
-pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
-    let bad = || format!("invalid duration {s:?} (examples: \"30s\", \"1m30s\", \"500ms\")");
+pub fn parse_go_duration(s: &str) -> Result<Duration, DurationError> {
+    let bad = || DurationError::Invalid(s.into());
     let t = s.trim();
     if t == "0" {
         return Ok(Duration::ZERO);
     }
     if t.starts_with('-') {
-        return Err(format!("invalid duration {s:?}: negative"));
+        return Err(DurationError::Negative(s.into()));
     }
     let t = t.strip_prefix('+').unwrap_or(t);
     if t.is_empty() {
@@ -122,12 +133,15 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// A duration flag: a Go duration ("30s", as kube-proxy's flags take) or a plain number of seconds.
-pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
+pub fn parse_duration_flag(s: &str) -> Result<Duration, DurationError> {
     if let Ok(secs) = s.trim().parse::<f64>() {
-        if (0.0..1e12).contains(&secs) {
+        if secs < 0.0 {
+            return Err(DurationError::Negative(s.into()));
+        }
+        if secs < 1e12 {
             return Ok(Duration::from_secs_f64(secs));
         }
-        return Err(format!("invalid duration {s:?}"));
+        return Err(DurationError::Invalid(s.into()));
     }
     parse_go_duration(s)
 }
@@ -985,7 +999,7 @@ mod cli_tests {
         };
         let sub = m.subcommand_matches("proxy").unwrap();
         let given = |id: &str| sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
-        p.options(&given)
+        p.options(&given).map_err(|e| e.to_string())
     }
 
     #[test]

@@ -235,30 +235,35 @@ impl Features {
 /// filtered delete must select exactly the right ones. Anything unexpected, including not being allowed to
 /// create a namespace, leaves the feature off; the portable path (dump by family, filter in user space,
 /// delete by exact tuple) needs none of them.
-pub fn probe() -> Result<Features, String> {
+pub fn probe() -> Result<Features, ProbeError> {
     std::thread::Builder::new()
         .name("ct-probe".into())
         .spawn(|| {
             // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                return Err(format!(
-                    "creating a scratch network namespace: {}",
-                    io::Error::last_os_error()
-                ));
+                return Err(ProbeError::Namespace(io::Error::last_os_error()));
             }
-            let mut s = CtSocket::open().map_err(|e| format!("ctnetlink socket: {e}"))?;
+            let mut s = CtSocket::open().map_err(ProbeError::Socket)?;
             let v4 = probe_family(
                 &mut s,
                 "192.0.2.1".parse().unwrap(),
                 "192.0.2.2".parse().unwrap(),
                 "192.0.2.100".parse().unwrap(),
-            )?;
+            )
+            .map_err(|detail| ProbeError::Family {
+                family: "IPv4",
+                detail,
+            })?;
             let v6 = probe_family(
                 &mut s,
                 "2001:db8::1".parse().unwrap(),
                 "2001:db8::2".parse().unwrap(),
                 "2001:db8::100".parse().unwrap(),
-            )?;
+            )
+            .map_err(|detail| ProbeError::Family {
+                family: "IPv6",
+                detail,
+            })?;
             Ok(Features {
                 dump_proto_v4: v4.proto,
                 dump_addr_v4: v4.addr,
@@ -268,9 +273,34 @@ pub fn probe() -> Result<Features, String> {
                 filtered_delete_v6: v6.delete,
             })
         })
-        .map_err(|e| format!("spawning the probe thread: {e}"))?
+        .map_err(ProbeError::Spawn)?
         .join()
-        .unwrap_or_else(|_| Err("the probe thread panicked".into()))
+        .unwrap_or(Err(ProbeError::Panicked))
+}
+
+/// Why the conntrack filter probe gave up (every filter feature then stays off).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// `unshare(CLONE_NEWNET)` failed (no CAP_SYS_ADMIN, or namespaces are not allowed).
+    #[error("creating a scratch network namespace: {0}")]
+    Namespace(io::Error),
+    /// The ctnetlink socket did not open.
+    #[error("ctnetlink socket: {0}")]
+    Socket(io::Error),
+    /// A step of one family's probe failed.
+    #[error("{family} probe: {detail}")]
+    Family {
+        /// "IPv4" or "IPv6".
+        family: &'static str,
+        /// The step and its error.
+        detail: String,
+    },
+    /// The probe's thread could not start.
+    #[error("spawning the probe thread: {0}")]
+    Spawn(io::Error),
+    /// The probe's thread panicked.
+    #[error("the probe thread panicked")]
+    Panicked,
 }
 
 struct FamilyFeatures {

@@ -23,7 +23,6 @@ impl Protocol {
             Protocol::Sctp => 132,
         }
     }
-    /// Lower-case name as nft and kube-proxy chain names spell it.
     /// The protocol of IANA number `n`, if it is one of ours.
     pub fn from_number(n: u8) -> Option<Protocol> {
         [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
@@ -31,6 +30,7 @@ impl Protocol {
             .find(|p| p.number() == n)
     }
 
+    /// Lower-case name as nft and kube-proxy chain names spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",
@@ -40,15 +40,29 @@ impl Protocol {
     }
 }
 
+/// Text the model cannot read, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Not TCP, UDP or SCTP.
+    #[error("unsupported protocol {0:?}")]
+    Protocol(String),
+    /// A CIDR whose address part is not an IP address.
+    #[error("invalid CIDR {0:?}: bad address")]
+    CidrAddress(String),
+    /// A CIDR whose prefix length is not a number within the family's bits.
+    #[error("invalid CIDR {0:?}: bad prefix length")]
+    CidrPrefix(String),
+}
+
 impl FromStr for Protocol {
-    type Err = String;
+    type Err = ParseError;
     /// Kubernetes spelling ("TCP", "UDP", "SCTP"); empty means TCP as the API defaults it.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         match s {
             "TCP" | "" => Ok(Protocol::Tcp),
             "UDP" => Ok(Protocol::Udp),
             "SCTP" => Ok(Protocol::Sctp),
-            other => Err(format!("unsupported protocol {other:?}")),
+            other => Err(ParseError::Protocol(other.into())),
         }
     }
 }
@@ -175,8 +189,8 @@ impl Cidr {
 }
 
 impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         let (addr, prefix) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
@@ -184,7 +198,7 @@ impl FromStr for Cidr {
         let addr: IpAddr = addr
             .trim()
             .parse()
-            .map_err(|_| format!("invalid CIDR {s:?}: bad address"))?;
+            .map_err(|_| ParseError::CidrAddress(s.into()))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             Some(p) => p
@@ -192,7 +206,7 @@ impl FromStr for Cidr {
                 .parse::<u8>()
                 .ok()
                 .filter(|p| *p <= max)
-                .ok_or_else(|| format!("invalid CIDR {s:?}: bad prefix length"))?,
+                .ok_or_else(|| ParseError::CidrPrefix(s.into()))?,
             None => max,
         };
         let (base, _) = Cidr { addr, prefix }.range();
@@ -201,7 +215,7 @@ impl FromStr for Cidr {
 }
 
 /// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).
-pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, String> {
+pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, ParseError> {
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())

@@ -189,20 +189,36 @@ fn msg_of(buf: &[u8], len: usize) -> Msg<'_> {
     }
 }
 
+/// A datagram that is not a sequence of whole netlink messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedDatagram {
+    /// Fewer bytes than a header after the last message.
+    #[error("{0} stray bytes after the last message")]
+    StrayBytes(usize),
+    /// A header whose length is shorter than a header or overruns the datagram.
+    #[error("message length {len} with {left} bytes left in the datagram")]
+    BadLength {
+        /// The length the header claims.
+        len: usize,
+        /// The bytes left in the datagram from that header on.
+        left: usize,
+    },
+}
+
 /// Splits a datagram into messages; any byte that is not part of a whole message makes it malformed
 /// (a truncated message, a length that overruns the datagram, a header shorter than a header).
-pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, String> {
+pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, MalformedDatagram> {
     let mut out = Vec::new();
     while !buf.is_empty() {
         if buf.len() < NLMSG_HDRLEN {
-            return Err(format!("{} stray bytes after the last message", buf.len()));
+            return Err(MalformedDatagram::StrayBytes(buf.len()));
         }
         let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
         if len < NLMSG_HDRLEN || len > buf.len() {
-            return Err(format!(
-                "message length {len} with {} bytes left in the datagram",
-                buf.len()
-            ));
+            return Err(MalformedDatagram::BadLength {
+                len,
+                left: buf.len(),
+            });
         }
         out.push(msg_of(buf, len));
         buf = &buf[align4(len).min(buf.len())..];

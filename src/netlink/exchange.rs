@@ -108,7 +108,7 @@ impl Exchange {
         datagram: &[u8],
         sink: &mut dyn FnMut(u16, &[u8]),
     ) -> Result<Progress, NetlinkError> {
-        for msg in split(datagram).map_err(|d| self.malformed(d))? {
+        for msg in split(datagram).map_err(|d| self.malformed(d.to_string()))? {
             if !self.is_ours(&msg) {
                 self.discard(&msg, "not an answer to this request");
                 continue;

@@ -91,7 +91,7 @@ fn parse_optional_port(what: &str, p: Option<i32>) -> Result<Option<u16>, String
 }
 
 fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {
-    Protocol::from_str(p.unwrap_or(""))
+    Protocol::from_str(p.unwrap_or("")).map_err(|e| e.to_string())
 }
 
 fn parse_traffic_policy(field: &str, v: Option<&str>) -> Result<TrafficPolicy, String> {

@@ -258,7 +258,7 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
                 .unwrap_or(Attrs(&[]));
             match decode_expr(name, &data) {
                 Ok(x) => exprs.push(x),
-                Err(reason) => {
+                Err(ExprError { reason, .. }) => {
                     return Ok((
                         table,
                         chain,
@@ -297,8 +297,25 @@ fn need(a: &Attrs<'_>, kind: u16, field: &str) -> Result<u32, String> {
     be32(a, kind).ok_or_else(|| format!("missing {field}"))
 }
 
+/// An expression the IR does not model (or not in this form).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{expr} expression: {reason}")]
+pub struct ExprError {
+    /// The expression's kernel name ("payload", "nat", ...).
+    pub expr: String,
+    /// What in it is not modelled or missing.
+    pub reason: String,
+}
+
 /// One expression from its kernel name and attributes.
-pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
+pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, ExprError> {
+    expr_of(name, a).map_err(|reason| ExprError {
+        expr: name.into(),
+        reason,
+    })
+}
+
+fn expr_of(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
     Ok(match name {
         "payload" => {
             if a.get(5).is_some() {
