@@ -1,3 +1,11 @@
+// `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
+// The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
+// library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
+mod demo;
+#[path = "../sandbox/src/lib.rs"]
+#[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
+mod sandbox;
+
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
@@ -148,7 +156,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
-        Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
+        Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
             println!("nftkube {}", env!("CARGO_PKG_VERSION"));
