@@ -320,34 +320,74 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<Resolved, ConfigError> {
 /// [`resolve`] with the file already parsed.
 pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolved, ConfigError> {
     let mut warnings = file.warnings.clone();
-    if let Some(mode) = flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
-        match mode {
-            "nftables" | "userspace" => {}
-            "iptables" | "ipvs" => warnings.push(format!(
-                "--proxy-mode {mode}: nftkube always programs nf_tables"
-            )),
-            other => return err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
-        }
+    check_proxy_mode(flags, &mut warnings)?;
+    let (source, node_name) = source_and_node(flags, &file, env)?;
+    let kube = matches!(source, SourceSpec::Kube(_));
+    let cluster_cidrs = cluster_cidrs(flags, &file)?;
+    let detect_local = detect_local(flags, &file, kube)?;
+    if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
+        warnings.push(
+            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
+                .into(),
+        );
     }
+    let masquerade_bit = masquerade_bit(flags, &file)?;
+    let (sync_period, min_sync_period) = sync_periods(flags, &file)?;
+    let admin = admin_options(flags, &file)?;
+    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
+        (Some(c), _) => c.clone(),
+        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
+        (None, None) => Vec::new(),
+    };
+    Ok(Resolved {
+        source,
+        node_name,
+        cluster_cidrs,
+        detect_local,
+        masquerade_all: flags
+            .masquerade_all
+            .or(file.masquerade_all)
+            .unwrap_or(false),
+        masquerade_bit,
+        sync_period,
+        min_sync_period,
+        admin,
+        nodeport_cidrs,
+        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+            Some(flag) => flag == "userspace",
+            None => file.mode.as_deref() == Some("userspace"),
+        },
+        warnings,
+    })
+}
 
-    // Source.
-    let kubeconfig = flags.kubeconfig.clone().or(file.kubeconfig.clone());
-    let master = flags.master.clone().filter(|m| !m.is_empty());
-    if let Some(m) = &master {
-        let uri: http::Uri = m
-            .parse()
-            .map_err(|e| ConfigError(format!("--master {m:?}: {e}")))?;
-        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
-            return err(format!("--master {m:?}: want http(s)://HOST[:PORT]"));
+/// `--proxy-mode`: nftables or userspace; iptables and ipvs are accepted with a warning.
+fn check_proxy_mode(flags: &Flags, warnings: &mut Vec<String>) -> Result<(), ConfigError> {
+    match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+        None | Some("nftables" | "userspace") => Ok(()),
+        Some(mode @ ("iptables" | "ipvs")) => {
+            warnings.push(format!(
+                "--proxy-mode {mode}: nftkube always programs nf_tables"
+            ));
+            Ok(())
         }
+        Some(other) => err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
     }
+}
+
+/// Where Services come from, and this node's name (which the API source watches its Node by).
+fn source_and_node(
+    flags: &Flags,
+    file: &FileConfig,
+    env: &Env,
+) -> Result<(SourceSpec, String), ConfigError> {
+    let master = checked_master(flags)?;
+    let kubeconfig = flags.kubeconfig.clone().or(file.kubeconfig.clone());
     let source = match &flags.manifests {
-        Some(dir) => {
-            if flags.kubeconfig.is_some() || master.is_some() {
-                return err("--manifests cannot be combined with --kubeconfig or --master");
-            }
-            SourceSpec::Manifests(dir.clone())
+        Some(_) if flags.kubeconfig.is_some() || master.is_some() => {
+            return err("--manifests cannot be combined with --kubeconfig or --master")
         }
+        Some(dir) => SourceSpec::Manifests(dir.clone()),
         None if kubeconfig.is_some() || master.is_some() || env.in_cluster => {
             SourceSpec::Kube(crate::source::KubeOptions {
                 kubeconfig,
@@ -362,11 +402,40 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             )
         }
     };
-    let kube = matches!(source, SourceSpec::Kube(_));
+    let node_name = node_name(flags, file, env, matches!(source, SourceSpec::Kube(_)))?;
+    let source = match source {
+        SourceSpec::Kube(k) => SourceSpec::Kube(crate::source::KubeOptions {
+            node_name: node_name.clone(),
+            ..k
+        }),
+        m => m,
+    };
+    Ok((source, node_name))
+}
 
-    // Node name: kube-proxy's rule (override, else the hostname), lower-cased; with manifests the
-    // override alone (no node-local semantics unless asked for).
-    let node_name = flags
+/// `--master`, when given: an http(s) URL with a host.
+fn checked_master(flags: &Flags) -> Result<Option<String>, ConfigError> {
+    let master = flags.master.clone().filter(|m| !m.is_empty());
+    if let Some(m) = &master {
+        let uri: http::Uri = m
+            .parse()
+            .map_err(|e| ConfigError(format!("--master {m:?}: {e}")))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return err(format!("--master {m:?}: want http(s)://HOST[:PORT]"));
+        }
+    }
+    Ok(master)
+}
+
+/// kube-proxy's rule (the override, else the hostname), lower-cased; with manifests the override alone (no
+/// node-local semantics unless asked for).
+fn node_name(
+    flags: &Flags,
+    file: &FileConfig,
+    env: &Env,
+    kube: bool,
+) -> Result<String, ConfigError> {
+    let name = flags
         .hostname_override
         .clone()
         .or(file.hostname_override.clone())
@@ -374,39 +443,40 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         .filter(|s| !s.is_empty())
         .or_else(|| kube.then(|| env.hostname.trim().to_lowercase()))
         .unwrap_or_default();
-    if kube && node_name.is_empty() {
+    if kube && name.is_empty() {
         return err("cannot tell this node's name: give --hostname-override");
     }
-    let source = match source {
-        SourceSpec::Kube(mut k) => {
-            k.node_name = node_name.clone();
-            SourceSpec::Kube(k)
-        }
-        m => m,
-    };
+    Ok(name)
+}
 
-    let cluster_cidrs = match (&flags.cluster_cidr, &file.cluster_cidr) {
+fn cluster_cidrs(flags: &Flags, file: &FileConfig) -> Result<Vec<Cidr>, ConfigError> {
+    match (&flags.cluster_cidr, &file.cluster_cidr) {
         (Some(c), _) => {
             check_families("--cluster-cidr", c)?;
-            c.clone()
+            Ok(c.clone())
         }
-        (None, Some(s)) => parse_cluster_cidrs("clusterCIDR", s)?,
-        (None, None) => Vec::new(),
-    };
-    let pick = |flag: &Option<String>, file: &Option<String>| -> String {
-        flag.clone()
-            .or(file.clone())
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
+        (None, Some(s)) => parse_cluster_cidrs("clusterCIDR", s),
+        (None, None) => Ok(Vec::new()),
+    }
+}
+
+/// The flag if given, else the file's value, trimmed ("" when neither).
+fn flag_or_file(flag: &Option<String>, file: &Option<String>) -> String {
+    flag.clone()
+        .or(file.clone())
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+fn detect_local(flags: &Flags, file: &FileConfig, kube: bool) -> Result<DetectLocal, ConfigError> {
     let detect_local = DetectLocal::parse(
-        &pick(&flags.detect_local_mode, &file.detect_local_mode),
-        &pick(
+        &flag_or_file(&flags.detect_local_mode, &file.detect_local_mode),
+        &flag_or_file(
             &flags.pod_interface_name_prefix,
             &file.interface_name_prefix,
         ),
-        &pick(&flags.pod_bridge_interface, &file.bridge_interface),
+        &flag_or_file(&flags.pod_bridge_interface, &file.bridge_interface),
     )
     .map_err(|e| ConfigError(e.to_string()))?;
     if detect_local == DetectLocal::NodeCidr && !kube {
@@ -414,28 +484,23 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             "detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)",
         );
     }
-    if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
-        warnings.push(
-            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
-                .into(),
-        );
-    }
+    Ok(detect_local)
+}
 
-    let masquerade_bit = match (flags.masquerade_bit, file.masquerade_bit) {
+fn masquerade_bit(flags: &Flags, file: &FileConfig) -> Result<u32, ConfigError> {
+    let bit = match (flags.masquerade_bit, file.masquerade_bit) {
         (Some(b), _) => b as i64,
         (None, Some(b)) => b,
         (None, None) => 14,
     };
-    if !(0..=31).contains(&masquerade_bit) {
-        return err(format!(
-            "masqueradeBit {masquerade_bit} is out of range (0-31)"
-        ));
+    if !(0..=31).contains(&bit) {
+        return err(format!("masqueradeBit {bit} is out of range (0-31)"));
     }
-    let masquerade_all = flags
-        .masquerade_all
-        .or(file.masquerade_all)
-        .unwrap_or(false);
+    Ok(bit as u32)
+}
 
+/// syncPeriod (30 s by default, never 0) and minSyncPeriod (1 s by default, at most syncPeriod).
+fn sync_periods(flags: &Flags, file: &FileConfig) -> Result<(Duration, Duration), ConfigError> {
     let sync_period = flags
         .sync_period
         .or(file.sync_period)
@@ -452,25 +517,13 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             "minSyncPeriod ({min_sync_period:?}) must not exceed syncPeriod ({sync_period:?})"
         ));
     }
+    Ok((sync_period, min_sync_period))
+}
 
-    // Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it
-    // private unless configured), IPv6 loopback when bindAddress is IPv6.
-    let bind_v6 = flags
-        .bind_address
-        .as_deref()
-        .or(file.bind_address.as_deref())
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<IpAddr>()
-                .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
-        })
-        .transpose()?
-        .is_some_and(|ip| ip.is_ipv6());
-    let loopback: IpAddr = if bind_v6 {
-        Ipv6Addr::LOCALHOST.into()
-    } else {
-        Ipv4Addr::LOCALHOST.into()
-    };
+/// Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it private
+/// unless configured), IPv6 loopback when bindAddress is IPv6.
+fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, ConfigError> {
+    let loopback = admin_loopback(flags, file)?;
     let addr = |what: &str,
                 field: &str,
                 flag: &Option<String>,
@@ -485,7 +538,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             (None, None) => Ok(Some(SocketAddr::new(loopback, port))),
         }
     };
-    let admin = AdminOptions {
+    Ok(AdminOptions {
         healthz: addr(
             "healthz-bind-address",
             "healthzBindAddress",
@@ -504,29 +557,26 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             .bind_address_hard_fail
             .or(file.bind_address_hard_fail)
             .unwrap_or(false),
-    };
+    })
+}
 
-    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
-        (Some(c), _) => c.clone(),
-        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
-        (None, None) => Vec::new(),
-    };
-    Ok(Resolved {
-        source,
-        node_name,
-        cluster_cidrs,
-        detect_local,
-        masquerade_all,
-        masquerade_bit: masquerade_bit as u32,
-        sync_period,
-        min_sync_period,
-        admin,
-        nodeport_cidrs,
-        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
-            Some(flag) => flag == "userspace",
-            None => file.mode.as_deref() == Some("userspace"),
-        },
-        warnings,
+/// The loopback address of bindAddress's family (IPv4 when it is not set).
+fn admin_loopback(flags: &Flags, file: &FileConfig) -> Result<IpAddr, ConfigError> {
+    let bind_v6 = flags
+        .bind_address
+        .as_deref()
+        .or(file.bind_address.as_deref())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<IpAddr>()
+                .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
+        })
+        .transpose()?
+        .is_some_and(|ip| ip.is_ipv6());
+    Ok(if bind_v6 {
+        Ipv6Addr::LOCALHOST.into()
+    } else {
+        Ipv4Addr::LOCALHOST.into()
     })
 }
 
