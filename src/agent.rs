@@ -29,6 +29,7 @@ use std::time::Duration;
 pub struct ProxyOptions {
     /// Manifest files or the Kubernetes API.
     pub source: SourceSpec,
+    /// The render configuration (node facts refreshed at every full sync).
     pub render: RenderConfig,
     /// Full resync (re-read the kernel, repair drift) at least this often (kube-proxy's `--sync-period`).
     pub sync_period: Duration,
@@ -56,6 +57,7 @@ pub struct ProxyOptions {
 }
 
 impl ProxyOptions {
+    /// Options for manifests in `manifests`, with kube-proxy's default periods and no admin servers.
     pub fn new(manifests: PathBuf, render: RenderConfig) -> Self {
         ProxyOptions {
             source: SourceSpec::Manifests(manifests),

@@ -14,16 +14,19 @@ use std::time::Duration;
     version,
     about = "Kubernetes services in nf_tables, over netlink, with no binaries"
 )]
+/// The command line.
 pub struct Cli {
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
     #[command(subcommand)]
+    /// What to do.
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once
+/// The subcommands.
 pub enum Command {
     /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
     Proxy(ProxyArgs),
@@ -41,6 +44,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Args, Clone)]
+/// The flags that shape the rendered ruleset (shared by `proxy` and `plan`).
 pub struct RenderArgs {
     /// Directory (or file) of Service and EndpointSlice YAML manifests (`proxy`: instead of the API).
     #[arg(long)]
@@ -136,6 +140,7 @@ impl RenderArgs {
 }
 
 #[derive(Debug, Args)]
+/// `nftkube proxy`'s flags.
 pub struct ProxyArgs {
     /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags override it.
     #[arg(long)]
@@ -148,6 +153,7 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub master: Option<String>,
     #[command(flatten)]
+    /// The flags that shape the ruleset.
     pub render: RenderArgs,
     /// Periodic check at least this often: the node's addresses re-read, and the kernel's ruleset verified
     /// (by its generation id; read back and repaired when that moved): "30s", or seconds.
@@ -256,12 +262,15 @@ impl ProxyArgs {
 }
 
 #[derive(Debug, Args)]
+/// `nftkube plan`'s flags.
 pub struct PlanArgs {
     #[command(flatten)]
+    /// The flags that shape the ruleset.
     pub render: RenderArgs,
 }
 
 #[derive(Debug, Args)]
+/// `nftkube demo`'s flags.
 pub struct DemoArgs {
     /// Manifests to load into the sandbox's node.
     #[arg(long, default_value = "examples")]

@@ -1,18 +1,22 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
+#![warn(missing_docs)]
 pub mod admin;
 pub mod agent;
 pub mod cli;
 pub mod config;
+#[allow(missing_docs)] // not documented yet (issue 12)
 pub mod conntrack;
 pub mod metrics;
 pub mod model;
 pub mod netlink;
 pub mod netns;
+#[allow(missing_docs)] // not documented yet (issue 12)
 pub mod nft;
 pub mod node;
 pub mod portmap;
 pub mod privs;
 pub mod relay;
+#[allow(missing_docs)] // the lead documents render (being edited this session)
 pub mod render;
 pub mod source;
 pub mod sync;

@@ -51,7 +51,9 @@ fn decode_each<T>(
 /// One read of the node: its addresses and the links its default routes leave through.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NodeView {
+    /// Every global address on the node's links.
     pub addresses: Vec<NodeAddress>,
+    /// The links the main table's default routes leave through (the primary links).
     pub primary_links: Vec<u32>,
 }
 
@@ -59,8 +61,10 @@ pub struct NodeView {
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
     #[error("reading the node's addresses over rtnetlink: {0}")]
+    /// The address dump failed.
     Addresses(io::Error),
     #[error("reading the node's default routes over rtnetlink: {0}")]
+    /// The route dump failed.
     Routes(io::Error),
 }
 

@@ -23,7 +23,9 @@ mod file;
 use crate::admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
 use crate::model::{Cidr, DetectLocal};
 
+/// The only `apiVersion` read.
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+/// The only `kind` read.
 pub const KIND: &str = "KubeProxyConfiguration";
 
 /// Exit code for invalid configuration and invalid flags (EX_USAGE).
@@ -41,21 +43,37 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
 /// The values the file sets (None: not set, or set to its zero value as Go's decoder would leave it).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FileConfig {
+    /// `clientConnection.kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
+    /// `hostnameOverride`.
     pub hostname_override: Option<String>,
+    /// `bindAddress` (its family picks the default admin addresses').
     pub bind_address: Option<String>,
+    /// `healthzBindAddress`.
     pub healthz_bind_address: Option<String>,
+    /// `metricsBindAddress`.
     pub metrics_bind_address: Option<String>,
+    /// `bindAddressHardFail`.
     pub bind_address_hard_fail: Option<bool>,
+    /// `mode`.
     pub mode: Option<String>,
+    /// `masqueradeBit` of the mode's section (range checked when resolved).
     pub masquerade_bit: Option<i64>,
+    /// `masqueradeAll` of the mode's section.
     pub masquerade_all: Option<bool>,
+    /// `syncPeriod` of the mode's section (None when 0).
     pub sync_period: Option<Duration>,
+    /// `minSyncPeriod` of the mode's section.
     pub min_sync_period: Option<Duration>,
+    /// `detectLocalMode`.
     pub detect_local_mode: Option<String>,
+    /// `detectLocal.bridgeInterface`.
     pub bridge_interface: Option<String>,
+    /// `detectLocal.interfaceNamePrefix`.
     pub interface_name_prefix: Option<String>,
+    /// `clusterCIDR` (comma-separated, read when resolved).
     pub cluster_cidr: Option<String>,
+    /// `nodePortAddresses` (CIDRs or keywords, read when resolved).
     pub node_port_addresses: Option<Vec<String>>,
     /// Fields warned about (unknown, unsupported, or of another mode's section).
     pub warnings: Vec<String>,
@@ -230,45 +248,75 @@ pub fn parse_node_port_addresses(
 /// applies).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Flags {
+    /// `--config`.
     pub config: Option<PathBuf>,
+    /// `--manifests`.
     pub manifests: Option<PathBuf>,
+    /// `--kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
+    /// `--master`.
     pub master: Option<String>,
+    /// `--hostname-override`.
     pub hostname_override: Option<String>,
+    /// `--cluster-cidr`.
     pub cluster_cidr: Option<Vec<Cidr>>,
+    /// `--nodeport-addresses`.
     pub nodeport_addresses: Option<Vec<Cidr>>,
+    /// `--masquerade-all`.
     pub masquerade_all: Option<bool>,
+    /// `--masquerade-bit`.
     pub masquerade_bit: Option<u32>,
+    /// `--sync-period`.
     pub sync_period: Option<Duration>,
+    /// `--min-sync-period`.
     pub min_sync_period: Option<Duration>,
+    /// `--healthz-bind-address` (empty: off).
     pub healthz_bind_address: Option<String>,
+    /// `--metrics-bind-address` (empty: off).
     pub metrics_bind_address: Option<String>,
+    /// `--bind-address-hard-fail`.
     pub bind_address_hard_fail: Option<bool>,
+    /// `--bind-address`.
     pub bind_address: Option<String>,
+    /// `--detect-local-mode`.
     pub detect_local_mode: Option<String>,
+    /// `--pod-interface-name-prefix`.
     pub pod_interface_name_prefix: Option<String>,
+    /// `--pod-bridge-interface`.
     pub pod_bridge_interface: Option<String>,
+    /// `--proxy-mode`.
     pub proxy_mode: Option<String>,
 }
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceSpec {
+    /// Service and EndpointSlice manifests in this directory (or file).
     Manifests(PathBuf),
+    /// The Kubernetes API.
     Kube(crate::source::KubeOptions),
 }
 
 /// The effective settings after file, flags and defaults.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolved {
+    /// Where Services and EndpointSlices come from.
     pub source: SourceSpec,
+    /// This node's name (lower-cased; empty with manifests and no override).
     pub node_name: String,
+    /// The cluster's pod ranges, at most one per family.
     pub cluster_cidrs: Vec<Cidr>,
+    /// How traffic from pods is told apart.
     pub detect_local: DetectLocal,
+    /// Masquerade every connection to a service.
     pub masquerade_all: bool,
+    /// The fwmark bit (0-31) that asks for masquerade.
     pub masquerade_bit: u32,
+    /// How often the periodic check runs.
     pub sync_period: Duration,
+    /// The least time between two syncs.
     pub min_sync_period: Duration,
+    /// Health and metrics servers.
     pub admin: AdminOptions,
     /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
     pub nodeport_cidrs: Vec<Cidr>,
@@ -288,6 +336,7 @@ pub struct Env {
 }
 
 impl Env {
+    /// This machine's values.
     pub fn current() -> Env {
         let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|s| s.trim().to_string())

@@ -14,8 +14,11 @@ use std::net::IpAddr;
 /// A published UDP port: the node address it is bound to (None: every local address) and the port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct HostPort {
+    /// IPv6.
     pub v6: bool,
+    /// The mapping's `hostIP` (None: any local address).
     pub host_ip: Option<IpAddr>,
+    /// The host port.
     pub port: u16,
 }
 

@@ -34,6 +34,7 @@ pub struct ConvertError {
     pub kind: &'static str,
     /// "namespace/name" ("namespace/<unnamed>" if the name is missing).
     pub object: String,
+    /// Why the object was not used.
     pub reason: String,
 }
 
@@ -49,6 +50,7 @@ pub enum ServiceConversion {
 /// Result of converting an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SliceConversion {
+    /// An EndpointSlice.
     Slice(SliceInfo),
     /// A slice the proxy does not handle (addressType FQDN), with the reason.
     Skipped(String),

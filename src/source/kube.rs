@@ -65,8 +65,11 @@ pub struct KubeOptions {
 /// Which watcher an item came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
+    /// A Service.
     Service,
+    /// An EndpointSlice.
     EndpointSlice,
+    /// This node's Node.
     Node,
 }
 
@@ -97,6 +100,7 @@ pub struct Converted {
 }
 
 impl Converted {
+    /// Converts a Service.
     pub fn service(svc: &Service) -> Converted {
         let key = meta_key(&svc.metadata);
         let model = match convert::service_ports(svc) {
@@ -114,6 +118,7 @@ impl Converted {
         }
     }
 
+    /// Converts an EndpointSlice.
     pub fn slice(slice: &EndpointSlice) -> Converted {
         let key = meta_key(&slice.metadata);
         let model = match convert::endpoint_slice(slice) {
@@ -137,6 +142,7 @@ impl Converted {
         }
     }
 
+    /// Converts this node's Node.
     pub fn node(node: &Node) -> Converted {
         Converted {
             key: meta_key(&node.metadata),
@@ -315,6 +321,7 @@ impl Default for Coordinator {
 }
 
 impl Coordinator {
+    /// A coordinator for a source started at `started`.
     pub fn new(started: SystemTime) -> Self {
         Coordinator {
             services: Tracker::new(Kind::Service),
