@@ -4,7 +4,6 @@ pub mod admin;
 pub mod agent;
 pub mod cli;
 pub mod config;
-#[allow(missing_docs)] // not documented yet (issue 12)
 pub mod conntrack;
 pub mod metrics;
 pub mod model;

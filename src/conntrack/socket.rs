@@ -20,6 +20,7 @@ const ENOENT: i32 = libc::ENOENT;
 /// What a batch of exact deletes did.
 #[derive(Debug, Default)]
 pub struct DeleteOutcome {
+    /// Entries deleted.
     pub deleted: usize,
     /// Already gone (expired, deleted by someone else, or replaced by a newer entry with another id).
     pub gone: usize,
@@ -27,6 +28,7 @@ pub struct DeleteOutcome {
     pub errors: Vec<(Entry, NetlinkError)>,
 }
 
+/// A ctnetlink socket in the calling thread's network namespace: dumps, exact and filtered deletes.
 pub struct CtSocket {
     sock: NlSocket,
 }
@@ -190,14 +192,17 @@ impl CtSocket {
 pub struct Features {
     /// A dump with `CTA_FILTER` on the protocol returns exactly that protocol's entries (5.8+).
     pub dump_proto_v4: bool,
+    /// As `dump_proto_v4`, for IPv6.
     pub dump_proto_v6: bool,
     /// A dump with `CTA_FILTER` on protocol and original destination returns exactly the matching entries.
     /// (IPv6 fails on Linux 6.18: the kernel's address comparison is inverted, it returns the others.)
     pub dump_addr_v4: bool,
+    /// As `dump_addr_v4`, for IPv6.
     pub dump_addr_v6: bool,
     /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+; IPv6 has
     /// the same inverted comparison, so there it deletes the *other* flows).
     pub filtered_delete_v4: bool,
+    /// As `filtered_delete_v4`, for IPv6.
     pub filtered_delete_v6: bool,
 }
 
@@ -219,12 +224,15 @@ impl Features {
             v6
         }
     }
+    /// Whether a protocol-filtered dump works in this family (AF_INET, AF_INET6).
     pub fn dump_proto(&self, family: u8) -> bool {
         Self::pick(family, self.dump_proto_v4, self.dump_proto_v6)
     }
+    /// Whether an address-filtered dump works in this family.
     pub fn dump_addr(&self, family: u8) -> bool {
         Self::pick(family, self.dump_addr_v4, self.dump_addr_v6)
     }
+    /// Whether a filtered delete works in this family.
     pub fn filtered_delete(&self, family: u8) -> bool {
         Self::pick(family, self.filtered_delete_v4, self.filtered_delete_v6)
     }

@@ -83,6 +83,7 @@ impl Frontends {
         f
     }
 
+    /// Nothing to look for.
     pub fn is_empty(&self) -> bool {
         self.sockets.is_empty() && (self.node_ports.is_empty() || self.node_addresses.is_empty())
     }
