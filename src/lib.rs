@@ -9,7 +9,6 @@ pub mod metrics;
 pub mod model;
 pub mod netlink;
 pub mod netns;
-#[allow(missing_docs)] // not documented yet (issue 12)
 pub mod nft;
 pub mod node;
 pub mod portmap;

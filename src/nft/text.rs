@@ -135,6 +135,7 @@ pub fn element_text(set: &Set, e: &Element) -> String {
     s
 }
 
+/// A verdict in nft syntax (`accept`, `goto lb-3`, ...).
 pub fn verdict_text(v: &Verdict) -> String {
     match v {
         Verdict::Accept => "accept".into(),

@@ -6,8 +6,11 @@ use crate::nft::ir::*;
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot decode nf_tables {what}: {reason}")]
+/// A kernel message that does not decode into the IR.
 pub struct DecodeError {
+    /// What kind of message ("table", "rule", ...).
     pub what: &'static str,
+    /// What is wrong with it.
     pub reason: String,
 }
 
