@@ -87,6 +87,21 @@ fn usage_error(e: &str) -> ExitCode {
     ExitCode::from(64)
 }
 
+/// `nftkube trace`: the trace on stdout; bad arguments exit 64, a failed trace 1.
+fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
+    match nftkube::trace::run_offline(args) {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(nftkube::trace::TraceError::Usage(e)) => usage_error(&e),
+        Err(e) => {
+            eprintln!("nftkube trace: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
     if std::env::args_os()
@@ -147,6 +162,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
+        Command::Trace(args) => return run_trace(&args),
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
         Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),

@@ -1,0 +1,281 @@
+//! `nftkube trace`: for every cell of the matrix (sources × destinations × policies × masquerade-all), the
+//! offline trace (through the kernel's state, and through the plan rendered from the same manifests) names
+//! the same verdict, endpoints and masquerade decision as real connections show; bad arguments are refused
+//! with exit code 64 and a message naming the argument.
+
+use kernel_tests::matrix::*;
+use kernel_tests::*;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(2);
+const SYNC: Duration = Duration::from_secs(15);
+/// Connections per cell: with two endpoints, the chance that one is never chosen is 2 · 2⁻¹⁶.
+const REQUESTS: usize = 16;
+
+/// What a trace says about a cell, in the terms real packets can be compared with.
+#[derive(Debug, PartialEq)]
+struct Traced {
+    verdicts: BTreeSet<String>,
+    /// Pods the DNAT targets are (index i of 10.244.i.2).
+    endpoints: BTreeSet<usize>,
+    masquerade: BTreeSet<bool>,
+    /// Every outcome has probability 1/|endpoints| (uniform choice).
+    uniform: bool,
+}
+
+fn pod_index(ip: &str) -> usize {
+    let ip: IpAddr = ip.parse().expect("a DNAT target address");
+    (0..=2)
+        .find(|&i| IpAddr::from(sandbox::pod_ip_v4(i)) == ip)
+        .unwrap_or_else(|| panic!("DNAT target {ip} is no pod"))
+}
+
+fn summarize(json: &Value) -> Traced {
+    let outcomes = json["outcomes"].as_array().expect("outcomes");
+    let endpoints: BTreeSet<usize> = outcomes
+        .iter()
+        .filter_map(|o| o["dnat"].as_str())
+        .map(|d| pod_index(d.rsplit_once(':').expect("IP:PORT").0))
+        .collect();
+    let total: f64 = outcomes
+        .iter()
+        .map(|o| o["probability"].as_f64().unwrap())
+        .sum();
+    let uniform = (total - 1.0).abs() < 1e-9
+        && outcomes.iter().all(|o| {
+            (o["probability"].as_f64().unwrap() - 1.0 / outcomes.len() as f64).abs() < 1e-9
+        });
+    Traced {
+        verdicts: outcomes
+            .iter()
+            .map(|o| o["verdict"].as_str().unwrap().to_string())
+            .collect(),
+        endpoints,
+        masquerade: outcomes
+            .iter()
+            .map(|o| o["masquerade"].as_bool().unwrap())
+            .collect(),
+        uniform,
+    }
+}
+
+/// The packet's flags for a cell: the client's address, the interface it arrives on, its origin.
+fn packet_args(src: Source, policy: Policy, dest: Dest) -> Vec<String> {
+    let (ip, iif, from): (Ipv4Addr, Option<String>, &str) = match src {
+        Source::Pod => (
+            sandbox::pod_ip_v4(0),
+            Some(sandbox::node_pod_ifname(0)),
+            "pod",
+        ),
+        Source::Node => (sandbox::node_ip_v4(), None, "node"),
+        Source::Outside => (
+            sandbox::ext_ip_v4(),
+            Some(sandbox::NODE_UPLINK.into()),
+            "outside",
+        ),
+    };
+    let mut args = vec![
+        "trace".into(),
+        "--src".into(),
+        ip.to_string(),
+        "--dst".into(),
+        target(policy, dest).to_string(),
+        "--proto".into(),
+        "tcp".into(),
+        "--from".into(),
+        from.into(),
+        "-o".into(),
+        "json".into(),
+    ];
+    if let Some(i) = iif {
+        args.extend(["--iif".into(), i]);
+    }
+    args
+}
+
+/// `nftkube trace ARGS` in the node's namespace; panics unless it succeeds with JSON.
+fn trace_json(ns: &nftkube::netns::NetNs, args: &[String]) -> Value {
+    let out = command_in(ns, nftkube_bin())
+        .args(args)
+        .output()
+        .expect("running nftkube trace");
+    assert!(
+        out.status.success(),
+        "nftkube {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "nftkube {args:?}: not JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// The render flags the agent runs with, for a trace of the plan.
+fn plan_args(dir: &Path, masquerade_all: bool) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--hostname-override",
+        "node-1",
+        "--cluster-cidr",
+        &format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if masquerade_all {
+        a.push("--masquerade-all".into());
+    }
+    a
+}
+
+#[test]
+fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
+    let sb = sandbox("nk-tr", 2);
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 251, 0), 24);
+    let m = Manifests::examples();
+    m.write("matrix.yaml", &manifest());
+    let mut failures = Vec::new();
+    let mut cells = 0;
+    for masquerade_all in [false, true] {
+        let extra: &[&str] = if masquerade_all {
+            &["--masquerade-all"]
+        } else {
+            &[]
+        };
+        let agent = Agent::start(sb.node(), &m.dir, extra);
+        agent.wait_syncs(1, SYNC);
+        wait_until(SYNC, || {
+            served(sb.ext(), target(Policy::Cluster, Dest::LbIp), T)
+        })
+        .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+        for policy in POLICIES {
+            for dest in DESTS {
+                for src in SOURCES {
+                    cells += 1;
+                    let seen = observe(&sb, src, target(policy, dest), REQUESTS, T);
+                    let args = packet_args(src, policy, dest);
+                    let kernel = summarize(&trace_json(sb.node(), &args));
+                    let mut with_plan = args.clone();
+                    with_plan.extend(plan_args(&m.dir, masquerade_all));
+                    let plan = summarize(&trace_json(sb.node(), &with_plan));
+                    // Real packets: reachable, by which endpoints, client address kept or not. The node's own
+                    // connections leave from whichever address its route picks, so for them the masquerade
+                    // decision is compared with kube-proxy's answer (the matrix test checks that one).
+                    let kept = match client_addr(src) {
+                        Some(c) => seen.peers == [c].into(),
+                        None => expected(src, dest, policy, masquerade_all).1,
+                    };
+                    let real = Traced {
+                        verdicts: [if seen.errors == 0 {
+                            "accept"
+                        } else {
+                            "not answered"
+                        }
+                        .to_string()]
+                        .into(),
+                        endpoints: seen.endpoints.clone(),
+                        masquerade: [!kept].into(),
+                        uniform: true,
+                    };
+                    let cell = format!(
+                        "{src:?} → {dest:?} [{policy:?}, masquerade-all={masquerade_all}]: real {real:?}; \
+                         kernel trace {kernel:?}; plan trace {plan:?}"
+                    );
+                    let ok = kernel == real && plan == real;
+                    eprintln!("{} {cell}", if ok { "ok  " } else { "FAIL" });
+                    if !ok {
+                        failures.push(cell);
+                    }
+                }
+            }
+        }
+        drop(agent);
+    }
+    assert_eq!(cells, 54);
+    assert!(
+        failures.is_empty(),
+        "{} of {cells} cells differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Runs `nftkube ARGS` (no namespace needed: the arguments are refused before anything is read).
+fn refused(args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(nftkube_bin())
+        .args(args)
+        .output()
+        .expect("running nftkube");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_arguments_are_refused_with_the_argument_named() {
+    let ok = [
+        "--src",
+        "10.244.0.2",
+        "--dst",
+        "10.96.0.10:80",
+        "--proto",
+        "tcp",
+    ];
+    let with = |name: &str, value: &str| -> Vec<String> {
+        let mut args = vec!["trace".to_string()];
+        let mut i = 0;
+        while i < ok.len() {
+            if ok[i] != name {
+                args.extend([ok[i].to_string(), ok[i + 1].to_string()]);
+            }
+            i += 2;
+        }
+        args.extend([name.to_string(), value.to_string()]);
+        args
+    };
+    let cases: Vec<(Vec<String>, &str, &str)> = vec![
+        (with("--src", "pod-a"), "--src", "not an address"),
+        (with("--dst", "10.96.0.10"), "--dst", "has no port"),
+        (with("--dst", "10.96.0.10:http"), "--dst", "not an address"),
+        (
+            with("--proto", "icmp"),
+            "--proto",
+            "not one of tcp, udp, sctp",
+        ),
+        (
+            with("--from", "moon"),
+            "--from",
+            "not one of pod, node, outside",
+        ),
+        (with("--src", "fd00::1"), "--src", "different IP families"),
+        (
+            with("--iif", "a-name-longer-than-15"),
+            "--iif",
+            "1 to 15 bytes",
+        ),
+    ];
+    for (args, name, reason) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = refused(&args);
+        assert_eq!(
+            code,
+            Some(64),
+            "nftkube {args:?}: exit code, stderr:\n{stderr}"
+        );
+        assert!(
+            stderr.contains(name) && stderr.contains(reason),
+            "nftkube {args:?}: the message should name {name} and say {reason:?}:\n{stderr}"
+        );
+    }
+    let (code, stderr) = refused(&["trace", "--dst", "10.96.0.10:80", "--proto", "tcp"]);
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains("--src"), "{stderr}");
+}
