@@ -483,9 +483,12 @@ impl<'a> Eval<'a> {
         let b = self.regs.read(sreg, 4)?;
         let mark = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
         let change = format!("meta mark {:#x} -> {mark:#x}", self.pkt.mark);
-        self.branch
-            .mark_changes
-            .push(format!("{} ({change})", step.place()));
+        if mark & !self.pkt.mark != 0 {
+            // Bits set (what asks for masquerade); clearing them on the way out is not a reason.
+            self.branch
+                .mark_changes
+                .push(format!("{} ({change})", step.place()));
+        }
         step.notes.push(change);
         self.pkt.mark = mark;
         Ok(())
