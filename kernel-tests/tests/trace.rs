@@ -261,6 +261,16 @@ fn bad_arguments_are_refused_with_the_argument_named() {
             "--iif",
             "1 to 15 bytes",
         ),
+        (with("--count", "0"), "--count", "0"),
+        (
+            {
+                let mut a = with("--manifests", "/nonexistent");
+                a.push("--live".into());
+                a
+            },
+            "--live",
+            "cannot be combined with --manifests",
+        ),
     ];
     for (args, name, reason) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -278,4 +288,136 @@ fn bad_arguments_are_refused_with_the_argument_named() {
     let (code, stderr) = refused(&["trace", "--dst", "10.96.0.10:80", "--proto", "tcp"]);
     assert_eq!(code, Some(64), "{stderr}");
     assert!(stderr.contains("--src"), "{stderr}");
+}
+
+/// Whether table `name` exists in `ns` (family ip).
+fn has_table(ns: &nftkube::netns::NetNs, name: &str) -> bool {
+    let name = name.to_string();
+    ns.run(move || {
+        nftkube::nft::netlink::NftSocket::open()
+            .expect("nf_tables socket")
+            .list_tables(nftkube::nft::ir::Family::Ip)
+            .expect("listing tables")
+            .contains(&name)
+    })
+    .expect("entering the namespace")
+}
+
+/// The rules of table `ip nftkube` an offline outcome says matched, in order.
+fn offline_matched_rules(outcome: &Value) -> Vec<String> {
+    outcome["path"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["table"] == "ip nftkube" && s["matched"] == true && !s["rule"].is_null())
+        .map(|s| s["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
+    let sb = sandbox("nk-tl", 2);
+    let m = Manifests::examples();
+    m.write("matrix.yaml", &manifest());
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    let dst = target(Policy::Cluster, Dest::ClusterIp);
+    wait_until(SYNC, || served(sb.client(), dst, T))
+        .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    let mut args = packet_args(Source::Pod, Policy::Cluster, Dest::ClusterIp);
+    args.extend(["--live", "--count", "1", "--timeout", "20s"].map(String::from));
+    let child = command_in(sb.node(), nftkube_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting nftkube trace --live");
+    let table = format!("nftkube-trace-{}", child.id());
+    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
+        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    // The trace table obeys the listing invariant like every state we program.
+    assert_listable(sb.node());
+    let answer =
+        sandbox::tcp_request(sb.client(), dst, T).expect("a connection through the service");
+    let (pod, _) = sandbox::parse_answer(&answer).expect("a backend's answer");
+    let out = child
+        .wait_with_output()
+        .expect("waiting for nftkube trace --live");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "nftkube trace --live failed: {stderr}"
+    );
+    assert!(!has_table(sb.node(), &table), "table {table} left behind");
+    let live: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(live["stopped_by"], "count", "{live:#}");
+    let events = live["packets"][0]["events"]
+        .as_array()
+        .expect("one packet's events");
+    let live_rules: Vec<String> = events
+        .iter()
+        .filter(|e| {
+            e["table"] == "ip nftkube" && e["kind"] == "rule" && !e["rule_handle"].is_null()
+        })
+        .map(|e| {
+            e["rule"]
+                .as_str()
+                .expect("rule text read by handle")
+                .to_string()
+        })
+        .collect();
+    // After DNAT the events carry the endpoint's address: the one that answered.
+    let endpoint = format!("{}:{}", sandbox::pod_ip_v4(pod), BACKEND_TCP_PORT);
+    // (The kernel dumps the packet with the first event of each base chain.)
+    let last = events
+        .iter()
+        .rev()
+        .find_map(|e| e["packet"].as_str())
+        .expect("events with the packet")
+        .to_string();
+    assert!(
+        last.ends_with(&format!("-> {endpoint}")),
+        "last event's packet {last}, answered by {endpoint}"
+    );
+    // The offline trace of the same packet, the outcome with that endpoint: the same rules, in order.
+    let offline_args = packet_args(Source::Pod, Policy::Cluster, Dest::ClusterIp);
+    let offline = trace_json(sb.node(), &offline_args);
+    let outcome = offline["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["dnat"] == endpoint.as_str())
+        .unwrap_or_else(|| panic!("no offline outcome reaches {endpoint}: {offline:#}"));
+    let offline_rules = offline_matched_rules(outcome);
+    assert!(!offline_rules.is_empty());
+    assert_eq!(live_rules, offline_rules, "live events:\n{live:#}");
+
+    // Ctrl-C while waiting: the table goes, what was seen (nothing) is printed, exit 0.
+    let child = command_in(sb.node(), nftkube_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting nftkube trace --live");
+    let table = format!("nftkube-trace-{}", child.id());
+    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
+        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    // SAFETY: kill has no memory-safety preconditions; the pid is our own child's, not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let out = child
+        .wait_with_output()
+        .expect("waiting for nftkube trace --live");
+    assert!(
+        out.status.success(),
+        "after SIGINT: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let live: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(live["stopped_by"], "signal");
+    assert_eq!(live["packets"].as_array().map(Vec::len), Some(0));
+    assert!(
+        !has_table(sb.node(), &table),
+        "table {table} left behind after SIGINT"
+    );
+    drop(agent);
 }

@@ -6,12 +6,13 @@ use super::{kernel_ruleset, node_context, render_text, trace, Request, Ruleset, 
 use crate::cli::RenderArgs;
 use clap::Args;
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 #[derive(Debug, Args)]
 pub struct TraceArgs {
     /// The packet's source: IP[:PORT] ([IPv6]:PORT); the port defaults to 40000.
     #[arg(long, value_parser = parse_src)]
-    pub src: SocketAddr,
+    pub src: Source,
     /// The packet's destination: IP:PORT ([IPv6]:PORT).
     #[arg(long, value_parser = parse_dst)]
     pub dst: SocketAddr,
@@ -32,13 +33,31 @@ pub struct TraceArgs {
     /// Output: text or json.
     #[arg(short = 'o', long, default_value = "text", value_parser = ["text", "json"])]
     pub output: String,
+    /// Ask the kernel: add a narrowly matching `meta nftrace set 1` rule in a table of its own and print the
+    /// trace events of the next matching packets (real ones: send them yourself). Needs root.
+    #[arg(long)]
+    pub live: bool,
+    /// --live: stop after this many packets.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub count: u64,
+    /// --live: stop after this long ("10s", or seconds).
+    #[arg(long, default_value = "10s", value_parser = crate::config::parse_duration_flag)]
+    pub timeout: Duration,
     /// Render the plan from --manifests (and the usual proxy flags) instead of reading the kernel.
     #[command(flatten)]
     pub render: RenderArgs,
 }
 
-fn parse_src(s: &str) -> Result<SocketAddr, String> {
-    parse_endpoint(s, Some(DEFAULT_SOURCE_PORT))
+/// `--src`: the address, and whether the port was given (`--live` matches the source port only then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Source {
+    pub addr: SocketAddr,
+    pub port_given: bool,
+}
+
+fn parse_src(s: &str) -> Result<Source, String> {
+    let port_given = parse_endpoint(s, None).is_ok();
+    parse_endpoint(s, Some(DEFAULT_SOURCE_PORT)).map(|addr| Source { addr, port_given })
 }
 
 fn parse_dst(s: &str) -> Result<SocketAddr, String> {
@@ -48,12 +67,17 @@ fn parse_dst(s: &str) -> Result<SocketAddr, String> {
 impl TraceArgs {
     /// Checks what clap cannot: arguments that only make sense together.
     pub fn validate(&self) -> Result<(), TraceError> {
-        if self.src.is_ipv4() != self.dst.is_ipv4() {
+        if self.src.addr.is_ipv4() != self.dst.is_ipv4() {
             return Err(TraceError::Usage(format!(
                 "--src {} and --dst {} are of different IP families",
-                self.src.ip(),
+                self.src.addr.ip(),
                 self.dst.ip()
             )));
+        }
+        if self.live && self.render.manifests.is_some() {
+            return Err(TraceError::Usage(
+                "--live traces the kernel's state; it cannot be combined with --manifests".into(),
+            ));
         }
         if let Some(iif) = &self.iif {
             if iif.is_empty() || iif.len() >= 16 {
@@ -67,7 +91,7 @@ impl TraceArgs {
 
     fn packet(&self) -> Packet {
         Packet {
-            src: self.src,
+            src: self.src.addr,
             dst: self.dst,
             proto: self.proto,
             mark: 0,
@@ -88,7 +112,7 @@ pub fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
             node_context(&args.node_ip)?,
         ),
     };
-    let origin = args.from.unwrap_or(if node.is_local(&args.src.ip()) {
+    let origin = args.from.unwrap_or(if node.is_local(&args.src.addr.ip()) {
         Origin::Node
     } else {
         Origin::Outside
@@ -99,7 +123,7 @@ pub fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
         t.assumptions.push(format!(
             "from {} (--from not given; --src {} is {}a local address)",
             origin.as_str(),
-            args.src.ip(),
+            args.src.addr.ip(),
             if origin == Origin::Node { "" } else { "not " }
         ));
     }

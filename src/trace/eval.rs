@@ -458,6 +458,7 @@ impl<'a> Eval<'a> {
                 DataType::Integer(16),
             ),
             MetaKey::OifName => (ifname_bytes(None, step, "oif"), DataType::Integer(16)),
+            MetaKey::NfTrace => (vec![0], DataType::Integer(1)),
             MetaKey::Iif | MetaKey::Oif => {
                 step.notes.push(format!(
                     "meta {}: interface index not known, assumed 0",
@@ -474,6 +475,12 @@ impl<'a> Eval<'a> {
     }
 
     fn meta_set(&mut self, key: MetaKey, sreg: u32, step: &mut Step) -> Result<(), TraceError> {
+        if key == MetaKey::NfTrace {
+            // A `--live` trace rule: it marks the packet for the kernel's tracer and changes nothing else.
+            step.notes
+                .push("the kernel traces this packet (meta nftrace set)".into());
+            return Ok(());
+        }
         if key != MetaKey::Mark {
             return Err(TraceError::Unsupported(format!(
                 "meta {} set",

@@ -13,6 +13,7 @@
 mod args;
 mod attribution;
 mod eval;
+pub mod live;
 pub mod packet;
 mod regs;
 mod report;
