@@ -1,7 +1,8 @@
 //! `nftkube trace`: for every cell of the matrix (sources × destinations × policies × masquerade-all), the
 //! offline trace (through the kernel's state, and through the plan rendered from the same manifests) names
 //! the same verdict, endpoints and masquerade decision as real connections show; bad arguments are refused
-//! with exit code 64 and a message naming the argument.
+//! with exit code 64 and a message naming the argument; `--live` reports the path a real packet took; a
+//! portmap hostPort mapping is traced through the plugin's own table.
 
 use kernel_tests::matrix::*;
 use kernel_tests::*;
@@ -420,4 +421,110 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         "table {table} left behind after SIGINT"
     );
     drop(agent);
+}
+
+/// `nftkube portmap` (the CNI plugin) ADD for pod1 as the container, with `mappings`; the previous result is
+/// written by hand (pod1's address on its eth0), as a bridge plugin would have returned it.
+fn portmap_add(sb: &nftkube::sandbox::Sandbox, mappings: Value) {
+    use std::io::Write as _;
+    let pod = sb.pod(1);
+    let conf = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "trace-net", "type": "portmap",
+        "capabilities": {"portMappings": true},
+        "runtimeConfig": {"portMappings": mappings},
+        "prevResult": {
+            "cniVersion": "1.0.0",
+            "interfaces": [{"name": "eth0", "sandbox": pod.path()}],
+            "ips": [{"address": format!("{}/24", sandbox::pod_ip_v4(1)), "interface": 0,
+                     "gateway": sandbox::pod_gateway_v4(1).to_string()}]
+        }
+    });
+    let mut child = command_in(sb.node(), nftkube_bin())
+        .arg("portmap")
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", "trace-container")
+        .env("CNI_NETNS", pod.path())
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/nonexistent")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running nftkube portmap");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(conf.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "portmap ADD failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_listable(sb.node());
+}
+
+#[test]
+fn a_portmap_mapping_is_traced_through_the_plugins_table() {
+    let sb = sandbox("nk-tp", 1);
+    let host_port = 30080;
+    portmap_add(
+        &sb,
+        serde_json::json!([{"hostPort": host_port, "containerPort": BACKEND_TCP_PORT, "protocol": "tcp"}]),
+    );
+    let dst = std::net::SocketAddr::new(sandbox::node_ip_v4().into(), host_port);
+    // Real packets from outside: answered by pod1, which sees the client's own address.
+    let answer = sandbox::tcp_request(sb.ext(), dst, T).expect("the host port answers");
+    let (pod, peer) = sandbox::parse_answer(&answer).unwrap();
+    assert_eq!((pod, peer), (1, IpAddr::from(sandbox::ext_ip_v4())));
+    let args: Vec<String> = [
+        "trace",
+        "--src",
+        &sandbox::ext_ip_v4().to_string(),
+        "--dst",
+        &dst.to_string(),
+        "--proto",
+        "tcp",
+        "--from",
+        "outside",
+        "--iif",
+        sandbox::NODE_UPLINK,
+        "-o",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let json = trace_json(sb.node(), &args);
+    let traced = summarize(&json);
+    assert_eq!(
+        traced,
+        Traced {
+            verdicts: ["accept".to_string()].into(),
+            endpoints: [1].into(),
+            masquerade: [false].into(),
+            uniform: true,
+        },
+        "{json:#}"
+    );
+    let path = json["outcomes"][0]["path"].as_array().unwrap();
+    assert!(
+        path.iter().any(|s| s["table"] == "ip nftkube-portmap"
+            && s["matched"] == true
+            && s["notes"].to_string().contains("dnat")),
+        "the DNAT is the portmap table's: {json:#}"
+    );
+    // A port nothing maps: through the same table, not DNATed, delivered to the node itself.
+    let mut other = args.clone();
+    other[4] = std::net::SocketAddr::new(sandbox::node_ip_v4().into(), host_port + 1).to_string();
+    let json = trace_json(sb.node(), &other);
+    let o = &json["outcomes"][0];
+    assert!(o["dnat"].is_null() && o["verdict"] == "accept", "{json:#}");
+    assert!(
+        o["detail"].as_str().unwrap().contains("delivered locally"),
+        "{json:#}"
+    );
 }
