@@ -29,9 +29,14 @@ struct Traced {
 }
 
 fn pod_index(ip: &str) -> usize {
-    let ip: IpAddr = ip.parse().expect("a DNAT target address");
-    (0..=2)
-        .find(|&i| IpAddr::from(sandbox::pod_ip_v4(i)) == ip)
+    let ip: IpAddr = ip
+        .trim_matches(|c| c == '[' || c == ']')
+        .parse()
+        .expect("a DNAT target address");
+    (0..=3)
+        .find(|&i| {
+            IpAddr::from(sandbox::pod_ip_v4(i)) == ip || IpAddr::from(sandbox::pod_ip_v6(i)) == ip
+        })
         .unwrap_or_else(|| panic!("DNAT target {ip} is no pod"))
 }
 
@@ -527,4 +532,90 @@ fn a_portmap_mapping_is_traced_through_the_plugins_table() {
         o["detail"].as_str().unwrap().contains("delivered locally"),
         "{json:#}"
     );
+}
+
+/// `nftkube trace` of a packet from pod0 (arriving on pod0's link) to `dst`.
+fn from_pod(
+    sb: &nftkube::sandbox::Sandbox,
+    src: IpAddr,
+    dst: std::net::SocketAddr,
+    proto: &str,
+) -> Value {
+    let args: Vec<String> = [
+        "trace",
+        "--src",
+        &src.to_string(),
+        "--dst",
+        &dst.to_string(),
+        "--proto",
+        proto,
+        "--from",
+        "pod",
+        "--iif",
+        &sandbox::node_pod_ifname(0),
+        "-o",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    trace_json(sb.node(), &args)
+}
+
+#[test]
+fn rejects_and_ipv6_are_traced_as_real_packets_go() {
+    let sb = sandbox("nk-te", 3);
+    let m = Manifests::examples();
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    wait_until(SYNC, || served(sb.client(), addr("10.96.0.10", 80), T))
+        .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    let pod4 = IpAddr::from(sandbox::pod_ip_v4(0));
+    // demo/empty has no endpoints: TCP is reset, UDP gets port unreachable; the trace says reject, and how.
+    let refused = |r: std::io::Result<String>| matches!(r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+    assert!(refused(sandbox::tcp_request(
+        sb.client(),
+        addr("10.96.0.20", 80),
+        T
+    )));
+    assert!(refused(sandbox::udp_request(
+        sb.client(),
+        addr("10.96.0.20", 81),
+        T
+    )));
+    for (dst, proto, how) in [
+        (addr("10.96.0.20", 80), "tcp", "tcp reset"),
+        (addr("10.96.0.20", 81), "udp", "reject with icmp"),
+    ] {
+        let json = from_pod(&sb, pod4, dst, proto);
+        let outcomes = json["outcomes"].as_array().unwrap();
+        assert_eq!(outcomes.len(), 1, "{json:#}");
+        assert_eq!(outcomes[0]["verdict"], "reject", "{json:#}");
+        assert!(
+            outcomes[0]["detail"].as_str().unwrap().contains(how),
+            "{json:#}"
+        );
+        assert!(outcomes[0]["dnat"].is_null(), "{json:#}");
+    }
+    // IPv6: demo/echo6 from pod0, through table ip6 nftkube.
+    let dst6: std::net::SocketAddr = "[fd00:96::10]:80".parse().unwrap();
+    let pod6 = IpAddr::from(sandbox::pod_ip_v6(0));
+    let seen = kernel_tests::sandbox::tcp_requests(sb.client(), dst6, 40, T);
+    let answers: Vec<(usize, IpAddr)> = seen
+        .iter()
+        .map(|a| sandbox::parse_answer(a.as_ref().expect("IPv6 answered")).unwrap())
+        .collect();
+    let json = from_pod(&sb, pod6, dst6, "tcp");
+    let traced = summarize(&json);
+    assert_eq!(
+        traced,
+        Traced {
+            verdicts: ["accept".to_string()].into(),
+            endpoints: answers.iter().map(|a| a.0).collect(),
+            masquerade: [answers.iter().any(|a| a.1 != pod6)].into(),
+            uniform: true,
+        },
+        "{json:#}"
+    );
+    drop(agent);
 }

@@ -188,3 +188,6 @@ pub fn node_context(given: &[std::net::IpAddr]) -> Result<NodeContext, TraceErro
         source: "this network namespace's addresses, and loopback".into(),
     })
 }
+
+#[cfg(test)]
+mod tests;
