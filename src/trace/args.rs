@@ -128,7 +128,7 @@ pub fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
         ));
     }
     Ok(if args.output == "json" {
-        serde_json::to_string_pretty(&t).map_err(|e| TraceError::Usage(e.to_string()))? + "\n"
+        serde_json::to_string_pretty(&t).map_err(|e| TraceError::Output(e.to_string()))? + "\n"
     } else {
         render_text(&t)
     })

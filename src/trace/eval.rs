@@ -542,10 +542,16 @@ impl<'a> Eval<'a> {
         let set = find_set(table, name)?;
         let key = self.regs.read(sreg, key_len(&set.set.key))?.to_vec();
         let key_text = text::value_text(&set.set.key, &key);
+        // Elements are ordered by key, then value (None first): the first at or after (key, None) is it.
+        let probe = Element {
+            key: key.as_slice().into(),
+            value: None,
+        };
         let found = set
             .elements
-            .iter()
-            .find(|e| e.key.as_slice() == key.as_slice());
+            .range(probe..)
+            .next()
+            .filter(|e| e.key.as_slice() == key.as_slice());
         let about = self
             .ctx
             .attribution

@@ -245,7 +245,7 @@ pub fn run(args: &TraceArgs) -> Result<String, TraceError> {
         stopped_by,
     };
     Ok(if args.output == "json" {
-        serde_json::to_string_pretty(&live).map_err(|e| TraceError::Usage(e.to_string()))? + "\n"
+        serde_json::to_string_pretty(&live).map_err(|e| TraceError::Output(e.to_string()))? + "\n"
     } else {
         render_text(&live)
     })

@@ -42,6 +42,8 @@ pub enum TraceError {
     Kernel(String),
     #[error("{0}")]
     Usage(String),
+    #[error("writing the output: {0}")]
+    Output(String),
 }
 
 /// What to trace.
@@ -149,9 +151,12 @@ pub fn kernel_ruleset(family: Family) -> Result<Ruleset, TraceError> {
     let mut tables = Vec::new();
     let mut notes = Vec::new();
     for f in [family, Family::Inet] {
-        let names = socket
-            .list_tables(f)
-            .map_err(|e| TraceError::Kernel(format!("listing {} tables: {e}", f.as_str())))?;
+        let names = socket.list_tables(f).map_err(|e| {
+            TraceError::Kernel(format!(
+                "listing {} tables: {e} (reading the kernel needs root; --manifests DIR traces the plan without)",
+                f.as_str()
+            ))
+        })?;
         for name in names {
             match socket.dump_table(f, &name) {
                 Ok(Some(t)) => tables.push(t),
@@ -162,6 +167,12 @@ pub fn kernel_ruleset(family: Family) -> Result<Ruleset, TraceError> {
                 )),
             }
         }
+    }
+    if !tables.iter().any(|t| t.family == family) {
+        notes.push(format!(
+            "no {} table in this namespace's kernel: is the agent running here?",
+            family.as_str()
+        ));
     }
     Ok(Ruleset {
         tables,
