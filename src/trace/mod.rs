@@ -13,6 +13,7 @@
 mod args;
 mod attribution;
 mod eval;
+mod expr;
 pub mod live;
 pub mod packet;
 mod regs;
