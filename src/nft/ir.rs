@@ -401,7 +401,7 @@ pub enum Verdict {
     Drop,
     Continue,
     Return,
-    /// Chain names are shared: every service with n endpoints has a dispatch element naming `lb-<n>`, and a
+    /// Chain names are shared: every service of one kind has a dispatch element naming its `lb*` chain, and a
     /// shared name also keeps an element's value to 32 bytes (see `ElementBytes`).
     Jump(Arc<str>),
     Goto(Arc<str>),

@@ -1,6 +1,7 @@
 //! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
 //! rejection, kubelet's guard) and the sets and maps the services fill.
 
+use super::chains::pick_chain_state;
 use super::common::*;
 use super::names::*;
 use super::{RenderConfig, SLOT_SPACE};
@@ -36,11 +37,13 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![daddr_of, TypeofExpr::ThDport],
     ));
     t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
+    let frontend_key = vec![a, DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
-        MAP_NO_ENDPOINT_SERVICES,
-        vec![a, DataType::InetProto, DataType::InetService],
-        vec![DataType::Verdict],
+        SET_NO_ENDPOINT_SERVICES,
+        frontend_key.clone(),
+        vec![],
     ));
+    t.add_set(plain_set(SET_NO_LOCAL_ENDPOINTS, frontend_key, vec![]));
     t.add_set(Set {
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
@@ -64,10 +67,11 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![DataType::Verdict],
     ));
     t.add_set(plain_set(
-        MAP_NO_ENDPOINT_NODEPORTS,
+        SET_NO_ENDPOINT_NODEPORTS,
         port_key.clone(),
-        vec![DataType::Verdict],
+        vec![],
     ));
+    t.add_set(plain_set(SET_NO_LOCAL_NODEPORTS, port_key.clone(), vec![]));
     t.add_set(plain_set(
         MAP_AFFINITY_NODEPORTS,
         port_key,
@@ -196,10 +200,21 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .insert(1, jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
-            .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
+            .in_set(
+                &[Field::L4Proto, Field::ThDport],
+                SET_NO_ENDPOINT_NODEPORTS,
+                false,
+            )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
             .build()];
     }
     t.add_chain(Chain::regular(CHAIN_SERVICES)).rules = services;
+    for node_port in [false, true] {
+        for local in [false, true] {
+            let pick = pick_chain_state(f, node_port, local);
+            t.add_chain(pick.chain.clone()).rules = pick.rules;
+        }
+    }
 
     let bit = cfg.masquerade_bit;
     t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = vec![
@@ -221,10 +236,12 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
 
     t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
         RuleBuilder::new()
-            .vmap(
+            .in_set(
                 &[daddr(f), Field::L4Proto, Field::ThDport],
-                MAP_NO_ENDPOINT_SERVICES,
+                SET_NO_ENDPOINT_SERVICES,
+                false,
             )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
             .build(),
         RuleBuilder::new()
             .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)

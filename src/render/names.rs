@@ -31,15 +31,31 @@ pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
-pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// NodePorts of services without endpoints (`proto . port`): rejected on input.
+pub const SET_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 pub const CHAIN_FILTER_INPUT: &str = "filter-input";
 pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
 /// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
 pub const MAP_RELAY_PORTS: &str = "relay-ports";
 
-/// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
-pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+/// External and LoadBalancer frontends of services without endpoints (`addr . proto . port`): rejected in
+/// filter. A plain set, so that a service losing its last endpoint adds no verdict element.
+pub const SET_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+
+/// Frontends (`addr . proto . port`) whose service has endpoints, none of them on this node, under a Local
+/// traffic policy: their `lb-*` chain drops what no local endpoint took.
+pub const SET_NO_LOCAL_ENDPOINTS: &str = "no-local-endpoints";
+
+/// The same for NodePorts (`proto . port`).
+pub const SET_NO_LOCAL_NODEPORTS: &str = "no-local-endpoint-nodeports";
+
+/// The shared choice of an endpoint by count (see `chains::Counts`): frontends, their local endpoints,
+/// NodePorts, and their local endpoints.
+pub const CHAIN_PICK: &str = "pick";
+pub const CHAIN_PICK_LOCAL: &str = "pick-local";
+pub const CHAIN_PICK_NODEPORT: &str = "pick-np";
+pub const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
 /// services), where a 16-byte `&str` cost ~10 MB.
@@ -47,15 +63,17 @@ pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 11] = [
+const PIECE_SETS: [&str; 13] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
     SET_HAIRPIN,
     MAP_SERVICE_NODEPORTS,
     MAP_NODEPORT_ENDPOINTS,
-    MAP_NO_ENDPOINT_NODEPORTS,
-    MAP_NO_ENDPOINT_SERVICES,
+    SET_NO_ENDPOINT_NODEPORTS,
+    SET_NO_ENDPOINT_SERVICES,
+    SET_NO_LOCAL_ENDPOINTS,
+    SET_NO_LOCAL_NODEPORTS,
     MAP_AFFINITY_SERVICES,
     MAP_AFFINITY_NODEPORTS,
     MAP_RELAY_PORTS,
@@ -87,23 +105,8 @@ impl std::fmt::Display for PieceSet {
     }
 }
 
-/// Prefix of the load-balancing chains, one per endpoint count in use.
+/// Prefix of the load-balancing chains (see `chains::lb_chain_state`).
 pub const LB_CHAIN_PREFIX: &str = "lb-";
-
-/// `lb-<n>`: picks one of n endpoints with `numgen random mod n`, for ClusterIP frontends.
-pub fn lb_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}{n}")
-}
-
-/// `lb-ext-<n>`: the same for external IP and LoadBalancer frontends, which masquerade differently.
-pub fn lb_external_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}ext-{n}")
-}
-
-/// `lb-np-<n>`: the same for NodePorts, keyed by protocol and port alone (any node address).
-pub fn lb_nodeport_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}np-{n}")
-}
 
 /// `affinity-<seconds>`: records the endpoint of a new connection for that long (one chain per timeout in
 /// use, shared by every service with that timeout).
@@ -136,20 +139,4 @@ fn short_hash(s: &str) -> String {
     (0..8)
         .map(|i| ALPHABET[((h >> (i * 5)) & 31) as usize] as char)
         .collect()
-}
-
-/// The endpoint count an `lb-<n>` chain serves, if `name` is one.
-pub fn lb_count(name: &str) -> Option<u32> {
-    name.strip_prefix(LB_CHAIN_PREFIX)?.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lb_chain_names_round_trip() {
-        assert_eq!(lb_count(&lb_chain(7)), Some(7));
-        assert_eq!(lb_count("services"), None);
-    }
 }
