@@ -2,8 +2,9 @@
 //! registers, break on a failed match, jump / goto / return, policy at the end of a base chain) applied to the
 //! typed IR, whatever shape the render gives it. What each expression does is in `expr.rs`.
 //!
-//! One run is deterministic: each `numgen` takes its value from `choices`; a `numgen` beyond them interrupts the
-//! run with its modulus, and the caller (`super::enumerate`) runs again once per value. That keeps this code a
+//! One run is deterministic: each random choice that matters takes its value from `choices`; one beyond them
+//! interrupts the run with its groups of values (`decide.rs`), and the caller (`super::enumerate`) runs again once
+//! per group. That keeps this code a
 //! plain sequential evaluation while every random choice is still explored with its probability.
 
 use super::attribution::Attribution;
@@ -20,9 +21,10 @@ const JUMP_STACK: usize = 16;
 /// Why a run stopped early.
 #[derive(Debug)]
 pub enum Interrupt {
-    /// A `numgen` with no value chosen yet: run again once per value.
+    /// A `numgen` value read with no choice made yet: run again once per group of its values (`decide.rs`);
+    /// `groups` of them.
     Choice {
-        modulus: u32,
+        groups: usize,
     },
     Error(TraceError),
 }

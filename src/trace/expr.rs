@@ -4,7 +4,7 @@
 
 use super::eval::{verdict_flow, Eval, ExprEnd, Flow, Interrupt};
 use super::packet::{ip_octets, Origin};
-use super::regs::Label;
+use super::regs::{Label, Random};
 use super::report::Step;
 use super::TraceError;
 use crate::nft::ir::*;
@@ -23,6 +23,7 @@ impl Eval<'_> {
         e: &Expr,
         step: &mut Step,
     ) -> Result<ExprEnd, Interrupt> {
+        self.decide_reads(table, e, step)?;
         match e {
             Expr::Payload {
                 base,
@@ -81,7 +82,7 @@ impl Eval<'_> {
                 modulus,
                 offset,
                 ..
-            } => self.numgen(*dreg, *modulus, *offset, step)?,
+            } => self.numgen(*dreg, *modulus, *offset)?,
             Expr::Dynset {
                 set,
                 op,
@@ -208,15 +209,7 @@ impl Eval<'_> {
 
     fn cmp(&self, sreg: u32, op: CmpOp, data: &[u8]) -> Result<ExprEnd, TraceError> {
         let have = self.regs.read(sreg, data.len())?;
-        let ord = have.cmp(data);
-        let ok = match op {
-            CmpOp::Eq => ord.is_eq(),
-            CmpOp::Neq => ord.is_ne(),
-            CmpOp::Lt => ord.is_lt(),
-            CmpOp::Lte => ord.is_le(),
-            CmpOp::Gt => ord.is_gt(),
-            CmpOp::Gte => ord.is_ge(),
-        };
+        let ok = super::decide::cmp_holds(have, op, data);
         if ok {
             return Ok(ExprEnd::Continue);
         }
@@ -247,16 +240,7 @@ impl Eval<'_> {
         let set = find_set(table, name)?;
         let key = self.regs.read(sreg, key_len(&set.set.key))?.to_vec();
         let key_text = text::value_text(&set.set.key, &key);
-        // Elements are ordered by key, then value (None first): the first at or after (key, None) is it.
-        let probe = Element {
-            key: key.as_slice().into(),
-            value: None,
-        };
-        let found = set
-            .elements
-            .range(probe..)
-            .next()
-            .filter(|e| e.key.as_slice() == key.as_slice());
+        let found = find_element(set, &key);
         let about = self
             .ctx
             .attribution
@@ -316,34 +300,17 @@ impl Eval<'_> {
         }
     }
 
-    fn numgen(
-        &mut self,
-        dreg: u32,
-        modulus: u32,
-        offset: u32,
-        step: &mut Step,
-    ) -> Result<(), Interrupt> {
+    /// `numgen`: the value is left undecided until something reads it (`decide.rs`).
+    fn numgen(&mut self, dreg: u32, modulus: u32, offset: u32) -> Result<(), Interrupt> {
         if modulus == 0 {
             return Err(TraceError::Ruleset("numgen with modulus 0".into()).into());
         }
-        let Some(&choice) = self.choices.get(self.chosen.len()) else {
-            return Err(Interrupt::Choice { modulus });
-        };
-        self.chosen.push((choice, modulus));
-        let value = offset + choice;
-        step.notes.push(format!(
-            "numgen random mod {modulus}{} = {value} (probability 1/{modulus})",
-            if offset > 0 {
-                format!(" offset {offset}")
-            } else {
-                String::new()
-            }
-        ));
         let label = Label {
             name: format!("numgen random mod {modulus}"),
             ty: DataType::Integer(4),
         };
-        self.regs.write(dreg, &value.to_ne_bytes(), Some(label))?;
+        self.regs
+            .write_random(dreg, Random { modulus, offset }, label)?;
         Ok(())
     }
 
@@ -531,7 +498,20 @@ impl Eval<'_> {
     }
 }
 
-fn find_set<'t>(table: &'t TableState, name: &str) -> Result<&'t SetState, TraceError> {
+/// The element with this key. Elements are ordered by key, then value (None first): the first at or after
+/// (key, None) is it, if any is.
+pub(super) fn find_element<'s>(set: &'s SetState, key: &[u8]) -> Option<&'s Element> {
+    let probe = Element {
+        key: key.into(),
+        value: None,
+    };
+    set.elements
+        .range(probe..)
+        .next()
+        .filter(|e| e.key.as_slice() == key)
+}
+
+pub(super) fn find_set<'t>(table: &'t TableState, name: &str) -> Result<&'t SetState, TraceError> {
     table.sets.get(name).ok_or_else(|| {
         TraceError::Ruleset(format!(
             "table {} {}: set @{name} is looked up but does not exist",

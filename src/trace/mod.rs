@@ -12,6 +12,7 @@
 
 mod args;
 mod attribution;
+mod decide;
 mod eval;
 mod expr;
 pub mod live;
@@ -128,13 +129,13 @@ fn enumerate(ctx: &eval::Context<'_>, packet: &Packet) -> Result<Vec<report::Bra
     while let Some(choices) = pending.pop() {
         match eval::run(ctx, packet, &choices) {
             Ok(b) => done.push(b),
-            Err(eval::Interrupt::Choice { modulus }) => {
-                if done.len() + pending.len() + modulus as usize > MAX_BRANCHES {
+            Err(eval::Interrupt::Choice { groups }) => {
+                if done.len() + pending.len() + groups > MAX_BRANCHES {
                     return Err(TraceError::TooManyBranches);
                 }
-                for v in (0..modulus).rev() {
+                for index in (0..groups as u32).rev() {
                     let mut next = choices.clone();
-                    next.push(v);
+                    next.push(index);
                     pending.push(next);
                 }
             }

@@ -125,7 +125,7 @@ impl Fate {
 pub struct Branch {
     pub steps: Vec<Step>,
     pub fate: Fate,
-    /// (value, modulus) of each `numgen` met, in order.
+    /// (values leading this way, modulus) of each random choice that mattered, in order.
     pub choices: Vec<(u32, u32)>,
     pub dnat: Option<SocketAddr>,
     pub snat: Option<SocketAddr>,
@@ -139,7 +139,10 @@ pub struct Branch {
 
 impl Branch {
     pub fn probability(&self) -> f64 {
-        self.choices.iter().map(|(_, m)| 1.0 / *m as f64).product()
+        self.choices
+            .iter()
+            .map(|(n, m)| *n as f64 / *m as f64)
+            .product()
     }
 
     /// Whether, and why (not), the packet is masqueraded.
@@ -179,7 +182,7 @@ pub struct Outcome {
     pub masquerade: bool,
     pub masquerade_reason: String,
     pub affinity: Vec<String>,
-    /// The random choices that lead here (`numgen` value / modulus), one list per branch.
+    /// The random choices that lead here (values leading this way, modulus), one list per branch.
     pub choices: Vec<Vec<(u32, u32)>>,
     /// The path of the first branch of this outcome.
     pub path: Vec<Step>,

@@ -225,3 +225,61 @@ fn affinity_is_recorded_on_a_choice_and_followed_when_present() {
         o.affinity
     );
 }
+
+/// A ClusterIP service with `n` endpoints 10.244.i.2:8080, rendered.
+fn rendered_with_endpoints(n: usize) -> Vec<TableState> {
+    let name = ServicePortName {
+        service: NamespacedName::new("demo", "many"),
+        port: "http".into(),
+        protocol: Protocol::Tcp,
+    };
+    let sp = ServicePort::cluster_ip(name.clone(), vec!["10.96.7.7".parse().unwrap()], 80);
+    let eps = (1..=n)
+        .map(|i| {
+            Endpoint::ready(
+                format!("10.244.{}.{}", i / 250, i % 250 + 2)
+                    .parse()
+                    .unwrap(),
+                8080,
+            )
+        })
+        .collect();
+    let cfg = RenderConfig {
+        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        ..RenderConfig::default()
+    };
+    render::render(
+        &BTreeMap::from([(name.clone(), sp)]),
+        &BTreeMap::from([(name, eps)]),
+        &cfg,
+    )
+}
+
+#[test]
+fn only_random_choices_that_matter_branch_and_each_endpoint_gets_its_share() {
+    // Whatever rules with other numgen ranges the packet passes on the way, one choice decides: n branches.
+    for n in [1, 2, 3, 7, 32, 40] {
+        let out = run(
+            rendered_with_endpoints(n),
+            packet("10.244.0.2:40000", "10.96.7.7:80"),
+            Origin::Pod,
+            &node(&["192.0.2.1"]),
+        );
+        assert_eq!(out.outcomes.len(), n, "{n} endpoints");
+        for o in &out.outcomes {
+            assert!(
+                (o.probability - 1.0 / n as f64).abs() < 1e-12,
+                "{n}: {}",
+                o.probability
+            );
+            assert!(o.dnat.is_some() && o.verdict == "accept");
+            let choices: Vec<usize> = o.choices.iter().map(Vec::len).collect();
+            assert!(
+                choices.iter().all(|&c| c == usize::from(n > 1)),
+                "{n}: {choices:?}"
+            );
+        }
+        let targets: std::collections::BTreeSet<_> = out.outcomes.iter().map(|o| o.dnat).collect();
+        assert_eq!(targets.len(), n);
+    }
+}
