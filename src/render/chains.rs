@@ -54,7 +54,12 @@ pub enum Counts {
     Shared,
     /// More: a chain of the frontend's own count (`lb-…-<n>`, `lb-…-<local>-<n>`), shared by every frontend
     /// with those counts. A change of such a count rewrites the frontend's dispatch element.
-    Own { all: u32, local: u32 },
+    Own {
+        /// Endpoints in all.
+        all: u32,
+        /// Of them, on this node (externalTrafficPolicy Local chains only).
+        local: u32,
+    },
 }
 
 impl Counts {

@@ -64,12 +64,18 @@ pub fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
 /// the sync engine counts references, so an object goes when the last service needing it goes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Piece {
+    /// An element of one of the piece sets.
     Element {
+        /// The table's family.
         family: Family,
+        /// Which set.
         set: names::PieceSet,
+        /// The element.
         element: Element,
     },
+    /// A chain (with its rules) some service needs.
     Chain {
+        /// The table's family.
         family: Family,
         /// Shared: every service of one kind points at the same `lb-*` chain (see `lb_chain`).
         chain: Arc<ChainState>,

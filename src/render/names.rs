@@ -5,21 +5,36 @@ use crate::model::ServicePortName;
 /// The table every nftkube object lives in (one per address family).
 pub const TABLE: &str = "nftkube";
 
+/// Base chain: nat prerouting (dstnat), jumps to `services`.
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
+/// Base chain: nat output (dstnat), jumps to `services`.
 pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
+/// Base chain: nat postrouting (srcnat), jumps to `masquerading`.
 pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
+/// Base chain: filter forward, the checks after NAT.
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+/// Base chain: filter output, the checks after NAT.
 pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
+/// The dispatch: frontends and NodePorts to their `lb*` chains.
 pub const CHAIN_SERVICES: &str = "services";
+/// Masquerades marked packets and hairpin connections.
 pub const CHAIN_MASQUERADING: &str = "masquerading";
+/// After NAT: rejects what still goes to a ClusterIP or to a frontend without endpoints.
 pub const CHAIN_CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
+/// TCP reset, ICMP port unreachable otherwise.
 pub const CHAIN_REJECT: &str = "reject-chain";
+/// kubelet's guard: the drop mark and martian localnet traffic.
 pub const CHAIN_FIREWALL: &str = "firewall";
 
+/// Every ClusterIP: whatever reaches one un-NATed is rejected.
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
+/// The dispatch verdict map: `addr . proto . port : goto lb*` (ClusterIPs, external and LoadBalancer IPs).
 pub const MAP_SERVICE_IPS: &str = "service-ips";
+/// Endpoint slots of frontends: `addr . proto . port . slot : endpoint addr . port`.
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
+/// `endpoint . endpoint`: an endpoint reaching itself through its service is masqueraded.
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
+/// The addresses NodePorts are served on, when `--nodeport-addresses` names them.
 pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
 /// ClientIP affinity: `saddr . daddr . proto . port : endpoint addr . port`, filled by the packet path.
 pub const MAP_AFFINITY: &str = "affinity";
@@ -29,11 +44,15 @@ pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
 pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 /// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
 pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
+/// The NodePort dispatch: `proto . port : goto lb-np*`.
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
+/// Endpoint slots of NodePorts: `proto . port . slot : endpoint addr . port`.
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 /// NodePorts of services without endpoints (`proto . port`): rejected on input.
 pub const SET_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// Base chain: filter input (the NodePort check, the guard, affinity records).
 pub const CHAIN_FILTER_INPUT: &str = "filter-input";
+/// On input: rejects NodePorts of services without endpoints.
 pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
 /// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
@@ -53,8 +72,11 @@ pub const SET_NO_LOCAL_NODEPORTS: &str = "no-local-endpoint-nodeports";
 /// The shared choice of an endpoint by count (see `chains::Counts`): frontends, their local endpoints,
 /// NodePorts, and their local endpoints.
 pub const CHAIN_PICK: &str = "pick";
+/// The choice among a frontend's node-local endpoints.
 pub const CHAIN_PICK_LOCAL: &str = "pick-local";
+/// The choice among a NodePort's endpoints.
 pub const CHAIN_PICK_NODEPORT: &str = "pick-np";
+/// The choice among a NodePort's node-local endpoints.
 pub const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
@@ -81,6 +103,7 @@ const PIECE_SETS: [&str; 13] = [
 
 impl PieceSet {
     /// The set of this name. Panics for a set pieces never use (a programming error caught by every test).
+    /// The piece set of that name (a programming error if it is none).
     pub fn named(name: &str) -> PieceSet {
         let at = PIECE_SETS
             .iter()
@@ -89,6 +112,7 @@ impl PieceSet {
         PieceSet(at as u8)
     }
 
+    /// The set's name in the table.
     pub fn name(self) -> &'static str {
         PIECE_SETS[self.0 as usize]
     }

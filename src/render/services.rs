@@ -80,14 +80,12 @@ pub fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
         .collect()
 }
 
-/// Everything one service port adds to the tables, in every family it has a frontend in: its ClusterIPs,
-/// external IPs, LoadBalancer ingress IPs and NodePort.
+/// What one service port contributes, in both families.
 pub(super) fn service_pieces(
     svc: &ServicePort,
     endpoints: &[Endpoint],
     cfg: &RenderConfig,
 ) -> Vec<Piece> {
-    let mut pieces = Vec::new();
     let local_endpoints: Vec<Endpoint> = endpoints
         .iter()
         .filter(|e| {
@@ -95,194 +93,264 @@ pub(super) fn service_pieces(
         })
         .cloned()
         .collect();
-    let node_port = svc
-        .node_port
-        .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None);
+    let mut pieces = Vec::new();
     for f in [IpFamily::V4, IpFamily::V6] {
-        let family = nft_family(f);
-        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
-            ips.iter()
-                .copied()
-                .filter(|ip| IpFamily::of(ip) == f)
-                .collect()
-        };
-        let cluster = of_family(&svc.cluster_ips);
-        let mut external = of_family(&svc.external_ips);
-        external.extend(of_family(&svc.load_balancer_ips));
-        external.sort();
-        external.dedup();
-        external.retain(|ip| !cluster.contains(ip));
-        if cluster.is_empty() && external.is_empty() {
-            continue;
-        }
-        let element =
-            |set: &'static str, key: Vec<u8>, value: Option<ElementValue>| Piece::Element {
-                family,
-                set: PieceSet::named(set),
-                element: Element {
-                    key: key.into(),
-                    value,
-                },
-            };
-        let proto = vec![svc.protocol.number()];
-        let frontend =
-            |ip: &IpAddr| vec![ip_bytes(ip), proto.clone(), svc.port.to_be_bytes().to_vec()];
-        let node_port_key = |np: u16| vec![proto.clone(), np.to_be_bytes().to_vec()];
-        let goto = |chain: &str| Some(ElementValue::Verdict(Verdict::Goto(chain.into())));
-        let member = |set: &'static str, key: &[Vec<u8>]| element(set, concat_key(key), None);
-        // Slot elements: endpoint k of `eps` at slot k of its count's region, under the frontend (or port)
-        // `key` (see `chains::Counts`).
-        let slots = |set: &'static str, key: &[Vec<u8>], eps: &[Endpoint], local: bool| {
-            let first = region(eps.len() as u32, local);
-            eps.iter()
-                .enumerate()
-                .map(|(k, ep)| {
-                    let mut full = key.to_vec();
-                    full.push((first + k as u32).to_ne_bytes().to_vec());
-                    element(
-                        set,
-                        concat_key(&full),
-                        Some(ElementValue::Data(
-                            concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]).into(),
-                        )),
-                    )
-                })
-                .collect::<Vec<_>>()
-        };
         let mut all = topology_filter(usable_endpoints(endpoints, f), cfg);
         let mut local = usable_endpoints(&local_endpoints, f);
         all.truncate(MAX_ENDPOINTS);
         local.truncate(MAX_ENDPOINTS);
-
-        // ClientIP affinity: every frontend of the service records its connections' endpoints.
-        let affinity = svc.session_affinity_timeout;
-        let record = affinity.map(|seconds| {
-            let chain = super::affinity_chain(family, seconds);
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            target
-        });
-        // Every frontend is dispatched to its `lb-*` chain whatever its endpoint count, zero included: a
-        // change of count then changes elements only (see `chains::Counts`).
-        let mut lb = |kind: LbKind, all: usize, local: usize| {
-            let chain = super::lb_chain(
-                family,
-                kind,
-                Counts::of(all, local),
-                affinity.is_some(),
-                cfg,
-            );
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            target
+        let mut family = FamilyPieces {
+            svc,
+            cfg,
+            f,
+            family: nft_family(f),
+            all: &all,
+            local: &local,
+            pieces: &mut pieces,
         };
-
-        // ClusterIPs (internalTrafficPolicy). Without endpoints a ClusterIP's packet leaves NAT untouched and
-        // is rejected in filter (every port of a ClusterIP is ours); internalTrafficPolicy Local without a
-        // local endpoint, while endpoints exist elsewhere: dropped.
-        let itp_local = svc.internal_traffic_policy == TrafficPolicy::Local;
-        let internal = if itp_local { &local } else { &all };
-        let cluster_lb = (!cluster.is_empty()).then(|| lb(LbKind::Cluster, internal.len(), 0));
-        let etp_local = svc.external_traffic_policy == TrafficPolicy::Local;
-        let (ext_kind, np_kind) = if etp_local {
-            (LbKind::LocalExternal, LbKind::LocalNodePort)
-        } else {
-            (LbKind::External, LbKind::NodePort)
-        };
-        let ext_lb = (!external.is_empty()).then(|| lb(ext_kind, all.len(), local.len()));
-        let np_lb = node_port.map(|_| lb(np_kind, all.len(), local.len()));
-        for ip in &cluster {
-            pieces.push(element(SET_CLUSTER_IPS, ip_bytes(ip), None));
-        }
-        if let Some(target) = &cluster_lb {
-            for ip in &cluster {
-                let key = frontend(ip);
-                pieces.extend(slots(MAP_SERVICE_ENDPOINTS, &key, internal, false));
-                pieces.push(element(MAP_SERVICE_IPS, concat_key(&key), goto(target)));
-                if itp_local && internal.is_empty() && !all.is_empty() {
-                    pieces.push(member(SET_NO_LOCAL_ENDPOINTS, &key));
-                }
-                if let Some(r) = &record {
-                    pieces.push(element(MAP_AFFINITY_SERVICES, concat_key(&key), goto(r)));
-                }
-            }
-        }
-
-        // External IPs, LoadBalancer IPs and the NodePort (externalTrafficPolicy). Without endpoints they are
-        // rejected in filter, per port (external addresses may serve other things on other ports).
-        let none_local = etp_local && local.is_empty() && !all.is_empty();
-        if let Some(target) = &ext_lb {
-            // loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort)
-            // before DNAT, in a chain of this service's own.
-            let ranges: Vec<&Cidr> = svc
-                .load_balancer_source_ranges
-                .iter()
-                .filter(|c| c.family() == f)
-                .collect();
-            let firewall = (!ranges.is_empty()).then(|| {
-                let chain = firewall_chain_state(svc, f, &ranges, target, cfg);
-                let name = chain.chain.name.clone();
-                pieces.push(Piece::Chain {
-                    family,
-                    chain: std::sync::Arc::new(chain),
-                });
-                name
-            });
-            for ip in &external {
-                let key = frontend(ip);
-                pieces.extend(slots(MAP_SERVICE_ENDPOINTS, &key, &all, false));
-                if etp_local {
-                    pieces.extend(slots(MAP_SERVICE_ENDPOINTS, &key, &local, true));
-                }
-                let to = match &firewall {
-                    Some(fw) if svc.load_balancer_ips.contains(ip) => fw,
-                    _ => target,
-                };
-                pieces.push(element(MAP_SERVICE_IPS, concat_key(&key), goto(to)));
-                if all.is_empty() {
-                    pieces.push(member(SET_NO_ENDPOINT_SERVICES, &key));
-                } else if none_local {
-                    pieces.push(member(SET_NO_LOCAL_ENDPOINTS, &key));
-                }
-                if let Some(r) = &record {
-                    pieces.push(element(MAP_AFFINITY_SERVICES, concat_key(&key), goto(r)));
-                }
-            }
-        }
-        if let (Some(np), Some(target)) = (node_port, &np_lb) {
-            let key = node_port_key(np);
-            pieces.extend(slots(MAP_NODEPORT_ENDPOINTS, &key, &all, false));
-            if etp_local {
-                pieces.extend(slots(MAP_NODEPORT_ENDPOINTS, &key, &local, true));
-            }
-            pieces.push(element(
-                MAP_SERVICE_NODEPORTS,
-                concat_key(&key),
-                goto(target),
-            ));
-            if all.is_empty() {
-                pieces.push(member(SET_NO_ENDPOINT_NODEPORTS, &key));
-            } else if none_local {
-                pieces.push(member(SET_NO_LOCAL_NODEPORTS, &key));
-            }
-            if let Some(r) = &record {
-                pieces.push(element(MAP_AFFINITY_NODEPORTS, concat_key(&key), goto(r)));
-            }
-        }
-        let mut hairpin: Vec<&Endpoint> = all.iter().chain(local.iter()).collect();
-        hairpin.sort();
-        hairpin.dedup();
-        for ep in hairpin {
-            pieces.push(element(
-                SET_HAIRPIN,
-                concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]),
-                None,
-            ));
-        }
+        family.add();
     }
     // Kept for the life of the service in the sync index: no spare capacity.
     pieces.shrink_to_fit();
     pieces
+}
+
+/// The pieces of one service port in one family, section by section.
+struct FamilyPieces<'a> {
+    svc: &'a ServicePort,
+    cfg: &'a RenderConfig,
+    f: IpFamily,
+    family: Family,
+    /// The endpoints chosen among (readiness fallback and topology hints applied).
+    all: &'a [Endpoint],
+    /// This node's endpoints (readiness fallback applied).
+    local: &'a [Endpoint],
+    pieces: &'a mut Vec<Piece>,
+}
+
+impl FamilyPieces<'_> {
+    fn add(&mut self) {
+        let cluster = self.of_family(&self.svc.cluster_ips);
+        let mut external = self.of_family(&self.svc.external_ips);
+        external.extend(self.of_family(&self.svc.load_balancer_ips));
+        external.sort();
+        external.dedup();
+        external.retain(|ip| !cluster.contains(ip));
+        if cluster.is_empty() && external.is_empty() {
+            return;
+        }
+        // ClientIP affinity: every frontend of the service records its connections' endpoints.
+        let record = self.svc.session_affinity_timeout.map(|seconds| {
+            let chain = super::affinity_chain(self.family, seconds);
+            let target = chain.chain.name.clone();
+            self.pieces.push(Piece::Chain {
+                family: self.family,
+                chain,
+            });
+            target
+        });
+        self.cluster_ips(&cluster, record.as_deref());
+        self.external_ips(&external, record.as_deref());
+        self.node_port(record.as_deref());
+        self.hairpin();
+    }
+
+    fn of_family(&self, ips: &[IpAddr]) -> Vec<IpAddr> {
+        ips.iter()
+            .copied()
+            .filter(|ip| IpFamily::of(ip) == self.f)
+            .collect()
+    }
+
+    fn etp_local(&self) -> bool {
+        self.svc.external_traffic_policy == TrafficPolicy::Local
+    }
+
+    /// Endpoints exist, none on this node, and a Local policy applies (`itp`: internal, else external).
+    fn none_local(&self, local_policy: bool) -> bool {
+        local_policy && self.local.is_empty() && !self.all.is_empty()
+    }
+
+    fn element(&mut self, set: &'static str, key: Vec<u8>, value: Option<ElementValue>) {
+        self.pieces.push(Piece::Element {
+            family: self.family,
+            set: PieceSet::named(set),
+            element: Element {
+                key: key.into(),
+                value,
+            },
+        });
+    }
+
+    fn goto(&mut self, set: &'static str, key: &[Vec<u8>], chain: &str) {
+        let verdict = ElementValue::Verdict(Verdict::Goto(chain.into()));
+        self.element(set, concat_key(key), Some(verdict));
+    }
+
+    fn member(&mut self, set: &'static str, key: &[Vec<u8>]) {
+        self.element(set, concat_key(key), None);
+    }
+
+    /// Endpoint k of `eps` at slot k of its count's region, under the frontend (or port) `key` (see
+    /// `chains::Counts`).
+    fn slots(&mut self, set: &'static str, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
+        let first = region(eps.len() as u32, local);
+        for (k, ep) in eps.iter().enumerate() {
+            let mut full = key.to_vec();
+            full.push((first + k as u32).to_ne_bytes().to_vec());
+            let endpoint = concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]);
+            self.element(
+                set,
+                concat_key(&full),
+                Some(ElementValue::Data(endpoint.into())),
+            );
+        }
+    }
+
+    /// The `lb*` chain of `kind` for these counts (shared with every frontend alike), as a piece.
+    fn lb(&mut self, kind: LbKind, all: usize, local: usize) -> String {
+        let affinity = self.svc.session_affinity_timeout.is_some();
+        let chain = super::lb_chain(
+            self.family,
+            kind,
+            Counts::of(all, local),
+            affinity,
+            self.cfg,
+        );
+        let target = chain.chain.name.clone();
+        self.pieces.push(Piece::Chain {
+            family: self.family,
+            chain,
+        });
+        target
+    }
+
+    fn frontend(&self, ip: &IpAddr) -> Vec<Vec<u8>> {
+        let proto = vec![self.svc.protocol.number()];
+        vec![ip_bytes(ip), proto, self.svc.port.to_be_bytes().to_vec()]
+    }
+
+    /// ClusterIPs (internalTrafficPolicy). Every frontend is dispatched to its `lb*` chain whatever its
+    /// endpoint count, zero included, so that a change of count changes elements only. Without endpoints
+    /// a ClusterIP's packet leaves NAT untouched and is rejected in filter (every port of a ClusterIP is
+    /// ours); internalTrafficPolicy Local without a local endpoint, while endpoints exist elsewhere: dropped.
+    fn cluster_ips(&mut self, cluster: &[IpAddr], record: Option<&str>) {
+        for ip in cluster {
+            self.element(SET_CLUSTER_IPS, ip_bytes(ip), None);
+        }
+        if cluster.is_empty() {
+            return;
+        }
+        let itp_local = self.svc.internal_traffic_policy == TrafficPolicy::Local;
+        let internal = if itp_local { self.local } else { self.all };
+        let target = self.lb(LbKind::Cluster, internal.len(), 0);
+        for ip in cluster {
+            let key = self.frontend(ip);
+            self.slots(MAP_SERVICE_ENDPOINTS, &key, internal, false);
+            self.goto(MAP_SERVICE_IPS, &key, &target);
+            if self.none_local(itp_local) {
+                self.member(SET_NO_LOCAL_ENDPOINTS, &key);
+            }
+            if let Some(r) = record {
+                self.goto(MAP_AFFINITY_SERVICES, &key, r);
+            }
+        }
+    }
+
+    /// External and LoadBalancer IPs (externalTrafficPolicy; loadBalancerSourceRanges). Without endpoints
+    /// they are rejected in filter, per port (external addresses may serve other things on other ports).
+    fn external_ips(&mut self, external: &[IpAddr], record: Option<&str>) {
+        if external.is_empty() {
+            return;
+        }
+        let kind = if self.etp_local() {
+            LbKind::LocalExternal
+        } else {
+            LbKind::External
+        };
+        let target = self.lb(kind, self.all.len(), self.local.len());
+        let firewall = self.firewall(&target);
+        for ip in external {
+            let key = self.frontend(ip);
+            self.slots(MAP_SERVICE_ENDPOINTS, &key, self.all, false);
+            if self.etp_local() {
+                self.slots(MAP_SERVICE_ENDPOINTS, &key, self.local, true);
+            }
+            let to = match &firewall {
+                Some(fw) if self.svc.load_balancer_ips.contains(ip) => fw,
+                _ => &target,
+            };
+            self.goto(MAP_SERVICE_IPS, &key, to);
+            if self.all.is_empty() {
+                self.member(SET_NO_ENDPOINT_SERVICES, &key);
+            } else if self.none_local(self.etp_local()) {
+                self.member(SET_NO_LOCAL_ENDPOINTS, &key);
+            }
+            if let Some(r) = record {
+                self.goto(MAP_AFFINITY_SERVICES, &key, r);
+            }
+        }
+    }
+
+    /// loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort) before
+    /// DNAT, in a chain of this service's own that goes on to `target`.
+    fn firewall(&mut self, target: &str) -> Option<String> {
+        let ranges: Vec<&Cidr> = self
+            .svc
+            .load_balancer_source_ranges
+            .iter()
+            .filter(|c| c.family() == self.f)
+            .collect();
+        if ranges.is_empty() {
+            return None;
+        }
+        let chain = firewall_chain_state(self.svc, self.f, &ranges, target, self.cfg);
+        let name = chain.chain.name.clone();
+        self.pieces.push(Piece::Chain {
+            family: self.family,
+            chain: std::sync::Arc::new(chain),
+        });
+        Some(name)
+    }
+
+    /// The NodePort, keyed by protocol and port (externalTrafficPolicy), where NodePorts are served.
+    fn node_port(&mut self, record: Option<&str>) {
+        let Some(np) = self.svc.node_port else { return };
+        if self.cfg.nodeport_addresses == NodePortAddresses::None {
+            return;
+        }
+        let kind = if self.etp_local() {
+            LbKind::LocalNodePort
+        } else {
+            LbKind::NodePort
+        };
+        let target = self.lb(kind, self.all.len(), self.local.len());
+        let key = vec![vec![self.svc.protocol.number()], np.to_be_bytes().to_vec()];
+        self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.all, false);
+        if self.etp_local() {
+            self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.local, true);
+        }
+        self.goto(MAP_SERVICE_NODEPORTS, &key, &target);
+        if self.all.is_empty() {
+            self.member(SET_NO_ENDPOINT_NODEPORTS, &key);
+        } else if self.none_local(self.etp_local()) {
+            self.member(SET_NO_LOCAL_NODEPORTS, &key);
+        }
+        if let Some(r) = record {
+            self.goto(MAP_AFFINITY_NODEPORTS, &key, r);
+        }
+    }
+
+    /// Every endpoint reaching itself through the service is masqueraded (`saddr . daddr`).
+    fn hairpin(&mut self) {
+        let mut hairpin: Vec<&Endpoint> = self.all.iter().chain(self.local.iter()).collect();
+        hairpin.sort();
+        hairpin.dedup();
+        for ep in hairpin {
+            let key = concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]);
+            self.element(SET_HAIRPIN, key, None);
+        }
+    }
 }
 
 #[cfg(test)]
