@@ -18,4 +18,5 @@ pub mod render;
 pub mod sandbox;
 pub mod source;
 pub mod sync;
+pub mod trace;
 pub mod yaml;

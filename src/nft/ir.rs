@@ -471,6 +471,8 @@ pub enum MetaKey {
     Oif,
     IifName,
     OifName,
+    /// The packet's trace bit (`meta nftrace set 1`): the kernel then reports its path (`nftkube trace --live`).
+    NfTrace,
 }
 
 impl MetaKey {
@@ -481,6 +483,7 @@ impl MetaKey {
             MetaKey::Oif => 5,
             MetaKey::IifName => 6,
             MetaKey::OifName => 7,
+            MetaKey::NfTrace => 12,
             MetaKey::NfProto => 15,
             MetaKey::L4Proto => 16,
         }
@@ -494,6 +497,7 @@ impl MetaKey {
             MetaKey::Oif,
             MetaKey::IifName,
             MetaKey::OifName,
+            MetaKey::NfTrace,
         ]
         .into_iter()
         .find(|k| k.number() == v)
@@ -507,6 +511,7 @@ impl MetaKey {
             MetaKey::Oif => "oif",
             MetaKey::IifName => "iifname",
             MetaKey::OifName => "oifname",
+            MetaKey::NfTrace => "nftrace",
         }
     }
 }
