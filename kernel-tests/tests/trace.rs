@@ -425,7 +425,35 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         !has_table(sb.node(), &table),
         "table {table} left behind after SIGINT"
     );
+
+    // SIGKILL leaves the table behind; `nftkube cleanup` removes it with nftkube's own tables.
+    let mut child = command_in(sb.node(), nftkube_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting nftkube trace --live");
+    let table = format!("nftkube-trace-{}", child.id());
+    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
+        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    child.kill().unwrap();
+    child.wait().unwrap();
     drop(agent);
+    assert!(
+        has_table(sb.node(), &table),
+        "a killed trace removed its table"
+    );
+    let out = nftkube_in(sb.node(), &["cleanup"]);
+    assert!(
+        out.status.success(),
+        "cleanup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!has_table(sb.node(), &table), "cleanup left {table}");
+    assert!(
+        !has_table(sb.node(), "nftkube"),
+        "cleanup left nftkube's own table"
+    );
 }
 
 /// `nftkube portmap` (the CNI plugin) ADD for pod1 as the container, with `mappings`; the previous result is

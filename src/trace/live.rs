@@ -89,9 +89,12 @@ fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
     crate::nft::build::ip_bytes(ip)
 }
 
+/// What every trace table's name starts with (`nftkube cleanup` removes them all).
+pub const TABLE_PREFIX: &str = "nftkube-trace-";
+
 /// The trace table's name for this process.
 pub fn table_name() -> String {
-    format!("nftkube-trace-{}", std::process::id())
+    format!("{TABLE_PREFIX}{}", std::process::id())
 }
 
 /// The trace table: a raw-priority chain on prerouting and on output, one rule each.
