@@ -282,10 +282,20 @@ fn release_free_memory() {
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.
 pub fn cleanup() -> anyhow::Result<usize> {
     let mut socket = NftSocket::open()?;
-    Ok(delete_tables(
-        &mut socket,
-        &[(Family::Ip, TABLE), (Family::Ip6, TABLE)],
-    )?)
+    let mut tables = vec![
+        (Family::Ip, TABLE.to_string()),
+        (Family::Ip6, TABLE.to_string()),
+    ];
+    // Trace tables a killed `nftkube trace --live` left behind (one that is still running loses its own).
+    for family in [Family::Ip, Family::Ip6] {
+        let names = socket.list_tables(family)?;
+        let traces = names
+            .into_iter()
+            .filter(|n| n.starts_with(crate::trace::live::TABLE_PREFIX));
+        tables.extend(traces.map(|n| (family, n)));
+    }
+    let tables: Vec<(Family, &str)> = tables.iter().map(|(f, n)| (*f, n.as_str())).collect();
+    Ok(delete_tables(&mut socket, &tables)?)
 }
 
 /// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from

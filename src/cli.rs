@@ -32,6 +32,9 @@ pub enum Command {
     Proxy(ProxyArgs),
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
     Plan(PlanArgs),
+    /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
+    /// every hook, chain, rule and lookup, the verdict, DNAT targets with probabilities, masquerade and why.
+    Trace(crate::trace::TraceArgs),
     /// Remove every table nftkube owns, and nothing else.
     Cleanup,
     /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.

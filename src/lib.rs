@@ -18,4 +18,5 @@ pub mod relay;
 pub mod render;
 pub mod source;
 pub mod sync;
+pub mod trace;
 pub mod yaml;

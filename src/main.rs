@@ -95,6 +95,40 @@ fn usage_error(e: &str) -> ExitCode {
     ExitCode::from(64)
 }
 
+/// `nftkube trace`: the trace on stdout; bad arguments exit 64, a failed trace 1.
+fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
+    let result = if args.live {
+        // Ctrl-C or SIGTERM ends the wait; the trace table is removed and what was seen is printed.
+        let set = block_stop_signals();
+        let started = std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                let mut sig = 0;
+                // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
+                while unsafe { libc::sigwait(&set, &mut sig) } != 0 {}
+                nftkube::trace::live::STOP.store(true, Ordering::SeqCst);
+            });
+        if let Err(e) = started {
+            eprintln!("nftkube trace: starting the signal thread: {e}");
+            return ExitCode::FAILURE;
+        }
+        nftkube::trace::live::run(args)
+    } else {
+        nftkube::trace::run_offline(args)
+    };
+    match result {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(nftkube::trace::TraceError::Usage(e)) => usage_error(&e),
+        Err(e) => {
+            eprintln!("nftkube trace: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
     if std::env::args_os()
@@ -155,6 +189,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
+        Command::Trace(args) => return run_trace(&args),
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
         Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),

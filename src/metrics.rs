@@ -37,8 +37,8 @@ pub fn network_programming_bounds() -> impl Iterator<Item = f64> {
         .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)))
 }
 
-/// A counter (or gauge) of whole numbers: a prometheus-client metric whose own atomic is what call sites
-/// read and change.
+/// A counter (or gauge) of whole numbers: a prometheus-client metric in a static, registered on first use;
+/// call sites use the metric's own methods (`inc`, `inc_by`, `set`, `get`).
 pub struct AtomicMetric<M: 'static>(LazyLock<M>);
 
 /// A monotonic count.
@@ -67,17 +67,10 @@ impl<M: Clone> AtomicMetric<M> {
     }
 }
 
-impl Deref for CounterU64 {
-    type Target = AtomicU64;
-    fn deref(&self) -> &AtomicU64 {
-        self.0.inner()
-    }
-}
-
-impl Deref for GaugeU64 {
-    type Target = AtomicU64;
-    fn deref(&self) -> &AtomicU64 {
-        self.0.inner()
+impl<M> Deref for AtomicMetric<M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        &self.0
     }
 }
 
@@ -418,8 +411,8 @@ mod tests {
     #[test]
     fn exposition_names_the_kube_proxy_metrics() {
         record_sync(false, Duration::from_millis(2));
-        REPAIRS.fetch_add(1, Ordering::Relaxed);
-        PENDING_CHANGES.store(7, Ordering::Relaxed);
+        REPAIRS.inc();
+        PENDING_CHANGES.set(7);
         let text = render_prometheus();
         for name in [
             "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",

@@ -23,6 +23,7 @@ pub use nftkube_sandbox as sandbox;
 
 pub mod fake_api;
 pub mod listing;
+pub mod matrix;
 
 pub use listing::assert_listable;
 use listing::ListingWatch;

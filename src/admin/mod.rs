@@ -304,10 +304,9 @@ impl Observer {
 
     /// An event from the source, before it is applied to the store.
     pub fn on_event(&mut self, ev: &Event) {
-        let bump = |total: &std::sync::atomic::AtomicU64,
-                    pending: &std::sync::atomic::AtomicU64| {
-            total.fetch_add(1, Ordering::Relaxed);
-            pending.fetch_add(1, Ordering::Relaxed);
+        let bump = |total: &metrics::CounterU64, pending: &metrics::GaugeU64| {
+            total.inc();
+            pending.inc();
         };
         match ev {
             Event::ServiceApplied { .. } | Event::ServiceDeleted(_) => bump(
@@ -354,8 +353,8 @@ impl Observer {
 
     /// A sync starts: the changes received so far are in it.
     pub fn sync_started(&self) {
-        metrics::SERVICE_CHANGES_PENDING.store(0, Ordering::Relaxed);
-        metrics::ENDPOINT_CHANGES_PENDING.store(0, Ordering::Relaxed);
+        metrics::SERVICE_CHANGES_PENDING.set(0);
+        metrics::ENDPOINT_CHANGES_PENDING.set(0);
     }
 
     /// A full sync committed with these NodePort addresses: the health check servers listen there.
@@ -373,9 +372,9 @@ impl Observer {
         state: &ClusterState,
     ) {
         self.health.updated();
-        metrics::OBJECT_CHANGES_TOTAL.fetch_add(report.changes as u64, Ordering::Relaxed);
-        metrics::NETLINK_BYTES_TOTAL.fetch_add(report.bytes as u64, Ordering::Relaxed);
-        metrics::SERVICE_PORTS.store(state.service_map().len() as u64, Ordering::Relaxed);
+        metrics::OBJECT_CHANGES_TOTAL.inc_by(report.changes as u64);
+        metrics::NETLINK_BYTES_TOTAL.inc_by(report.bytes as u64);
+        metrics::SERVICE_PORTS.set(state.service_map().len() as u64);
         let now = SystemTime::now();
         for t in self.triggers.drain(..) {
             metrics::NETWORK_PROGRAMMING.observe(now.duration_since(t).unwrap_or_default());
@@ -481,12 +480,12 @@ mod tests {
     fn observer_tracks_changes_triggers_and_node() {
         let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
         let mut o = Observer::new(health.clone(), None, "node-1".into());
-        let before = metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed);
+        let before = metrics::ENDPOINT_CHANGES_TOTAL.get();
         o.on_event(&Event::SliceDeleted {
             namespace: "a".into(),
             name: "b".into(),
         });
-        assert!(metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed) > before);
+        assert!(metrics::ENDPOINT_CHANGES_TOTAL.get() > before);
         o.on_event(&Event::EndpointsChangeTriggered {
             service: NamespacedName::new("a", "b"),
             at: SystemTime::now() - Duration::from_millis(300),

@@ -317,10 +317,10 @@ impl ProxyLoop<'_> {
                 }
                 let repair = std::mem::take(&mut self.repair);
                 if repair {
-                    metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
+                    metrics::REPAIRS.inc();
                 }
                 metrics::record_sync(report.full, report.elapsed);
-                metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
+                metrics::PENDING_CHANGES.set(0);
                 tracing::info!(
                     full = report.full,
                     changes = report.changes,
@@ -340,9 +340,8 @@ impl ProxyLoop<'_> {
             }
             Err(e) => {
                 self.conntrack.sync_failed(&changes);
-                metrics::SYNC_FAILURES.fetch_add(1, Ordering::Relaxed);
-                metrics::PENDING_CHANGES
-                    .store(changes.changed_services.len() as u64, Ordering::Relaxed);
+                metrics::SYNC_FAILURES.inc();
+                metrics::PENDING_CHANGES.set(changes.changed_services.len() as u64);
                 tracing::error!(
                     retry_in_s = self.backoff.as_secs(),
                     "sync failed, the previous rules stay in place: {e}"

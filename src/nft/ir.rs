@@ -464,7 +464,7 @@ pub enum Verdict {
     Continue,
     /// Back to the chain that jumped here.
     Return,
-    /// Chain names are shared: every service with n endpoints has a dispatch element naming `lb-<n>`, and a
+    /// Chain names are shared: every service of one kind has a dispatch element naming its `lb*` chain, and a
     /// shared name also keeps an element's value to 32 bytes (see `ElementBytes`).
     Jump(Arc<str>),
     /// Continue in the named chain without coming back.
@@ -552,6 +552,8 @@ pub enum MetaKey {
     IifName,
     /// The output interface's name.
     OifName,
+    /// The packet's trace bit (`meta nftrace set 1`): the kernel then reports its path (`nftkube trace --live`).
+    NfTrace,
 }
 
 impl MetaKey {
@@ -563,6 +565,7 @@ impl MetaKey {
             MetaKey::Oif => 5,
             MetaKey::IifName => 6,
             MetaKey::OifName => 7,
+            MetaKey::NfTrace => 12,
             MetaKey::NfProto => 15,
             MetaKey::L4Proto => 16,
         }
@@ -577,6 +580,7 @@ impl MetaKey {
             MetaKey::Oif,
             MetaKey::IifName,
             MetaKey::OifName,
+            MetaKey::NfTrace,
         ]
         .into_iter()
         .find(|k| k.number() == v)
@@ -591,6 +595,7 @@ impl MetaKey {
             MetaKey::Oif => "oif",
             MetaKey::IifName => "iifname",
             MetaKey::OifName => "oifname",
+            MetaKey::NfTrace => "nftrace",
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod ir;
 pub mod monitor;
 pub mod netlink;
 pub mod text;
+pub mod trace_event;
 pub mod tx;
 pub mod udata;
 pub mod wire;

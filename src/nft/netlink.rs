@@ -193,6 +193,22 @@ impl NftSocket {
         self.dump_table_with(family, name, true)
     }
 
+    /// The rules of one table with their kernel handles, as (chain, handle, rule): what trace events refer to.
+    pub fn rules_with_handles(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Vec<(String, u64, Rule)>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETRULE, family, Some(table), None)? {
+            let (t, chain, rule) = wire::decode_rule(&p)?;
+            if t == table {
+                out.push((chain, wire::decode_rule_handle(&p)?, rule));
+            }
+        }
+        Ok(out)
+    }
+
     /// Reads one table's chains, rules and set declarations, without the sets' elements: a read whose cost
     /// does not grow with the elements (the portmap plugin reads its elements by owner, set by set).
     pub fn dump_table_structure(

@@ -9,7 +9,10 @@ pub mod names;
 mod services;
 pub mod userspace;
 
-pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
+pub use chains::{
+    affinity_chain_state, lb_chain_state, pick_chain_state, region, Counts, LbKind, LOCAL_REGIONS,
+    MAX_ENDPOINTS, SHARED_COUNTS, SLOT_SPACE,
+};
 pub use desired::{Desired, DesiredSet};
 pub use services::usable_endpoints;
 
@@ -20,16 +23,16 @@ use crate::nft::ir::{ChainState, Element, Family, TableState};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
-/// services would otherwise hold 10k copies of a handful of chains).
+/// An `lb-*` chain of a family under a config, built once and shared by every service piece that needs it
+/// (10k services would otherwise hold 10k copies of a handful of chains).
 pub fn lb_chain(
     family: Family,
-    n: u32,
     kind: LbKind,
+    counts: Counts,
     affinity: bool,
     cfg: &RenderConfig,
 ) -> Arc<ChainState> {
-    type Cache = Mutex<HashMap<(Family, u32, LbKind, bool, RenderConfig), Arc<ChainState>>>;
+    type Cache = Mutex<HashMap<(Family, LbKind, Counts, bool, RenderConfig), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -39,8 +42,8 @@ pub fn lb_chain(
         cache.clear(); // configs do not change at run time; this only bounds tests that vary them
     }
     cache
-        .entry((family, n, kind, affinity, cfg.clone()))
-        .or_insert_with(|| Arc::new(lb_chain_state(family, n, kind, affinity, cfg)))
+        .entry((family, kind, counts, affinity, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, kind, counts, affinity, cfg)))
         .clone()
 }
 
@@ -59,18 +62,24 @@ pub fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
 }
 
 /// Something one service port needs in the kernel. Pieces of different services may coincide (two services
-/// with the same endpoint count share `lb-<n>`; two ports of one ClusterIP share its `cluster-ips` element):
+/// of one kind share its `lb-*` chain; two ports of one ClusterIP share its `cluster-ips` element):
 /// the sync engine counts references, so an object goes when the last service needing it goes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Piece {
+    /// An element of one of the piece sets.
     Element {
+        /// The table's family.
         family: Family,
+        /// Which set.
         set: names::PieceSet,
+        /// The element.
         element: Element,
     },
+    /// A chain (with its rules) some service needs.
     Chain {
+        /// The table's family.
         family: Family,
-        /// Shared: every service with n endpoints points at the same `lb-<n>` (see `lb_chain`).
+        /// Shared: every service of one kind points at the same `lb-*` chain (see `lb_chain`).
         chain: Arc<ChainState>,
     },
 }

@@ -2,7 +2,7 @@
 //! source emits.
 //!
 //! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
-//! after `410 Gone`, exponential backoff 0.8 s → 30 s with jitter, as client-go's reflector, starting over as
+//! after `410 Gone`, exponential backoff 0.2 s → 30 s with jitter (client-go starts at 0.8 s), starting over as
 //! soon as the API answers the watcher again: [`super::backoff`]) run on a
 //! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
 //! proxy loop through a channel. The runtime thread never changes network namespace: it inherits the one

@@ -2,7 +2,7 @@
 //! services alone: O(changes), never O(cluster).
 //!
 //! Pieces that several services can need at once (a ClusterIP shared by two ports, an endpoint in two
-//! services, an `lb-<n>` chain) are reference-counted; the rest (dispatch and endpoint-slot elements, whose
+//! services, an `lb*` chain) are reference-counted; the rest (dispatch and endpoint-slot elements, whose
 //! keys name the service's own frontend) belong to one service and are added and removed with it.
 
 use crate::model::{NamespacedName, ServicePortName};

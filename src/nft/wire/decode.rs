@@ -221,7 +221,7 @@ fn decode_data(d: Attr<'_>) -> Result<ElementValue, String> {
     Err("data without value or verdict".into())
 }
 
-fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
+pub fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
     let v = v.nested();
     let code = be32(&v, NFTA_VERDICT_CODE).ok_or("verdict without code")? as i32;
     let chain = || {
@@ -275,6 +275,14 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
         }
     }
     Ok((table, chain, Rule { exprs, comment }))
+}
+
+/// A rule message's handle (what trace events name the rule by).
+pub fn decode_rule_handle(payload: &[u8]) -> Result<u64, DecodeError> {
+    let (_, a) = split(payload, "rule")?;
+    a.get(NFTA_RULE_HANDLE)
+        .and_then(|h| h.be64())
+        .ok_or_else(|| err("rule", "missing handle"))
 }
 
 fn parse_comment(mut udata: &[u8]) -> Option<String> {
