@@ -18,5 +18,6 @@ pub mod relay;
 pub mod render;
 pub mod source;
 pub mod sync;
+#[allow(missing_docs)] // trace (issue 13) is documented by its author
 pub mod trace;
 pub mod yaml;
