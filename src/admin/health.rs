@@ -112,7 +112,8 @@ impl ProxyHealth {
         s.oldest_queued = None;
     }
 
-    /// Whether this node takes load balancer traffic (false while it is being deleted or tainted out).
+    /// Sets whether the node may take load balancer traffic (kube-proxy's nodeEligible); `/healthz` fails
+    /// while it is false.
     pub fn set_node_eligible(&self, eligible: bool) {
         self.lock().node_eligible = eligible;
     }
