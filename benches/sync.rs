@@ -567,7 +567,7 @@ fn idle_cpu(pid: u32, over: Duration) -> f64 {
 /// Median time for a new TCP connection (connect, one answer, close) from a pod to the last of `n` services,
 /// whose one endpoint is a real backend in the sandbox; the other services point at addresses nobody has.
 fn latency_to_last_service(n: usize) -> Duration {
-    use nftkube::sandbox::{self, Sandbox};
+    use nftkube_sandbox::{self as sandbox, Sandbox};
     let sb = Sandbox::build(&unique_name("nkbench-lat"), 1).unwrap();
     sb.start_backends(8080, 5353).unwrap();
     let mut m = Model::generate(n);

@@ -1,10 +1,10 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
+#![warn(missing_docs)]
 pub mod admin;
 pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod conntrack;
-pub mod demo;
 pub mod metrics;
 pub mod model;
 pub mod netlink;
@@ -14,9 +14,10 @@ pub mod node;
 pub mod portmap;
 pub mod privs;
 pub mod relay;
+#[allow(missing_docs)] // the lead documents render (being edited this session)
 pub mod render;
-pub mod sandbox;
 pub mod source;
 pub mod sync;
+#[allow(missing_docs)] // trace (issue 13) is documented by its author
 pub mod trace;
 pub mod yaml;

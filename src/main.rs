@@ -1,3 +1,11 @@
+// `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
+// The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
+// library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
+mod demo;
+#[path = "../sandbox/src/lib.rs"]
+#[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
+mod sandbox;
+
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
@@ -164,13 +172,13 @@ fn main() -> ExitCode {
             };
             match args.options(&given) {
                 Ok(opts) => start_proxy(opts, signals),
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             }
         }
         Command::Plan(args) => {
             let cfg = match args.render.render_config() {
                 Ok(cfg) => cfg,
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             };
             let Some(manifests) = args.render.manifests.clone() else {
                 return usage_error("plan needs --manifests DIR");
@@ -183,7 +191,7 @@ fn main() -> ExitCode {
         }
         Command::Trace(args) => return run_trace(&args),
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
-        Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
+        Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
             println!("nftkube {}", env!("CARGO_PKG_VERSION"));

@@ -47,12 +47,14 @@ pub type CounterU64 = AtomicMetric<Counter<u64, AtomicU64>>;
 pub type GaugeU64 = AtomicMetric<Gauge<u64, AtomicU64>>;
 
 impl CounterU64 {
+    /// A counter at 0.
     pub const fn counter() -> Self {
         AtomicMetric(LazyLock::new(Counter::default))
     }
 }
 
 impl GaugeU64 {
+    /// A gauge at 0.
     pub const fn gauge() -> Self {
         AtomicMetric(LazyLock::new(Gauge::default))
     }
@@ -76,16 +78,19 @@ impl<M> Deref for AtomicMetric<M> {
 pub struct DurationHistogram(LazyLock<Histogram>);
 
 impl DurationHistogram {
+    /// With kube-proxy's buckets for sync durations.
     pub const fn sync_durations() -> Self {
         DurationHistogram(LazyLock::new(|| Histogram::new(sync_bounds())))
     }
 
+    /// With kube-proxy's buckets for network programming latency.
     pub const fn network_programming() -> Self {
         DurationHistogram(LazyLock::new(|| {
             Histogram::new(network_programming_bounds())
         }))
     }
 
+    /// Records one duration.
     pub fn observe(&self, d: Duration) {
         self.0.observe(d.as_secs_f64());
     }
@@ -100,6 +105,7 @@ impl DurationHistogram {
 pub struct Timestamp(LazyLock<Gauge<f64, AtomicU64>>);
 
 impl Timestamp {
+    /// Unset (0).
     pub const fn new() -> Self {
         Timestamp(LazyLock::new(Gauge::default))
     }
@@ -109,6 +115,7 @@ impl Timestamp {
         self.0.set(now_unix_ms() as f64 / 1000.0);
     }
 
+    /// The gauge itself (a handle on the same value), for a registry.
     pub fn metric(&self) -> Gauge<f64, AtomicU64> {
         (*self.0).clone()
     }
@@ -122,7 +129,9 @@ impl Default for Timestamp {
 
 /// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
 pub static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Full syncs (`sync_full_proxy_rules_duration_seconds`).
 pub static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Partial syncs (`sync_partial_proxy_rules_duration_seconds`).
 pub static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
 /// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
 /// programmed it.
@@ -133,8 +142,11 @@ pub static LAST_QUEUED: Timestamp = Timestamp::new();
 pub static LAST_SYNC: Timestamp = Timestamp::new();
 /// Service / EndpointSlice changes received, in total and since the last sync started.
 pub static SERVICE_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// Service changes received since the last sync started.
 pub static SERVICE_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
+/// EndpointSlice changes received in total.
 pub static ENDPOINT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// EndpointSlice changes received since the last sync started.
 pub static ENDPOINT_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
 /// nf_tables objects (elements, chains, rules, sets) added or removed by committed syncs.
 pub static OBJECT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();

@@ -458,7 +458,7 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
 
 /// `nftkube portmap` (the CNI plugin) ADD for pod1 as the container, with `mappings`; the previous result is
 /// written by hand (pod1's address on its eth0), as a bridge plugin would have returned it.
-fn portmap_add(sb: &nftkube::sandbox::Sandbox, mappings: Value) {
+fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
     use std::io::Write as _;
     let pod = sb.pod(1);
     let conf = serde_json::json!({
@@ -564,7 +564,7 @@ fn a_portmap_mapping_is_traced_through_the_plugins_table() {
 
 /// `nftkube trace` of a packet from pod0 (arriving on pod0's link) to `dst`.
 fn from_pod(
-    sb: &nftkube::sandbox::Sandbox,
+    sb: &kernel_tests::sandbox::Sandbox,
     src: IpAddr,
     dst: std::net::SocketAddr,
     proto: &str,

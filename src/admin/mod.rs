@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 use crate::conntrack;
 use crate::metrics;
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, NamespacedName};
-use crate::node::NodePortAddresses;
 use crate::source::{Event, NodeInfo};
 use crate::sync::SyncReport;
 use hc::{HcConfig, HcDesired, HcService};
@@ -35,6 +35,7 @@ use http::{Handler, Request, Response};
 
 /// kube-proxy's default ports.
 pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
+/// kube-proxy's default `/metrics` port.
 pub const DEFAULT_METRICS_PORT: u16 = 10249;
 
 /// Where the admin servers listen.
@@ -276,6 +277,7 @@ const MAX_TRIGGERS: usize = 100_000;
 
 /// What the proxy loop reports: it keeps health, metrics and the health check servers current.
 pub struct Observer {
+    /// The proxier's health, shared with `/healthz` and `/livez`.
     pub health: Arc<ProxyHealth>,
     admin: Option<Admin>,
     node_name: String,
@@ -288,6 +290,7 @@ pub struct Observer {
 }
 
 impl Observer {
+    /// An observer reporting to `health` and, when given, the admin servers' state.
     pub fn new(health: Arc<ProxyHealth>, admin: Option<Admin>, node_name: String) -> Self {
         Observer {
             health,

@@ -8,10 +8,10 @@
 use super::wake::{Inbox, Wake};
 use super::{refresh_node_addresses, sync_once, ProxyOptions};
 use crate::admin::Observer;
-use crate::config::DetectLocal;
 use crate::conntrack::{CleanupQueue, FrontendKinds, Frontends};
 use crate::metrics;
 use crate::model::ClusterState;
+use crate::model::DetectLocal;
 use crate::nft::monitor::Drift;
 use crate::nft::netlink::NftSocket;
 use crate::render::RenderConfig;
@@ -157,7 +157,7 @@ impl ProxyLoop<'_> {
     /// NodeCIDR, this node's podCIDRs are known). Until then whatever an earlier run programmed stays.
     fn ready(&self) -> bool {
         self.synced
-            && (self.opts.detect_local != DetectLocal::NodeCidr
+            && (self.opts.render.local_detector != DetectLocal::NodeCidr
                 || !self.cfg.cluster_cidrs.is_empty())
     }
 
@@ -205,7 +205,7 @@ impl ProxyLoop<'_> {
                 self.request_sync();
             }
         }
-        if self.opts.detect_local == DetectLocal::NodeCidr {
+        if self.opts.render.local_detector == DetectLocal::NodeCidr {
             let node_cidrs = self.observer.node.as_ref().map(|n| n.pod_cidrs.clone());
             if let Some(cidrs) = node_cidrs.filter(|c| !c.is_empty()) {
                 if self.cfg.cluster_cidrs.is_empty() {

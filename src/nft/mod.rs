@@ -2,6 +2,7 @@
 pub mod backend;
 pub mod build;
 pub mod bytes;
+#[cfg(test)]
 pub mod fake;
 pub mod ir;
 pub mod monitor;

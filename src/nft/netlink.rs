@@ -14,6 +14,7 @@ pub const READ_ATTEMPTS: u32 = 6;
 /// A rejected transaction: nothing of it was applied. Each error names the object that caused it.
 #[derive(Debug)]
 pub struct CommitError {
+    /// Each refused object (its description, when the failing message could be traced to one) and the error.
     pub failures: Vec<(Option<String>, NetlinkError)>,
 }
 
@@ -69,6 +70,7 @@ pub struct NftSocket {
 }
 
 impl NftSocket {
+    /// An nf_tables socket in the calling thread's network namespace.
     pub fn open() -> std::io::Result<Self> {
         Ok(NftSocket {
             sock: NlSocket::open(libc::NETLINK_NETFILTER)?,
@@ -413,14 +415,20 @@ fn dump_kind(msg: u16) -> &'static str {
 }
 
 #[derive(Debug, thiserror::Error)]
+/// Why our tables could not be read back.
 pub enum DumpError {
     #[error(transparent)]
+    /// The dump failed.
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
+    /// An answer did not decode.
     Decode(#[from] wire::DecodeError),
     /// Someone kept committing while we read: no consistent view was had.
     #[error("the ruleset changed during each of {attempts} reads of our tables")]
-    Unstable { attempts: u32 },
+    Unstable {
+        /// How many reads were tried.
+        attempts: u32,
+    },
 }
 
 impl From<crate::netlink::LengthError> for DumpError {

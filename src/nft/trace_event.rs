@@ -43,18 +43,27 @@ pub struct TraceEvent {
     /// The same for every event of one packet.
     pub id: u32,
     #[serde(serialize_with = "family_name")]
+    /// The table's family.
     pub family: Family,
+    /// The table the event happened in.
     pub table: String,
+    /// The chain the event happened in.
     pub chain: String,
+    /// What happened (a rule matched, a chain returned, a policy decided, ...).
     pub kind: TraceKind,
+    /// The handle of the rule that matched, if a rule did.
     pub rule_handle: Option<u64>,
     /// `accept`, `drop`, `continue`, `jump CHAIN`, ...; the policy's for a policy event.
     pub verdict: Option<String>,
     /// The packet as it was at this point (after any NAT so far).
     pub network_header: Option<Vec<u8>>,
+    /// The transport header as it was at this point.
     pub transport_header: Option<Vec<u8>>,
+    /// The input interface's index.
     pub iif: Option<u32>,
+    /// The output interface's index.
     pub oif: Option<u32>,
+    /// The packet's mark.
     pub mark: Option<u32>,
 }
 

@@ -6,9 +6,9 @@ use super::common::*;
 use super::names::*;
 use super::{RenderConfig, SLOT_SPACE};
 use crate::model::IpFamily;
+use crate::model::NodePortAddresses;
 use crate::nft::build::{ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
-use crate::node::NodePortAddresses;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The objects every table has whatever the services: hooks, the fixed chains and the sets.

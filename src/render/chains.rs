@@ -3,7 +3,8 @@
 
 use super::common::*;
 use super::names::*;
-use super::{LocalDetector, RenderConfig};
+use super::RenderConfig;
+use crate::model::DetectLocal;
 use crate::model::{Cidr, IpFamily, ServicePort};
 use crate::nft::build::{ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
@@ -321,12 +322,12 @@ pub fn affinity_chain_state(family: Family, seconds: u32) -> ChainState {
 /// detector; None when it cannot tell in this family (no cluster CIDR of the family given).
 pub(super) fn local_traffic(f: IpFamily, cfg: &RenderConfig, negate: bool) -> Option<RuleBuilder> {
     match &cfg.local_detector {
-        LocalDetector::ClusterCidr => {
+        DetectLocal::ClusterCidr | DetectLocal::NodeCidr => {
             let cidr = cfg.cluster_cidrs.iter().find(|c| c.family() == f)?;
             Some(RuleBuilder::new().prefix(saddr(f), &cidr.addr, cidr.prefix, negate))
         }
-        LocalDetector::InterfaceNamePrefix(p) => Some(RuleBuilder::new().iifname(p, true, negate)),
-        LocalDetector::BridgeInterface(b) => Some(RuleBuilder::new().iifname(b, false, negate)),
+        DetectLocal::InterfaceNamePrefix(p) => Some(RuleBuilder::new().iifname(p, true, negate)),
+        DetectLocal::BridgeInterface(b) => Some(RuleBuilder::new().iifname(b, false, negate)),
     }
 }
 

@@ -16,7 +16,9 @@ pub use chains::{
 pub use desired::{Desired, DesiredSet};
 pub use services::usable_endpoints;
 
-use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
+use crate::model::{
+    Cidr, DetectLocal, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName,
+};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -169,7 +171,7 @@ pub struct RenderConfig {
     /// `masquerade fully-random` (kube-proxy's `--iptables-masquerade-fully-random`... mapped to nft).
     pub masquerade_fully_random: bool,
     /// Where NodePorts are served (resolved from `--nodeport-addresses` and the node's addresses).
-    pub nodeport_addresses: crate::node::NodePortAddresses,
+    pub nodeport_addresses: crate::model::NodePortAddresses,
     /// The mark bit whose packets are dropped (kubelet's KUBE-MARK-DROP, 0x8000).
     pub drop_bit: u32,
     /// Service ranges (`--service-cidr`): addresses in them that no Service has are dropped.
@@ -177,22 +179,9 @@ pub struct RenderConfig {
     /// The node's own addresses (for loadBalancerSourceRanges that include the node).
     pub node_ips: Vec<std::net::IpAddr>,
     /// How traffic from this node's pods is told apart (kube-proxy's `--detect-local-mode`).
-    pub local_detector: LocalDetector,
+    pub local_detector: DetectLocal,
     /// This node's zone (its `topology.kubernetes.io/zone` label), for topology hints.
     pub node_zone: Option<String>,
-}
-
-/// kube-proxy's local-traffic detectors: what makes a packet "from a pod" (not masqueraded on its way to a
-/// ClusterIP, short-circuited for externalTrafficPolicy Local).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum LocalDetector {
-    /// Source inside `--cluster-cidr` (the first CIDR of each family).
-    #[default]
-    ClusterCidr,
-    /// Arrived on an interface whose name starts with this prefix (`--pod-interface-name-prefix`).
-    InterfaceNamePrefix(String),
-    /// Arrived on this bridge (`--pod-bridge-interface`).
-    BridgeInterface(String),
 }
 
 impl Default for RenderConfig {
@@ -203,11 +192,11 @@ impl Default for RenderConfig {
             masquerade_all: false,
             masquerade_bit: 0x4000,
             masquerade_fully_random: false,
-            nodeport_addresses: crate::node::NodePortAddresses::None,
+            nodeport_addresses: crate::model::NodePortAddresses::None,
             drop_bit: 0x8000,
             service_cidrs: Vec::new(),
             node_ips: Vec::new(),
-            local_detector: LocalDetector::ClusterCidr,
+            local_detector: DetectLocal::ClusterCidr,
             node_zone: None,
         }
     }

@@ -28,10 +28,10 @@ use super::chains::*;
 use super::common::*;
 use super::names::*;
 use super::{Piece, RenderConfig};
+use crate::model::NodePortAddresses;
 use crate::model::{Cidr, Endpoint, IpFamily, ServicePort, TrafficPolicy};
 use crate::nft::build::{concat_key, ip_bytes};
 use crate::nft::ir::*;
-use crate::node::NodePortAddresses;
 use std::net::IpAddr;
 
 /// Topology hints, as kube-proxy applies them to cluster-wide endpoint sets: when every endpoint has node hints

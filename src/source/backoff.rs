@@ -36,6 +36,7 @@ pub const MAX_DELAY: Duration = Duration::from_secs(30);
 pub struct Answered(Arc<AtomicU64>);
 
 impl Answered {
+    /// How many times it backed off.
     pub fn count(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -74,6 +75,7 @@ pub struct WatchBackoff {
 }
 
 impl WatchBackoff {
+    /// A backoff that starts over whenever `answered` moves (a request of the watcher was answered).
     pub fn new(answered: Answered) -> WatchBackoff {
         WatchBackoff::with_rng(answered, fastrand::Rng::new())
     }

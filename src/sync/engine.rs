@@ -18,12 +18,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
+/// Why a sync failed; the previous state stays in the kernel.
 pub enum SyncError {
     #[error("reading the kernel's tables: {0}")]
+    /// Reading the kernel back failed.
     Read(#[from] DumpError),
     #[error(transparent)]
+    /// The kernel refused the transaction (or its outcome is unknown).
     Commit(#[from] CommitError),
     #[error("the committed state is not known; a full sync is needed")]
+    /// A partial sync was asked for while the engine's memory is not trusted.
     NeedsFullSync,
 }
 
@@ -41,7 +45,9 @@ pub struct SyncReport {
     pub commit_time: Duration,
     /// Transactions the sync was cut into, and the longest of them (the time the kernel's lock was held).
     pub transactions: usize,
+    /// The longest single transaction's commit.
     pub longest_transaction: Duration,
+    /// The whole sync.
     pub elapsed: Duration,
 }
 
@@ -64,6 +70,7 @@ pub struct SyncEngine<B: Backend> {
 }
 
 impl<B: Backend> SyncEngine<B> {
+    /// An engine that knows nothing yet (its first sync is full).
     pub fn new(backend: B) -> Self {
         SyncEngine {
             backend,
@@ -81,6 +88,7 @@ impl<B: Backend> SyncEngine<B> {
         self.max_transaction_elements = n.max(1);
     }
 
+    /// The backend (the kernel socket).
     pub fn backend(&mut self) -> &mut B {
         &mut self.backend
     }

@@ -139,7 +139,10 @@ fn manifests_ruleset(
     args: &TraceArgs,
     dir: &std::path::Path,
 ) -> Result<(Ruleset, Box<dyn Attribution>, super::NodeContext), TraceError> {
-    let mut cfg = args.render.render_config().map_err(TraceError::Usage)?;
+    let mut cfg = args
+        .render
+        .render_config()
+        .map_err(|e| TraceError::Usage(e.to_string()))?;
     if !args.node_ip.is_empty() {
         cfg.node_ips = args.node_ip.clone();
     }
