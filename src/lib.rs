@@ -14,10 +14,8 @@ pub mod node;
 pub mod portmap;
 pub mod privs;
 pub mod relay;
-#[allow(missing_docs)] // the lead documents render (being edited this session)
 pub mod render;
 pub mod source;
 pub mod sync;
-#[allow(missing_docs)] // trace (issue 13) is documented by its author
 pub mod trace;
 pub mod yaml;

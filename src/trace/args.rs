@@ -8,6 +8,7 @@ use clap::Args;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+/// `nftkube trace`'s arguments: the packet, where the ruleset comes from, live mode and output.
 #[derive(Debug, Args)]
 pub struct TraceArgs {
     /// The packet's source: IP[:PORT] ([IPv6]:PORT); the port defaults to 40000.

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 
 /// Names the owner of a set element from its key.
 pub trait Attribution {
+    /// The service port (and its policies) an element of `set` with `key` belongs to, if known.
     fn describe(&self, set: &Set, key: &[u8]) -> Option<String>;
 }
 
@@ -25,6 +26,7 @@ pub struct FromModel {
 }
 
 impl FromModel {
+    /// Attribution by the service ports of this model.
     pub fn new(services: &ServiceMap) -> FromModel {
         FromModel {
             ports: services.values().cloned().collect(),

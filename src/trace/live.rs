@@ -36,14 +36,20 @@ const POLL_SLICE: Duration = Duration::from_millis(100);
 /// The packets to trace: addresses, protocol, ports (the source port only when given), incoming interface.
 #[derive(Debug, Clone)]
 pub struct Filter {
+    /// Source address.
     pub src: IpAddr,
+    /// Source port (None: any).
     pub src_port: Option<u16>,
+    /// Destination address and port.
     pub dst: SocketAddr,
+    /// Transport protocol.
     pub proto: Proto,
+    /// Incoming interface (None: any).
     pub iif: Option<String>,
 }
 
 impl Filter {
+    /// The table family of the packets (that of the source address).
     pub fn family(&self) -> Family {
         if self.src.is_ipv4() {
             Family::Ip
@@ -178,22 +184,32 @@ fn nft_socket() -> Result<NftSocket, TraceError> {
 pub struct LiveEvent {
     /// `ip nftkube`.
     pub table: String,
+    /// The chain the event is in.
     pub chain: String,
+    /// Rule, return or policy event.
     pub kind: TraceKind,
+    /// The rule's handle, for rule events.
     pub rule_handle: Option<u64>,
     /// The rule in nft syntax (read from the kernel by its handle).
     pub rule: Option<String>,
+    /// The verdict the event reports (accept, jump CHAIN, …).
     pub verdict: Option<String>,
     /// `tcp 10.244.0.2:40000 -> 10.244.1.2:8080`: addresses after any NAT so far.
     pub packet: Option<String>,
+    /// Incoming interface index.
     pub iif: Option<u32>,
+    /// Outgoing interface index.
     pub oif: Option<u32>,
+    /// The packet mark.
     pub mark: Option<u32>,
 }
 
+/// One traced packet: its events in the order the kernel sent them.
 #[derive(Debug, Clone, Serialize)]
 pub struct LivePacket {
+    /// The kernel's trace id (reused across packets of one flow).
     pub id: u32,
+    /// What the packet met.
     pub events: Vec<LiveEvent>,
 }
 
@@ -202,7 +218,9 @@ pub struct LivePacket {
 pub struct LiveTrace {
     /// The trace table and its rule, as installed.
     pub table: String,
+    /// The `meta nftrace set 1` rule, in nft syntax.
     pub rule: String,
+    /// The packets seen, in order.
     pub packets: Vec<LivePacket>,
     /// Why it stopped: `count`, `timeout` or `signal`.
     pub stopped_by: String,

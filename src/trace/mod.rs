@@ -30,6 +30,7 @@ use crate::nft::ir::{Family, TableState};
 /// More random branches than this is not a trace anyone reads (and a sign of an unexpected shape).
 const MAX_BRANCHES: usize = 65_536;
 
+/// Why a trace could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// The ruleset refers to something that is not there (a chain, a set).
@@ -38,12 +39,16 @@ pub enum TraceError {
     /// An expression or an operand the evaluator does not model.
     #[error("cannot evaluate {0}")]
     Unsupported(String),
+    /// Too many random branches to follow.
     #[error("more than {MAX_BRANCHES} random branches (nested numgen choices)")]
     TooManyBranches,
+    /// The kernel's ruleset could not be read.
     #[error("reading the ruleset from the kernel: {0}")]
     Kernel(String),
+    /// A bad argument (exit code 64).
     #[error("{0}")]
     Usage(String),
+    /// The output could not be written.
     #[error("writing the output: {0}")]
     Output(String),
 }
@@ -51,13 +56,17 @@ pub enum TraceError {
 /// What to trace.
 #[derive(Debug, Clone)]
 pub struct Request {
+    /// The packet.
     pub packet: Packet,
+    /// Where it comes from (which hooks it meets).
     pub origin: Origin,
 }
 
 /// The state to trace through and where it came from.
 pub struct Ruleset {
+    /// The tables, as typed state.
     pub tables: Vec<TableState>,
+    /// Where they came from (`kernel`, `manifests DIR`).
     pub description: String,
     /// What could not be read (tables that did not decode), for the assumptions.
     pub notes: Vec<String>,

@@ -18,7 +18,8 @@ pub enum Origin {
 }
 
 impl Origin {
-    pub fn parse(s: &str) -> Result<Origin, String> {
+    /// `pod`, `node` or `outside`.
+    pub(crate) fn parse(s: &str) -> Result<Origin, String> {
         match s {
             "pod" => Ok(Origin::Pod),
             "node" => Ok(Origin::Node),
@@ -26,6 +27,7 @@ impl Origin {
             other => Err(format!("{other:?} is not one of pod, node, outside")),
         }
     }
+    /// The name `parse` takes.
     pub fn as_str(self) -> &'static str {
         match self {
             Origin::Pod => "pod",
@@ -39,13 +41,17 @@ impl Origin {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Proto {
+    /// TCP.
     Tcp,
+    /// UDP.
     Udp,
+    /// SCTP.
     Sctp,
 }
 
 impl Proto {
-    pub fn parse(s: &str) -> Result<Proto, String> {
+    /// `tcp`, `udp` or `sctp`, in any case.
+    pub(crate) fn parse(s: &str) -> Result<Proto, String> {
         match s.to_ascii_lowercase().as_str() {
             "tcp" => Ok(Proto::Tcp),
             "udp" => Ok(Proto::Udp),
@@ -61,6 +67,7 @@ impl Proto {
             Proto::Sctp => 132,
         }
     }
+    /// The lowercase name.
     pub fn as_str(self) -> &'static str {
         match self {
             Proto::Tcp => "tcp",
@@ -74,7 +81,7 @@ impl Proto {
 pub const DEFAULT_SOURCE_PORT: u16 = 40000;
 
 /// `IP[:PORT]` (`[v6]:PORT` for IPv6 with a port); the port defaults to `default_port`, None: a port is required.
-pub fn parse_endpoint(s: &str, default_port: Option<u16>) -> Result<SocketAddr, String> {
+pub(crate) fn parse_endpoint(s: &str, default_port: Option<u16>) -> Result<SocketAddr, String> {
     if let Ok(sa) = s.parse::<SocketAddr>() {
         return Ok(sa);
     }
@@ -88,9 +95,13 @@ pub fn parse_endpoint(s: &str, default_port: Option<u16>) -> Result<SocketAddr, 
 /// A packet's header fields, as nf_tables expressions read them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Packet {
+    /// Source address and port.
     pub src: SocketAddr,
+    /// Destination address and port (rewritten by DNAT as it goes).
     pub dst: SocketAddr,
+    /// Transport protocol.
     pub proto: Proto,
+    /// The packet mark.
     pub mark: u32,
     /// The incoming interface's name (None: not known; `iifname` rules see an empty name).
     pub iif: Option<String>,
@@ -137,6 +148,7 @@ impl Packet {
     }
 }
 
+/// The address's bytes, as nf_tables compares them.
 pub fn ip_octets(ip: &IpAddr) -> Vec<u8> {
     match ip {
         IpAddr::V4(a) => a.octets().to_vec(),
@@ -147,6 +159,7 @@ pub fn ip_octets(ip: &IpAddr) -> Vec<u8> {
 /// The node's side of the path: which addresses are its own (for `fib ... type local` and routing).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct NodeContext {
+    /// The node's own addresses (loopback included).
     pub local_addresses: Vec<IpAddr>,
     /// Where the local addresses came from, for the output ("this namespace's addresses (rtnetlink)", ...).
     pub source: String,

@@ -11,14 +11,17 @@ use std::net::SocketAddr;
 /// One thing the packet met: a rule (matched or not), a chain's policy, a skipped chain, the routing decision.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Step {
+    /// The hook it happened in.
     pub hook: &'static str,
     /// `ip nftkube`; empty for the routing decision.
     pub table: String,
+    /// The chain (`(routing)` for the routing decision).
     pub chain: String,
     /// The rule's position in its chain (None: not a rule).
     pub rule: Option<usize>,
     /// The rule in nft syntax, with its comment.
     pub text: String,
+    /// Whether it matched (a policy and a routing decision always do).
     pub matched: bool,
     /// What the rule did, or why it did not match.
     pub result: String,
@@ -27,6 +30,7 @@ pub struct Step {
 }
 
 impl Step {
+    /// Rule `index` of `chain`, before evaluation.
     pub fn rule(
         hook: &'static str,
         table: &TableState,
@@ -49,6 +53,7 @@ impl Step {
             ..Step::default()
         }
     }
+    /// The end of a base chain: its policy.
     pub fn policy(hook: &'static str, table: &TableState, chain: &str, policy: &str) -> Step {
         Step {
             hook,
@@ -60,6 +65,7 @@ impl Step {
             ..Step::default()
         }
     }
+    /// A chain the packet does not traverse, and why.
     pub fn skipped(hook: &'static str, table: &TableState, chain: &str, why: &str) -> Step {
         Step {
             hook,
@@ -69,6 +75,7 @@ impl Step {
             ..Step::default()
         }
     }
+    /// The routing decision between hooks.
     pub fn routing(hook: &'static str, decision: String) -> Step {
         Step {
             hook,
@@ -173,14 +180,21 @@ impl Branch {
 /// Branches with the same fate, NAT and masquerade decision.
 #[derive(Debug, Clone, Serialize)]
 pub struct Outcome {
+    /// The probability of this outcome (sum over its branches).
     pub probability: f64,
+    /// The final verdict (accept, drop, reject …).
     pub verdict: String,
+    /// The verdict and where the packet ends up, in a line.
     pub detail: String,
     /// Where DNAT sent the packet (None: not DNATed).
     pub dnat: Option<SocketAddr>,
+    /// Where SNAT sent the source (None: not SNATed).
     pub snat: Option<SocketAddr>,
+    /// Whether the packet is masqueraded.
     pub masquerade: bool,
+    /// The rule that decided masquerading, and why.
     pub masquerade_reason: String,
+    /// Affinity entries hit or recorded.
     pub affinity: Vec<String>,
     /// The random choices that lead here (values leading this way, modulus), one list per branch.
     pub choices: Vec<Vec<(u32, u32)>>,
@@ -191,12 +205,15 @@ pub struct Outcome {
 /// The whole answer.
 #[derive(Debug, Clone, Serialize)]
 pub struct Trace {
+    /// The packet, in a line.
     pub packet: String,
+    /// `pod`, `node` or `outside`.
     pub origin: &'static str,
     /// Where the ruleset came from (`kernel`, `manifests DIR`).
     pub ruleset: String,
     /// What the path depends on that the ruleset does not say, and what was assumed for it.
     pub assumptions: Vec<String>,
+    /// The outcomes, most likely first.
     pub outcomes: Vec<Outcome>,
 }
 

@@ -222,7 +222,7 @@ fn decode_data(d: Attr<'_>) -> Result<ElementValue, String> {
 }
 
 /// A verdict attribute (NFTA_DATA_VERDICT's nest); the error says what is missing or unknown.
-pub fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
+pub(crate) fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
     let v = v.nested();
     let code = be32(&v, NFTA_VERDICT_CODE).ok_or("verdict without code")? as i32;
     let chain = || {
