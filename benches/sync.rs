@@ -109,6 +109,8 @@ fn main() {
             cold.grow_bytes.to_string(),
         );
 
+        push("nftkube service added, median (ms)", col, ms(cold.added));
+
         let lat = latency_to_last_service(n);
         push(
             "new-connection latency to the last service, median (µs)",
@@ -348,6 +350,7 @@ struct Cold {
     swap_bytes: usize,
     grow: Duration,
     grow_bytes: usize,
+    added: Duration,
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -398,7 +401,24 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
             grows.push(t);
             grow_bytes = grow_bytes.max(r.bytes);
         }
+        // A service added and removed again: its dispatch element is a verdict, so adding it makes the kernel
+        // re-validate the table.
+        let extra = service(services.len());
+        let mut adds = Vec::new();
+        for _ in 0..11 {
+            let pieces =
+                render::service_pieces(&extra, Some(&endpoints_of(last_i + 1, ENDPOINTS)), &cfg);
+            let start = Instant::now();
+            engine
+                .sync_partial(vec![(extra.name.clone(), pieces)])
+                .unwrap();
+            adds.push(start.elapsed());
+            engine
+                .sync_partial(vec![(extra.name.clone(), Vec::new())])
+                .unwrap();
+        }
         Cold {
+            added: median(adds),
             full,
             full_commit: r.commit_time,
             full_bytes: r.bytes,
