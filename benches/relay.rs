@@ -18,7 +18,7 @@
 //! (default 9) and `NFTKUBE_BENCH_RELAY_MB` (MB per bulk run, default 256) scale it.
 
 use nftkube::netns::{unique_name, NetNs};
-use nftkube::sandbox::{self, Sandbox};
+use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;

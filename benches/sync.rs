@@ -109,6 +109,8 @@ fn main() {
             cold.grow_bytes.to_string(),
         );
 
+        push("nftkube service added, median (ms)", col, ms(cold.added));
+
         let lat = latency_to_last_service(n);
         push(
             "new-connection latency to the last service, median (µs)",
@@ -348,6 +350,7 @@ struct Cold {
     swap_bytes: usize,
     grow: Duration,
     grow_bytes: usize,
+    added: Duration,
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -398,7 +401,24 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
             grows.push(t);
             grow_bytes = grow_bytes.max(r.bytes);
         }
+        // A service added and removed again: its dispatch element is a verdict, so adding it makes the kernel
+        // re-validate the table.
+        let extra = service(services.len());
+        let mut adds = Vec::new();
+        for _ in 0..11 {
+            let pieces =
+                render::service_pieces(&extra, Some(&endpoints_of(last_i + 1, ENDPOINTS)), &cfg);
+            let start = Instant::now();
+            engine
+                .sync_partial(vec![(extra.name.clone(), pieces)])
+                .unwrap();
+            adds.push(start.elapsed());
+            engine
+                .sync_partial(vec![(extra.name.clone(), Vec::new())])
+                .unwrap();
+        }
         Cold {
+            added: median(adds),
             full,
             full_commit: r.commit_time,
             full_bytes: r.bytes,
@@ -567,7 +587,7 @@ fn idle_cpu(pid: u32, over: Duration) -> f64 {
 /// Median time for a new TCP connection (connect, one answer, close) from a pod to the last of `n` services,
 /// whose one endpoint is a real backend in the sandbox; the other services point at addresses nobody has.
 fn latency_to_last_service(n: usize) -> Duration {
-    use nftkube::sandbox::{self, Sandbox};
+    use nftkube_sandbox::{self as sandbox, Sandbox};
     let sb = Sandbox::build(&unique_name("nkbench-lat"), 1).unwrap();
     sb.start_backends(8080, 5353).unwrap();
     let mut m = Model::generate(n);

@@ -10,8 +10,8 @@ pub use wake::{Doorbell, Inbox, StopHandle, Wake};
 use run::{ProxyLoop, Relays};
 
 use crate::admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
-use crate::config::{DetectLocal, Resolved, SourceSpec};
-use crate::model::{Cidr, ClusterState, NamespacedName};
+use crate::config::{Resolved, SourceSpec};
+use crate::model::{Cidr, ClusterState, DetectLocal, NamespacedName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::monitor::{self, Drift};
 use crate::nft::netlink::NftSocket;
@@ -29,6 +29,7 @@ use std::time::Duration;
 pub struct ProxyOptions {
     /// Manifest files or the Kubernetes API.
     pub source: SourceSpec,
+    /// The render configuration (node facts refreshed at every full sync).
     pub render: RenderConfig,
     /// Full resync (re-read the kernel, repair drift) at least this often (kube-proxy's `--sync-period`).
     pub sync_period: Duration,
@@ -41,9 +42,6 @@ pub struct ProxyOptions {
     pub nodeport_cidrs: Vec<Cidr>,
     /// Health, metrics and healthCheckNodePort servers (None: no admin servers).
     pub admin: Option<AdminOptions>,
-    /// NodeCIDR: `render.cluster_cidrs` come from this node's podCIDRs (API source), and nothing is
-    /// programmed before they are known. The other modes are in `render.local_detector`.
-    pub detect_local: DetectLocal,
     /// Periodic checks read the kernel back at least this often even when its generation id is unchanged
     /// (`--full-read-period`; zero: every check reads).
     pub full_read_period: Duration,
@@ -59,6 +57,7 @@ pub struct ProxyOptions {
 }
 
 impl ProxyOptions {
+    /// Options for manifests in `manifests`, with kube-proxy's default periods and no admin servers.
     pub fn new(manifests: PathBuf, render: RenderConfig) -> Self {
         ProxyOptions {
             source: SourceSpec::Manifests(manifests),
@@ -68,7 +67,6 @@ impl ProxyOptions {
             manifest_fallback: Duration::from_secs(30),
             nodeport_cidrs: Vec::new(),
             admin: None,
-            detect_local: DetectLocal::ClusterCidr,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
@@ -79,8 +77,9 @@ impl ProxyOptions {
 
     /// `nftkube proxy`'s options: config file, flags and defaults resolved, `render` built from them.
     pub fn from_resolved(r: Resolved, mut render: RenderConfig) -> Self {
-        if r.detect_local == DetectLocal::NodeCidr {
-            // The local ranges come from the Node object.
+        render.local_detector = r.detect_local;
+        if render.local_detector == DetectLocal::NodeCidr {
+            // The local ranges come from the Node object: nothing is programmed before they are known.
             render.cluster_cidrs = Vec::new();
         }
         ProxyOptions {
@@ -92,7 +91,6 @@ impl ProxyOptions {
             manifest_fallback: r.sync_period.max(Duration::from_millis(100)),
             nodeport_cidrs: r.nodeport_cidrs,
             admin: Some(r.admin),
-            detect_local: r.detect_local,
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
@@ -284,10 +282,20 @@ pub(crate) fn release_free_memory() {
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.
 pub fn cleanup() -> anyhow::Result<usize> {
     let mut socket = NftSocket::open()?;
-    Ok(delete_tables(
-        &mut socket,
-        &[(Family::Ip, TABLE), (Family::Ip6, TABLE)],
-    )?)
+    let mut tables = vec![
+        (Family::Ip, TABLE.to_string()),
+        (Family::Ip6, TABLE.to_string()),
+    ];
+    // Trace tables a killed `nftkube trace --live` left behind (one that is still running loses its own).
+    for family in [Family::Ip, Family::Ip6] {
+        let names = socket.list_tables(family)?;
+        let traces = names
+            .into_iter()
+            .filter(|n| n.starts_with(crate::trace::live::TABLE_PREFIX));
+        tables.extend(traces.map(|n| (family, n)));
+    }
+    let tables: Vec<(Family, &str)> = tables.iter().map(|(f, n)| (*f, n.as_str())).collect();
+    Ok(delete_tables(&mut socket, &tables)?)
 }
 
 /// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from
@@ -310,17 +318,17 @@ pub fn refresh_node_addresses_from(
 ) {
     match read() {
         Ok(node) => {
-            cfg.nodeport_addresses = crate::node::resolve_nodeport_addresses(
+            cfg.nodeport_addresses = crate::model::resolve_nodeport_addresses(
                 nodeport_cidrs,
                 &node.addresses,
                 &node.primary_links,
             );
             cfg.node_ips = node.addresses.iter().map(|a| a.ip).collect();
         }
-        Err(e) if cfg.nodeport_addresses == crate::node::NodePortAddresses::None => {
+        Err(e) if cfg.nodeport_addresses == crate::model::NodePortAddresses::None => {
             // A zero CIDR needs no address (the kernel's fib tells local ones), so it is served all the same.
             cfg.nodeport_addresses =
-                crate::node::resolve_nodeport_addresses(nodeport_cidrs, &[], &[]);
+                crate::model::resolve_nodeport_addresses(nodeport_cidrs, &[], &[]);
             tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed and none of its addresses is known: NodePorts are not served on them until a read succeeds (retried at the next full sync)");
         }
         Err(e) => {
@@ -329,19 +337,11 @@ pub fn refresh_node_addresses_from(
     }
 }
 
-/// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).
-pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .map(|p| p.parse::<Cidr>())
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::{NodeAddress, NodePortAddresses, NodeView, ReadError};
+    use crate::model::{NodeAddress, NodePortAddresses};
+    use crate::node::{NodeView, ReadError};
 
     fn node(ip: &str) -> NodeView {
         NodeView {

@@ -2,6 +2,7 @@
 
 use crate::agent::{self, ProxyOptions};
 use crate::config;
+use crate::model::{DetectLocal, DetectLocalError};
 use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -13,21 +14,27 @@ use std::time::Duration;
     version,
     about = "Kubernetes services in nf_tables, over netlink, with no binaries"
 )]
+/// The command line.
 pub struct Cli {
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
     #[command(subcommand)]
+    /// What to do.
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once
+/// The subcommands.
 pub enum Command {
     /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
     Proxy(ProxyArgs),
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
     Plan(PlanArgs),
+    /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
+    /// every hook, chain, rule and lookup, the verdict, DNAT targets with probabilities, masquerade and why.
+    Trace(crate::trace::TraceArgs),
     /// Remove every table nftkube owns, and nothing else.
     Cleanup,
     /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.
@@ -40,6 +47,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Args, Clone)]
+/// The flags that shape the rendered ruleset (shared by `proxy` and `plan`).
 pub struct RenderArgs {
     /// Directory (or file) of Service and EndpointSlice YAML manifests (`proxy`: instead of the API).
     #[arg(long)]
@@ -48,11 +56,11 @@ pub struct RenderArgs {
     #[arg(long, default_value = "")]
     pub hostname_override: String,
     /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub cluster_cidr: std::vec::Vec<crate::model::Cidr>,
     /// CIDRs of the node addresses that serve NodePorts, comma-separated; a zero CIDR (0.0.0.0/0, ::/0) means
     /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub nodeport_addresses: std::vec::Vec<crate::model::Cidr>,
     /// Masquerade all traffic sent to service IPs (`--masquerade-all=false` overrides a config file).
     #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
@@ -67,7 +75,7 @@ pub struct RenderArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]
     pub drop_bit: u32,
     /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
-    #[arg(long, value_parser = agent::parse_cidrs, default_value = "")]
+    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
     pub service_cidr: std::vec::Vec<crate::model::Cidr>,
     /// How pod traffic is recognised: ClusterCIDR, NodeCIDR (API source), InterfaceNamePrefix or
     /// BridgeInterface.
@@ -84,27 +92,36 @@ pub struct RenderArgs {
     pub node_zone: Option<String>,
 }
 
+/// Flags (or a config file) that do not make a usable configuration; `main` exits 64 with it.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    /// The config file, or a flag it is combined with.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// `--detect-local-mode` and its arguments.
+    #[error(transparent)]
+    DetectLocal(#[from] DetectLocalError),
+    /// NodeCIDR needs the Node object, which `plan` has not.
+    #[error("--detect-local-mode=NodeCIDR needs the Node object (nftkube proxy with the Kubernetes API source)")]
+    NodeCidrWithoutNode,
+    /// The masquerade and drop marks would be the same bit.
+    #[error("--masquerade-bit and --drop-bit are both {0}")]
+    SameMarkBits(u32),
+}
+
 impl RenderArgs {
     /// The render configuration, or what is wrong with the flags.
-    pub fn render_config(&self) -> Result<RenderConfig, String> {
-        use crate::render::LocalDetector;
-        let local_detector = match self.detect_local_mode.as_str() {
-            "ClusterCIDR" | "" => LocalDetector::ClusterCidr,
-            "InterfaceNamePrefix" if !self.pod_interface_name_prefix.is_empty() => {
-                LocalDetector::InterfaceNamePrefix(self.pod_interface_name_prefix.clone())
-            }
-            "BridgeInterface" if !self.pod_bridge_interface.is_empty() => {
-                LocalDetector::BridgeInterface(self.pod_bridge_interface.clone())
-            }
-            "InterfaceNamePrefix" => return Err("--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix".into()),
-            "BridgeInterface" => return Err("--detect-local-mode=BridgeInterface needs --pod-bridge-interface".into()),
-            other => return Err(format!("--detect-local-mode={other:?} is not supported (ClusterCIDR, InterfaceNamePrefix, BridgeInterface; NodeCIDR needs the Node object)")),
-        };
+    pub fn render_config(&self) -> Result<RenderConfig, OptionsError> {
+        let local_detector = DetectLocal::parse(
+            &self.detect_local_mode,
+            &self.pod_interface_name_prefix,
+            &self.pod_bridge_interface,
+        )?;
+        if local_detector == DetectLocal::NodeCidr {
+            return Err(OptionsError::NodeCidrWithoutNode);
+        }
         if self.masquerade_bit == self.drop_bit {
-            return Err(format!(
-                "--masquerade-bit and --drop-bit are both {}",
-                self.drop_bit
-            ));
+            return Err(OptionsError::SameMarkBits(self.drop_bit));
         }
         let mut cfg = RenderConfig {
             node_name: self.hostname_override.clone(),
@@ -112,7 +129,7 @@ impl RenderArgs {
             masquerade_all: self.masquerade_all,
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
-            nodeport_addresses: crate::node::NodePortAddresses::None,
+            nodeport_addresses: crate::model::NodePortAddresses::None,
             drop_bit: 1 << self.drop_bit,
             service_cidrs: self.service_cidr.clone(),
             node_ips: Vec::new(),
@@ -126,6 +143,7 @@ impl RenderArgs {
 }
 
 #[derive(Debug, Args)]
+/// `nftkube proxy`'s flags.
 pub struct ProxyArgs {
     /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags override it.
     #[arg(long)]
@@ -138,6 +156,7 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub master: Option<String>,
     #[command(flatten)]
+    /// The flags that shape the ruleset.
     pub render: RenderArgs,
     /// Periodic check at least this often: the node's addresses re-read, and the kernel's ruleset verified
     /// (by its generation id; read back and repaired when that moved): "30s", or seconds.
@@ -218,9 +237,8 @@ impl ProxyArgs {
     }
 
     /// Config file, flags and defaults combined (warnings are logged); Err: what is invalid.
-    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, String> {
-        let r = config::resolve(&self.flags(given), &config::Env::current())
-            .map_err(|e| e.to_string())?;
+    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, OptionsError> {
+        let r = config::resolve(&self.flags(given), &config::Env::current())?;
         for w in &r.warnings {
             tracing::warn!("config: {w}");
         }
@@ -234,17 +252,6 @@ impl ProxyArgs {
         render.node_name = r.node_name.clone();
         render.cluster_cidrs = r.cluster_cidrs.clone();
         render.masquerade_all = r.masquerade_all;
-        render.local_detector = match &r.detect_local {
-            config::DetectLocal::ClusterCidr | config::DetectLocal::NodeCidr => {
-                crate::render::LocalDetector::ClusterCidr
-            }
-            config::DetectLocal::InterfaceNamePrefix(p) => {
-                crate::render::LocalDetector::InterfaceNamePrefix(p.clone())
-            }
-            config::DetectLocal::BridgeInterface(b) => {
-                crate::render::LocalDetector::BridgeInterface(b.clone())
-            }
-        };
         let mut opts = ProxyOptions::from_resolved(r, render);
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
@@ -258,12 +265,15 @@ impl ProxyArgs {
 }
 
 #[derive(Debug, Args)]
+/// `nftkube plan`'s flags.
 pub struct PlanArgs {
     #[command(flatten)]
+    /// The flags that shape the ruleset.
     pub render: RenderArgs,
 }
 
 #[derive(Debug, Args)]
+/// `nftkube demo`'s flags.
 pub struct DemoArgs {
     /// Manifests to load into the sandbox's node.
     #[arg(long, default_value = "examples")]

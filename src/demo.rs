@@ -1,20 +1,20 @@
 //! `nftkube demo`: the whole agent in a sandbox of network namespaces, with real traffic.
 //!
-//! Builds an outside client, a client pod, a node and three backend pods (nftkube::sandbox), runs the proxy
+//! Builds an outside client, a client pod, a node and three backend pods (the sandbox module), runs the proxy
 //! loop on a thread inside the node namespace against the manifests, sends connections and datagrams to every
 //! ClusterIP service port from the pod and from outside, prints which backend answered and which client
 //! address it saw, prints the live ruleset read back from the kernel, and removes everything. The host's own
 //! namespace is never touched.
 
-use crate::agent::{run_proxy, Inbox, ProxyOptions};
-use crate::model::{ClusterState, Protocol, ServicePort};
-use crate::netns::{unique_name, NetNs};
-use crate::nft::ir::Family;
-use crate::nft::netlink::NftSocket;
-use crate::render::{names::TABLE, RenderConfig};
 use crate::sandbox::{self, parse_answer, tcp_requests, udp_requests, Sandbox};
-use crate::source::{apply_event, ManifestSource};
 use anyhow::Context;
+use nftkube::agent::{run_proxy, Inbox, ProxyOptions};
+use nftkube::model::{ClusterState, Protocol, ServicePort};
+use nftkube::netns::{unique_name, NetNs};
+use nftkube::nft::ir::Family;
+use nftkube::nft::netlink::NftSocket;
+use nftkube::render::{names::TABLE, RenderConfig};
+use nftkube::source::{apply_event, ManifestSource};
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
@@ -59,7 +59,7 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         manifests.to_path_buf(),
         RenderConfig {
             node_name: "node-1".into(),
-            cluster_cidrs: crate::agent::parse_cidrs(&format!(
+            cluster_cidrs: nftkube::model::parse_cidrs(&format!(
                 "{},{}",
                 sandbox::CLUSTER_CIDR_V4,
                 sandbox::CLUSTER_CIDR_V6
@@ -83,7 +83,7 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("the agent thread panicked"))?;
     let prefix = sb.prefix().to_owned();
     drop(sb);
-    let left = std::fs::read_dir(crate::netns::NETNS_RUN_DIR)
+    let left = std::fs::read_dir(nftkube::netns::NETNS_RUN_DIR)
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
@@ -165,7 +165,7 @@ fn exercise(
             Ok(NftSocket::open()?.dump_table(family, TABLE)?)
         })??;
         match table {
-            Some(t) => print!("{}", crate::nft::text::render_table(&t)),
+            Some(t) => print!("{}", nftkube::nft::text::render_table(&t)),
             None => println!("(no {} table)", family.as_str()),
         }
     }

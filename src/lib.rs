@@ -1,10 +1,10 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
+#![warn(missing_docs)]
 pub mod admin;
 pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod conntrack;
-pub mod demo;
 pub mod metrics;
 pub mod model;
 pub mod netlink;
@@ -15,7 +15,7 @@ pub mod portmap;
 pub mod privs;
 pub mod relay;
 pub mod render;
-pub mod sandbox;
 pub mod source;
 pub mod sync;
+pub mod trace;
 pub mod yaml;

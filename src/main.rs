@@ -1,3 +1,11 @@
+// `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
+// The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
+// library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
+mod demo;
+#[path = "../sandbox/src/lib.rs"]
+#[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
+mod sandbox;
+
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::process::ExitCode;
@@ -100,6 +108,40 @@ fn usage_error(e: &str) -> ExitCode {
     ExitCode::from(64)
 }
 
+/// `nftkube trace`: the trace on stdout; bad arguments exit 64, a failed trace 1.
+fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
+    let result = if args.live {
+        // Ctrl-C or SIGTERM ends the wait; the trace table is removed and what was seen is printed.
+        let set = block_stop_signals();
+        let started = std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                let mut sig = 0;
+                // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
+                while unsafe { libc::sigwait(&set, &mut sig) } != 0 {}
+                nftkube::trace::live::STOP.store(true, Ordering::SeqCst);
+            });
+        if let Err(e) = started {
+            eprintln!("nftkube trace: starting the signal thread: {e}");
+            return ExitCode::FAILURE;
+        }
+        nftkube::trace::live::run(args)
+    } else {
+        nftkube::trace::run_offline(args)
+    };
+    match result {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(nftkube::trace::TraceError::Usage(e)) => usage_error(&e),
+        Err(e) => {
+            eprintln!("nftkube trace: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
     if std::env::args_os()
@@ -143,13 +185,13 @@ fn main() -> ExitCode {
             };
             match args.options(&given) {
                 Ok(opts) => start_proxy(opts, signals),
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             }
         }
         Command::Plan(args) => {
             let cfg = match args.render.render_config() {
                 Ok(cfg) => cfg,
-                Err(e) => return usage_error(&e),
+                Err(e) => return usage_error(&e.to_string()),
             };
             let Some(manifests) = args.render.manifests.clone() else {
                 return usage_error("plan needs --manifests DIR");
@@ -160,8 +202,9 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
+        Command::Trace(args) => return run_trace(&args),
         Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
-        Command::Demo(args) => nftkube::demo::run(&args.manifests, args.requests),
+        Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
             println!("nftkube {}", env!("CARGO_PKG_VERSION"));

@@ -37,8 +37,8 @@ pub fn network_programming_bounds() -> impl Iterator<Item = f64> {
         .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)))
 }
 
-/// A counter (or gauge) of whole numbers: a prometheus-client metric whose own atomic is what call sites
-/// read and change.
+/// A counter (or gauge) of whole numbers: a prometheus-client metric in a static, registered on first use;
+/// call sites use the metric's own methods (`inc`, `inc_by`, `set`, `get`).
 pub struct AtomicMetric<M: 'static>(LazyLock<M>);
 
 /// A monotonic count.
@@ -47,12 +47,14 @@ pub type CounterU64 = AtomicMetric<Counter<u64, AtomicU64>>;
 pub type GaugeU64 = AtomicMetric<Gauge<u64, AtomicU64>>;
 
 impl CounterU64 {
+    /// A counter at 0.
     pub const fn counter() -> Self {
         AtomicMetric(LazyLock::new(Counter::default))
     }
 }
 
 impl GaugeU64 {
+    /// A gauge at 0.
     pub const fn gauge() -> Self {
         AtomicMetric(LazyLock::new(Gauge::default))
     }
@@ -65,17 +67,10 @@ impl<M: Clone> AtomicMetric<M> {
     }
 }
 
-impl Deref for CounterU64 {
-    type Target = AtomicU64;
-    fn deref(&self) -> &AtomicU64 {
-        self.0.inner()
-    }
-}
-
-impl Deref for GaugeU64 {
-    type Target = AtomicU64;
-    fn deref(&self) -> &AtomicU64 {
-        self.0.inner()
+impl<M> Deref for AtomicMetric<M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        &self.0
     }
 }
 
@@ -83,16 +78,19 @@ impl Deref for GaugeU64 {
 pub struct DurationHistogram(LazyLock<Histogram>);
 
 impl DurationHistogram {
+    /// With kube-proxy's buckets for sync durations.
     pub const fn sync_durations() -> Self {
         DurationHistogram(LazyLock::new(|| Histogram::new(sync_bounds())))
     }
 
+    /// With kube-proxy's buckets for network programming latency.
     pub const fn network_programming() -> Self {
         DurationHistogram(LazyLock::new(|| {
             Histogram::new(network_programming_bounds())
         }))
     }
 
+    /// Records one duration.
     pub fn observe(&self, d: Duration) {
         self.0.observe(d.as_secs_f64());
     }
@@ -107,6 +105,7 @@ impl DurationHistogram {
 pub struct Timestamp(LazyLock<Gauge<f64, AtomicU64>>);
 
 impl Timestamp {
+    /// Unset (0).
     pub const fn new() -> Self {
         Timestamp(LazyLock::new(Gauge::default))
     }
@@ -116,6 +115,7 @@ impl Timestamp {
         self.0.set(now_unix_ms() as f64 / 1000.0);
     }
 
+    /// The gauge itself (a handle on the same value), for a registry.
     pub fn metric(&self) -> Gauge<f64, AtomicU64> {
         (*self.0).clone()
     }
@@ -129,7 +129,9 @@ impl Default for Timestamp {
 
 /// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
 pub static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Full syncs (`sync_full_proxy_rules_duration_seconds`).
 pub static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Partial syncs (`sync_partial_proxy_rules_duration_seconds`).
 pub static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
 /// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
 /// programmed it.
@@ -140,8 +142,11 @@ pub static LAST_QUEUED: Timestamp = Timestamp::new();
 pub static LAST_SYNC: Timestamp = Timestamp::new();
 /// Service / EndpointSlice changes received, in total and since the last sync started.
 pub static SERVICE_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// Service changes received since the last sync started.
 pub static SERVICE_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
+/// EndpointSlice changes received in total.
 pub static ENDPOINT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// EndpointSlice changes received since the last sync started.
 pub static ENDPOINT_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
 /// nf_tables objects (elements, chains, rules, sets) added or removed by committed syncs.
 pub static OBJECT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
@@ -406,8 +411,8 @@ mod tests {
     #[test]
     fn exposition_names_the_kube_proxy_metrics() {
         record_sync(false, Duration::from_millis(2));
-        REPAIRS.fetch_add(1, Ordering::Relaxed);
-        PENDING_CHANGES.store(7, Ordering::Relaxed);
+        REPAIRS.inc();
+        PENDING_CHANGES.set(7);
         let text = render_prometheus();
         for name in [
             "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",

@@ -46,19 +46,29 @@ const IFLA_IFNAME: u16 = 3;
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
     #[error("{context}: {cause}")]
-    Io { context: String, cause: io::Error },
+    /// A system call failed.
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        cause: io::Error,
+    },
     /// The kernel refused an rtnetlink request; `cause` carries the errno and the extended-ack text.
     #[error("{context}: {cause}")]
     Netlink {
+        /// What was being done.
         context: String,
+        /// The netlink error.
         cause: NetlinkError,
     },
     #[error("{0}")]
+    /// A name or argument that cannot be used.
     Invalid(String),
     #[error(
         "refusing to {0}: the calling thread is in the host's (or this process's main thread's) network \
          namespace; do it inside NetNs::run"
     )]
+    /// Refused: the operation would touch the host's own network namespace.
     HostNamespace(String),
 }
 
@@ -190,6 +200,7 @@ impl NetNs {
         })
     }
 
+    /// The namespace's name (as under /run/netns).
     pub fn name(&self) -> &str {
         &self.name
     }

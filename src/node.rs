@@ -1,7 +1,7 @@
 //! What the node itself has: its addresses and which of them are primary, read over rtnetlink in the calling
 //! thread's network namespace. NodePorts are served on these (kube-proxy's `--nodeport-addresses`).
 
-use crate::model::Cidr;
+pub use crate::model::NodeAddress;
 use crate::netlink::route::{attributes, RouteSocket, RTM_NEWADDR, RTM_NEWROUTE};
 use netlink_packet_core::{DecodeError, Parseable, ParseableParametrized};
 use netlink_packet_route::address::{
@@ -10,7 +10,6 @@ use netlink_packet_route::address::{
 use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteLwEnCapType, RouteMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use std::io;
-use std::net::IpAddr;
 
 // The attributes a node read decodes (linux/if_addr.h, rtnetlink.h); see `netlink::route` for why not all.
 const IFA_ADDRESS: u16 = 1;
@@ -21,13 +20,6 @@ const RTA_TABLE: u16 = 15;
 /// `struct ifaddrmsg` and `struct rtmsg`, before the attributes.
 const IFADDRMSG_LEN: usize = 8;
 const RTMSG_LEN: usize = 12;
-
-/// One address configured on one of the node's links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeAddress {
-    pub ifindex: u32,
-    pub ip: IpAddr,
-}
 
 /// The answers of a dump: (message type, payload).
 fn dump(what: &str, request: RouteNetlinkMessage) -> io::Result<Vec<(u16, Vec<u8>)>> {
@@ -59,7 +51,9 @@ fn decode_each<T>(
 /// One read of the node: its addresses and the links its default routes leave through.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NodeView {
+    /// Every global address on the node's links.
     pub addresses: Vec<NodeAddress>,
+    /// The links the main table's default routes leave through (the primary links).
     pub primary_links: Vec<u32>,
 }
 
@@ -67,8 +61,10 @@ pub struct NodeView {
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
     #[error("reading the node's addresses over rtnetlink: {0}")]
+    /// The address dump failed.
     Addresses(io::Error),
     #[error("reading the node's default routes over rtnetlink: {0}")]
+    /// The route dump failed.
     Routes(io::Error),
 }
 
@@ -162,49 +158,6 @@ fn links_of_default_routes(answers: &[(u16, Vec<u8>)]) -> Vec<u32> {
         }
     }
     out
-}
-
-/// Where NodePorts are served, after kube-proxy's `--nodeport-addresses`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum NodePortAddresses {
-    /// Every local address but loopback (a zero CIDR was given): matched with `fib daddr type local`.
-    AllLocal,
-    /// These addresses only.
-    Only(Vec<IpAddr>),
-    /// Not served (no address matched).
-    #[default]
-    None,
-}
-
-/// Resolves the flag against the node's addresses. No CIDR: the primary addresses (those of links with a
-/// default route), kube-proxy's default since 1.29. Loopback is never included: serving NodePorts on
-/// 127.0.0.1 needs route_localnet, which nftkube does not turn on.
-pub fn resolve_nodeport_addresses(
-    cidrs: &[Cidr],
-    addresses: &[NodeAddress],
-    primary_links: &[u32],
-) -> NodePortAddresses {
-    if cidrs.iter().any(|c| c.prefix == 0) {
-        return NodePortAddresses::AllLocal;
-    }
-    let mut ips: Vec<IpAddr> = addresses
-        .iter()
-        .filter(|a| {
-            if cidrs.is_empty() {
-                primary_links.contains(&a.ifindex)
-            } else {
-                cidrs.iter().any(|c| c.contains(&a.ip))
-            }
-        })
-        .map(|a| a.ip)
-        .collect();
-    ips.sort();
-    ips.dedup();
-    if ips.is_empty() {
-        NodePortAddresses::None
-    } else {
-        NodePortAddresses::Only(ips)
-    }
 }
 
 #[cfg(test)]
@@ -413,41 +366,6 @@ mod tests {
         assert_eq!(
             global_addresses(&msgs),
             vec![a(2, "192.168.200.1"), a(4, "10.9.0.1"), a(2, "fd00:200::1")]
-        );
-    }
-
-    #[test]
-    fn nodeport_addresses_follow_kube_proxy_semantics() {
-        let addrs = [
-            a(2, "192.168.200.1"),
-            a(2, "fd00:200::1"),
-            a(3, "10.244.0.1"),
-        ];
-        // Default: the primary links' addresses.
-        assert_eq!(
-            resolve_nodeport_addresses(&[], &addrs, &[2]),
-            NodePortAddresses::Only(vec![
-                "192.168.200.1".parse().unwrap(),
-                "fd00:200::1".parse().unwrap()
-            ])
-        );
-        // CIDRs select addresses.
-        let cidrs = ["10.244.0.0/16".parse().unwrap()];
-        assert_eq!(
-            resolve_nodeport_addresses(&cidrs, &addrs, &[2]),
-            NodePortAddresses::Only(vec!["10.244.0.1".parse().unwrap()])
-        );
-        // A zero CIDR: every local address.
-        let all = ["0.0.0.0/0".parse().unwrap()];
-        assert_eq!(
-            resolve_nodeport_addresses(&all, &addrs, &[2]),
-            NodePortAddresses::AllLocal
-        );
-        // Nothing matches: not served.
-        let none = ["172.16.0.0/12".parse().unwrap()];
-        assert_eq!(
-            resolve_nodeport_addresses(&none, &addrs, &[2]),
-            NodePortAddresses::None
         );
     }
 }

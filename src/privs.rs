@@ -13,7 +13,9 @@ use std::io;
 
 /// linux/capability.h
 pub const CAP_NET_BIND_SERVICE: u32 = 10;
+/// CAP_NET_ADMIN: nf_tables, ctnetlink, rtnetlink writes.
 pub const CAP_NET_ADMIN: u32 = 12;
+/// CAP_SETPCAP: changing the bounding set.
 pub const CAP_SETPCAP: u32 = 8;
 
 /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
@@ -40,22 +42,38 @@ struct CapData {
 }
 
 #[derive(Debug, thiserror::Error)]
+/// A failed step of dropping capabilities.
 pub enum PrivsError {
     #[error("reading this thread's capabilities (capget): {0}")]
+    /// capget failed.
     Get(io::Error),
     #[error("setting this thread's capabilities (capset): {0}")]
+    /// capset failed.
     Set(io::Error),
     #[error("clearing the ambient capability set: {0}")]
+    /// Clearing the ambient set failed.
     Ambient(io::Error),
     #[error("dropping capability {cap} from the bounding set: {source}")]
-    Bounding { cap: u32, source: io::Error },
+    /// A capability could not be dropped from the bounding set.
+    Bounding {
+        /// The capability.
+        cap: u32,
+        /// The error.
+        source: io::Error,
+    },
     #[error("setting no_new_privs: {0}")]
+    /// PR_SET_NO_NEW_PRIVS failed.
     NoNewPrivs(io::Error),
     #[error("capabilities after the drop: effective {effective:#x}, permitted {permitted:#x}, inheritable {inheritable:#x}; wanted {wanted:#x}")]
+    /// After the drop, the sets are not what was asked for.
     Verify {
+        /// The effective set.
         effective: CapSet,
+        /// The permitted set.
         permitted: CapSet,
+        /// The inheritable set.
         inheritable: CapSet,
+        /// What was asked for.
         wanted: CapSet,
     },
 }

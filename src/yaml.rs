@@ -17,9 +17,17 @@ pub const MAX_DEPTH: usize = 64;
 /// two bytes, but the stream and document events come on top).
 const SLACK: usize = 64;
 
+/// A document that is not valid YAML, or crossed the budget (the error names line and column).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct YamlError(#[from] serde_saphyr::Error);
+
 /// Parses one YAML document (no `---` separators: split the stream first) into a JSON value.
-pub fn parse_document(text: &str) -> Result<Value, String> {
-    serde_saphyr::from_str_with_options(text, options(text.len())).map_err(|e| e.to_string())
+pub fn parse_document(text: &str) -> Result<Value, YamlError> {
+    Ok(serde_saphyr::from_str_with_options(
+        text,
+        options(text.len()),
+    )?)
 }
 
 /// The budget for a document of `len` bytes: see the module's comment.
@@ -84,7 +92,9 @@ mod tests {
     }
 
     fn rejected(text: &str) -> String {
-        parse_document(text).expect_err("hostile input must be rejected")
+        parse_document(text)
+            .expect_err("hostile input must be rejected")
+            .to_string()
     }
 
     #[test]

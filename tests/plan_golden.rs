@@ -1,7 +1,8 @@
 //! `nftkube plan` output for examples/ is pinned: any change to what we program shows up in review.
 //! Regenerate with `UPDATE_GOLDEN=1 cargo test --test plan_golden` after checking the diff is intended.
 
-use nftkube::agent::{parse_cidrs, plan};
+use nftkube::agent::plan;
+use nftkube::model::parse_cidrs;
 use nftkube::render::RenderConfig;
 use std::path::Path;
 
@@ -11,7 +12,7 @@ fn plan_of_examples_matches_golden() {
     let cfg = RenderConfig {
         node_name: "node-1".into(),
         cluster_cidrs: parse_cidrs("10.244.0.0/16,fd00:244::/48").unwrap(),
-        nodeport_addresses: nftkube::node::NodePortAddresses::Only(vec![
+        nodeport_addresses: nftkube::model::NodePortAddresses::Only(vec![
             "192.168.200.1".parse().unwrap(),
             "fd00:200::1".parse().unwrap(),
         ]),

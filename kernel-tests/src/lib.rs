@@ -1,4 +1,4 @@
-//! Harness for privileged kernel tests: a sandbox of namespaces (nftkube::sandbox), the real `nftkube` binary
+//! Harness for privileged kernel tests: a sandbox of namespaces (the nftkube-sandbox crate), the real `nftkube` binary
 //! running as the agent inside the node namespace, and helpers to observe traffic and the kernel's tables.
 //!
 //! Every test builds its own uniquely named namespaces and removes them on drop, also when it panics. Nothing
@@ -8,7 +8,7 @@
 use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::{Family, TableState};
 use nftkube::nft::netlink::NftSocket;
-use nftkube::sandbox::Sandbox;
+use nftkube_sandbox::Sandbox;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
@@ -19,10 +19,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use nftkube::sandbox;
+pub use nftkube_sandbox as sandbox;
 
 pub mod fake_api;
 pub mod listing;
+pub mod matrix;
 
 pub use listing::assert_listable;
 use listing::ListingWatch;

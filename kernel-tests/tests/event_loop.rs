@@ -3,8 +3,8 @@
 //! of reading the tables back.
 
 use kernel_tests::sandbox::tcp_requests;
+use kernel_tests::sandbox::Sandbox;
 use kernel_tests::*;
-use nftkube::sandbox::Sandbox;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 

@@ -18,7 +18,8 @@ use std::time::{Duration, SystemTime};
 const ECHO_V4: &str = "10.96.0.10";
 const T: Duration = Duration::from_secs(2);
 const SYNC: Duration = Duration::from_secs(20);
-/// Long enough for the API watchers' backoff (0.8 s doubling, 30 s at most) after an outage.
+/// Long enough for the API watchers' backoff (0.2 s doubling every second error, 30 s at most) after an
+/// outage.
 const RECOVER: Duration = Duration::from_secs(45);
 
 /// A fake API server listening on 127.0.0.1 inside `ns` (rebinds there after an outage, too).
@@ -774,7 +775,7 @@ fn watches(api: &FakeApi, r: Resource) -> usize {
 /// Short API outages in a row, each long enough to fail every watch once: after each, the watchers'
 /// backoff starts over (kube-runtime's default backoff did not: the outages' delays added up, 0.8, 1.6, 3.2,
 /// 6.4 s ..., and the change after the fourth waited 6–13 s). Then a change right after the API is back is
-/// programmed within the first delay of the sequence (0.8–1.6 s from the outage's start, minus the outage).
+/// programmed within the first delays of the sequence (0.2–0.4 s each, see `source::backoff`).
 #[test]
 fn changes_after_repeated_short_outages_come_within_the_first_backoff_delay() {
     const OUTAGE: Duration = Duration::from_millis(300);

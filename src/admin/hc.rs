@@ -23,13 +23,15 @@ use tokio::sync::watch;
 
 use super::health::ProxyHealth;
 use super::http::{self, Handler, Request, Response};
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, NamespacedName, ServiceType, TrafficPolicy};
-use crate::node::NodePortAddresses;
 
 /// What one health check port reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HcService {
+    /// The service whose health is served.
     pub service: NamespacedName,
+    /// Its ready endpoints on this node (none: the check answers 503).
     pub local_endpoints: usize,
 }
 
@@ -39,6 +41,7 @@ pub type HcDesired = BTreeMap<u16, HcService>;
 /// What the servers should be: which ports, on which addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HcConfig {
+    /// The healthCheckNodePorts to serve, by port.
     pub ports: HcDesired,
     /// The NodePort addresses (`None`, the default until the first full sync resolved them: no server).
     pub addresses: NodePortAddresses,

@@ -27,6 +27,7 @@ type Code = [(&'static str, &'static str); 1];
 
 /// Answers given, by code (kubeproxy_proxy_healthz_total{code}, kubeproxy_proxy_livez_total{code}).
 pub static HEALTHZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
+/// `/livez` answers, by status code (kube-proxy's `proxy_livez_total`).
 pub static LIVEZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
 
 fn code(healthy: bool) -> Code {
@@ -81,6 +82,7 @@ impl ProxyHealth {
         }
     }
 
+    /// How long a queued sync may wait before the proxier counts as unhealthy.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -95,6 +97,7 @@ impl ProxyHealth {
         metrics::LAST_QUEUED.mark();
     }
 
+    /// [`Self::queued`] at a given time (tests).
     pub fn queued_at(&self, now: Instant) {
         let mut s = self.lock();
         if s.oldest_queued.is_none() {
@@ -109,10 +112,13 @@ impl ProxyHealth {
         s.oldest_queued = None;
     }
 
+    /// Sets whether the node may take load balancer traffic (kube-proxy's nodeEligible); `/healthz` fails
+    /// while it is false.
     pub fn set_node_eligible(&self, eligible: bool) {
         self.lock().node_eligible = eligible;
     }
 
+    /// See [`Self::set_node_eligible`].
     pub fn node_eligible(&self) -> bool {
         self.lock().node_eligible
     }
@@ -125,6 +131,7 @@ impl ProxyHealth {
         }
     }
 
+    /// [`Self::healthy_at`] now.
     pub fn is_healthy(&self) -> bool {
         self.healthy_at(Instant::now())
     }

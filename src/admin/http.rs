@@ -53,6 +53,7 @@ impl Default for Limits {
 /// A request as handlers see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
+    /// The request method ("GET", "HEAD", ...).
     pub method: String,
     /// The path without the query.
     pub path: String,
@@ -61,13 +62,18 @@ pub struct Request {
 /// An answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
+    /// The HTTP status code.
     pub status: u16,
+    /// The `Content-Type` header.
     pub content_type: &'static str,
+    /// Further headers.
     pub headers: Vec<(&'static str, String)>,
+    /// The body (empty for HEAD).
     pub body: String,
 }
 
 impl Response {
+    /// A response with this status, content type and body.
     pub fn new(status: u16, content_type: &'static str, body: impl Into<String>) -> Self {
         Response {
             status,
@@ -77,10 +83,12 @@ impl Response {
         }
     }
 
+    /// A `text/plain` response.
     pub fn text(status: u16, body: impl Into<String>) -> Self {
         Self::new(status, "text/plain; charset=utf-8", body)
     }
 
+    /// Adds a header.
     pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
         self.headers.push((name, value.into()));
         self

@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 use crate::conntrack;
 use crate::metrics;
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, NamespacedName};
-use crate::node::NodePortAddresses;
 use crate::source::{Event, NodeInfo};
 use crate::sync::SyncReport;
 use hc::{HcConfig, HcDesired, HcService};
@@ -35,6 +35,7 @@ use http::{Handler, Request, Response};
 
 /// kube-proxy's default ports.
 pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
+/// kube-proxy's default `/metrics` port.
 pub const DEFAULT_METRICS_PORT: u16 = 10249;
 
 /// Where the admin servers listen.
@@ -276,6 +277,7 @@ const MAX_TRIGGERS: usize = 100_000;
 
 /// What the proxy loop reports: it keeps health, metrics and the health check servers current.
 pub struct Observer {
+    /// The proxier's health, shared with `/healthz` and `/livez`.
     pub health: Arc<ProxyHealth>,
     admin: Option<Admin>,
     node_name: String,
@@ -288,6 +290,7 @@ pub struct Observer {
 }
 
 impl Observer {
+    /// An observer reporting to `health` and, when given, the admin servers' state.
     pub fn new(health: Arc<ProxyHealth>, admin: Option<Admin>, node_name: String) -> Self {
         Observer {
             health,
@@ -301,10 +304,9 @@ impl Observer {
 
     /// An event from the source, before it is applied to the store.
     pub fn on_event(&mut self, ev: &Event) {
-        let bump = |total: &std::sync::atomic::AtomicU64,
-                    pending: &std::sync::atomic::AtomicU64| {
-            total.fetch_add(1, Ordering::Relaxed);
-            pending.fetch_add(1, Ordering::Relaxed);
+        let bump = |total: &metrics::CounterU64, pending: &metrics::GaugeU64| {
+            total.inc();
+            pending.inc();
         };
         match ev {
             Event::ServiceApplied { .. } | Event::ServiceDeleted(_) => bump(
@@ -351,8 +353,8 @@ impl Observer {
 
     /// A sync starts: the changes received so far are in it.
     pub fn sync_started(&self) {
-        metrics::SERVICE_CHANGES_PENDING.store(0, Ordering::Relaxed);
-        metrics::ENDPOINT_CHANGES_PENDING.store(0, Ordering::Relaxed);
+        metrics::SERVICE_CHANGES_PENDING.set(0);
+        metrics::ENDPOINT_CHANGES_PENDING.set(0);
     }
 
     /// A full sync committed with these NodePort addresses: the health check servers listen there.
@@ -370,9 +372,9 @@ impl Observer {
         state: &ClusterState,
     ) {
         self.health.updated();
-        metrics::OBJECT_CHANGES_TOTAL.fetch_add(report.changes as u64, Ordering::Relaxed);
-        metrics::NETLINK_BYTES_TOTAL.fetch_add(report.bytes as u64, Ordering::Relaxed);
-        metrics::SERVICE_PORTS.store(state.service_map().len() as u64, Ordering::Relaxed);
+        metrics::OBJECT_CHANGES_TOTAL.inc_by(report.changes as u64);
+        metrics::NETLINK_BYTES_TOTAL.inc_by(report.bytes as u64);
+        metrics::SERVICE_PORTS.set(state.service_map().len() as u64);
         let now = SystemTime::now();
         for t in self.triggers.drain(..) {
             metrics::NETWORK_PROGRAMMING.observe(now.duration_since(t).unwrap_or_default());
@@ -478,12 +480,12 @@ mod tests {
     fn observer_tracks_changes_triggers_and_node() {
         let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
         let mut o = Observer::new(health.clone(), None, "node-1".into());
-        let before = metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed);
+        let before = metrics::ENDPOINT_CHANGES_TOTAL.get();
         o.on_event(&Event::SliceDeleted {
             namespace: "a".into(),
             name: "b".into(),
         });
-        assert!(metrics::ENDPOINT_CHANGES_TOTAL.load(Ordering::Relaxed) > before);
+        assert!(metrics::ENDPOINT_CHANGES_TOTAL.get() > before);
         o.on_event(&Event::EndpointsChangeTriggered {
             service: NamespacedName::new("a", "b"),
             at: SystemTime::now() - Duration::from_millis(300),

@@ -8,10 +8,10 @@
 use super::wake::{Inbox, Wake};
 use super::{refresh_node_addresses, sync_once, ProxyOptions};
 use crate::admin::Observer;
-use crate::config::DetectLocal;
 use crate::conntrack::{CleanupQueue, FrontendKinds, Frontends};
 use crate::metrics;
 use crate::model::ClusterState;
+use crate::model::DetectLocal;
 use crate::nft::monitor::Drift;
 use crate::nft::netlink::NftSocket;
 use crate::render::RenderConfig;
@@ -161,7 +161,7 @@ impl ProxyLoop<'_> {
     /// NodeCIDR, this node's podCIDRs are known). Until then whatever an earlier run programmed stays.
     fn ready(&self) -> bool {
         self.synced
-            && (self.opts.detect_local != DetectLocal::NodeCidr
+            && (self.opts.render.local_detector != DetectLocal::NodeCidr
                 || !self.cfg.cluster_cidrs.is_empty())
     }
 
@@ -213,7 +213,7 @@ impl ProxyLoop<'_> {
                 self.request_sync();
             }
         }
-        if self.opts.detect_local == DetectLocal::NodeCidr {
+        if self.opts.render.local_detector == DetectLocal::NodeCidr {
             let node_cidrs = self.observer.node.as_ref().map(|n| n.pod_cidrs.clone());
             if let Some(cidrs) = node_cidrs.filter(|c| !c.is_empty()) {
                 if self.cfg.cluster_cidrs.is_empty() {
@@ -325,10 +325,10 @@ impl ProxyLoop<'_> {
                 }
                 let repair = std::mem::take(&mut self.repair);
                 if repair {
-                    metrics::REPAIRS.fetch_add(1, Ordering::Relaxed);
+                    metrics::REPAIRS.inc();
                 }
                 metrics::record_sync(report.full, report.elapsed);
-                metrics::PENDING_CHANGES.store(0, Ordering::Relaxed);
+                metrics::PENDING_CHANGES.set(0);
                 tracing::info!(
                     full = report.full,
                     changes = report.changes,
@@ -348,9 +348,8 @@ impl ProxyLoop<'_> {
             }
             Err(e) => {
                 self.conntrack.sync_failed(&changes);
-                metrics::SYNC_FAILURES.fetch_add(1, Ordering::Relaxed);
-                metrics::PENDING_CHANGES
-                    .store(changes.changed_services.len() as u64, Ordering::Relaxed);
+                metrics::SYNC_FAILURES.inc();
+                metrics::PENDING_CHANGES.set(changes.changed_services.len() as u64);
                 tracing::error!(
                     retry_in_s = self.backoff.as_secs(),
                     "sync failed, the previous rules stay in place: {e}"

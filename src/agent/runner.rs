@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 pub const BURST: u32 = 2;
 
 #[derive(Debug, Clone)]
+/// kube-proxy's BoundedFrequencyRunner (burst 2): the token bucket that says when a requested sync may run.
 pub struct SyncRunner {
     min_interval: Duration,
     /// Tokens at `at`, in units of one sync (fractions are partly refilled tokens).
@@ -16,6 +17,7 @@ pub struct SyncRunner {
 }
 
 impl SyncRunner {
+    /// A runner with a full bucket at `now`: [`BURST`] syncs may run at once, then one per `min_interval`.
     pub fn new(min_interval: Duration, now: Instant) -> SyncRunner {
         SyncRunner {
             min_interval,

@@ -42,6 +42,7 @@ pub struct StopHandle {
 }
 
 impl StopHandle {
+    /// Asks the loop to stop; it returns after its current step.
     pub fn stop(&self) {
         self.flag.store(true, Ordering::SeqCst);
         self.bell.ring(Wake::Stop);
@@ -68,10 +69,12 @@ impl Inbox {
         (handle, Inbox { rx, tx, stop })
     }
 
+    /// A doorbell that wakes this inbox, for the threads that feed it.
     pub fn doorbell(&self) -> Doorbell {
         Doorbell(self.tx.clone())
     }
 
+    /// Whether a stop was asked for.
     pub fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }

@@ -63,6 +63,7 @@ pub struct CleanupReport {
     pub scanned: usize,
     /// Entries found stale.
     pub stale: usize,
+    /// Stale entries deleted by exact tuple.
     pub deleted: usize,
     /// Stale entries that were gone by the time of the delete.
     pub gone: usize,
@@ -70,16 +71,22 @@ pub struct CleanupReport {
     pub errors: usize,
     /// Kernel-side filtered deletes sent (their deletions are not counted in `deleted`).
     pub filtered_deletes: usize,
+    /// How long the walk took.
     pub elapsed: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
+/// Why a cleanup failed (its targets are retried after the next commit).
 pub enum CleanupError {
     #[error("opening the ctnetlink socket: {0}")]
+    /// The ctnetlink socket did not open.
     Open(std::io::Error),
     #[error("conntrack {what}: {source}")]
+    /// A dump or delete failed.
     Netlink {
+        /// Which step ("dump", "delete", ...).
         what: &'static str,
+        /// The netlink error.
         source: NetlinkError,
     },
 }
@@ -102,11 +109,14 @@ pub struct Planner {
 /// planner if the walk fails, and judged again then against the endpoints of that time).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Round {
+    /// What the round looks at.
     pub targets: Targets,
+    /// What a flow must match to be deleted.
     pub filter: StaleFilter,
 }
 
 impl Planner {
+    /// A planner with nothing pending yet.
     pub fn new(opts: &CleanerOptions) -> Planner {
         Planner {
             kinds: opts.kinds,
@@ -230,10 +240,12 @@ impl Default for Cleaner {
 }
 
 impl Cleaner {
+    /// A cleaner with the default options.
     pub fn new() -> Cleaner {
         Cleaner::with_options(CleanerOptions::default())
     }
 
+    /// A cleaner with these options.
     pub fn with_options(opts: CleanerOptions) -> Cleaner {
         Cleaner {
             planner: Planner::new(&opts),
@@ -297,8 +309,11 @@ impl Cleaner {
 /// Where a walk run by the worker stood: the commits it follows and how long it waited for its turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Queued {
+    /// The first commit whose changes the walk covers.
     pub first_commit: u64,
+    /// The last commit whose changes the walk covers.
     pub last_commit: u64,
+    /// How long it waited for the walk before it.
     pub waited: Duration,
 }
 

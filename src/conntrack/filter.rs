@@ -21,8 +21,11 @@ use std::net::{IpAddr, SocketAddr};
 /// A service address: original destination `ip:port` for `proto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
+    /// The address.
     pub ip: IpAddr,
+    /// The port.
     pub port: u16,
+    /// The protocol.
     pub proto: Protocol,
 }
 
@@ -30,7 +33,9 @@ pub struct Frontend {
 /// [`StaleFilter::node_port_addresses`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodePort {
+    /// The node port.
     pub port: u16,
+    /// The protocol.
     pub proto: Protocol,
 }
 
@@ -74,10 +79,12 @@ pub struct StaleFilter {
 }
 
 impl StaleFilter {
+    /// A filter that matches nothing.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Matches nothing.
     pub fn is_empty(&self) -> bool {
         self.ips.is_empty()
             && self.removed.is_empty()
@@ -211,6 +218,7 @@ impl StaleFilter {
         None
     }
 
+    /// Whether the entry is stale (see `check` for why).
     pub fn is_stale(&self, e: &Entry) -> bool {
         self.check(e).is_some()
     }

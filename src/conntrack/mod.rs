@@ -42,6 +42,7 @@ use std::time::Duration;
 pub struct Metrics {
     /// Cleanups that ran (something to look at), successful or not.
     pub cleanups: AtomicU64,
+    /// Cleanups that failed.
     pub cleanup_failures: AtomicU64,
     /// Entries the dumps returned.
     pub entries_scanned: AtomicU64,
@@ -53,21 +54,32 @@ pub struct Metrics {
     pub filtered_deletes: AtomicU64,
     /// Total, last and longest cleanup duration, in microseconds.
     pub duration_us_total: AtomicU64,
+    /// See `duration_us_total`.
     pub duration_us_last: AtomicU64,
+    /// See `duration_us_total`.
     pub duration_us_max: AtomicU64,
 }
 
 /// A consistent-enough copy of [`Metrics`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
+    /// See [`Metrics::cleanups`].
     pub cleanups: u64,
+    /// See [`Metrics::cleanup_failures`].
     pub cleanup_failures: u64,
+    /// See [`Metrics::entries_scanned`].
     pub entries_scanned: u64,
+    /// See [`Metrics::entries_deleted`].
     pub entries_deleted: u64,
+    /// See [`Metrics::delete_errors`].
     pub delete_errors: u64,
+    /// See [`Metrics::filtered_deletes`].
     pub filtered_deletes: u64,
+    /// See [`Metrics::duration_us_total`].
     pub duration_us_total: u64,
+    /// See [`Metrics::duration_us_last`].
     pub duration_us_last: u64,
+    /// See [`Metrics::duration_us_max`].
     pub duration_us_max: u64,
 }
 
@@ -100,6 +112,7 @@ impl Metrics {
         self.cleanup_failures.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The counters now (each read on its own).
     pub fn snapshot(&self) -> MetricsSnapshot {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         MetricsSnapshot {

@@ -14,8 +14,11 @@ use std::net::{IpAddr, SocketAddr};
 /// must not be cleaned: an external IP nothing DNATs may be a real remote host with its own flows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FrontendKinds {
+    /// Services' external IPs.
     pub external_ips: bool,
+    /// Load balancer ingress IPs.
     pub load_balancer_ips: bool,
+    /// NodePorts.
     pub node_ports: bool,
 }
 
@@ -26,6 +29,7 @@ impl FrontendKinds {
         load_balancer_ips: false,
         node_ports: false,
     };
+    /// Every kind.
     pub const ALL: FrontendKinds = FrontendKinds {
         external_ips: true,
         load_balancer_ips: true,
@@ -36,7 +40,9 @@ impl FrontendKinds {
 /// The frontends of one UDP / SCTP service port.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PortFrontends {
+    /// Its addresses (ClusterIP, external and load balancer IPs the rules program), with its port.
     pub frontends: Vec<Frontend>,
+    /// Its NodePort, if programmed.
     pub node_port: Option<NodePort>,
 }
 
@@ -80,10 +86,12 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// Nothing pending.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Nothing pending.
     pub fn is_empty(&self) -> bool {
         self.changes.is_empty()
     }
@@ -104,10 +112,12 @@ impl Pending {
         }
     }
 
+    /// The changes pending.
     pub fn changes(&self) -> &Changes {
         &self.changes
     }
 
+    /// Forgets them (they were handled).
     pub fn clear(&mut self) {
         self.changes = Changes::default();
     }
@@ -124,18 +134,22 @@ pub struct FrontendIndex {
 }
 
 impl FrontendIndex {
+    /// An empty index.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// How many service ports it has.
     pub fn len(&self) -> usize {
         self.by_port.len()
     }
 
+    /// No service ports.
     pub fn is_empty(&self) -> bool {
         self.by_port.is_empty()
     }
 
+    /// The frontends of a service port.
     pub fn get(&self, spn: &ServicePortName) -> Option<&PortFrontends> {
         self.by_port.get(spn)
     }
@@ -150,6 +164,7 @@ impl FrontendIndex {
         self.node_port_owners.get(np)
     }
 
+    /// Whether some service port still has this address for this protocol.
     pub fn ip_in_use(&self, ip: IpAddr, proto: Protocol) -> bool {
         self.ip_refs.contains_key(&(ip, proto))
     }
@@ -260,6 +275,7 @@ pub struct Targets {
 }
 
 impl Targets {
+    /// Nothing to look at.
     pub fn is_empty(&self) -> bool {
         self.ips.is_empty()
             && self.frontends.is_empty()
@@ -267,6 +283,7 @@ impl Targets {
             && self.judged.is_empty()
     }
 
+    /// Adds another round's targets.
     pub fn merge(&mut self, other: Targets) {
         self.ips.extend(other.ips);
         self.frontends.extend(other.frontends);

@@ -20,6 +20,7 @@ const ENOENT: i32 = libc::ENOENT;
 /// What a batch of exact deletes did.
 #[derive(Debug, Default)]
 pub struct DeleteOutcome {
+    /// Entries deleted.
     pub deleted: usize,
     /// Already gone (expired, deleted by someone else, or replaced by a newer entry with another id).
     pub gone: usize,
@@ -27,6 +28,7 @@ pub struct DeleteOutcome {
     pub errors: Vec<(Entry, NetlinkError)>,
 }
 
+/// A ctnetlink socket in the calling thread's network namespace: dumps, exact and filtered deletes.
 pub struct CtSocket {
     sock: NlSocket,
 }
@@ -190,14 +192,17 @@ impl CtSocket {
 pub struct Features {
     /// A dump with `CTA_FILTER` on the protocol returns exactly that protocol's entries (5.8+).
     pub dump_proto_v4: bool,
+    /// As `dump_proto_v4`, for IPv6.
     pub dump_proto_v6: bool,
     /// A dump with `CTA_FILTER` on protocol and original destination returns exactly the matching entries.
     /// (IPv6 fails on Linux 6.18: the kernel's address comparison is inverted, it returns the others.)
     pub dump_addr_v4: bool,
+    /// As `dump_addr_v4`, for IPv6.
     pub dump_addr_v6: bool,
     /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+; IPv6 has
     /// the same inverted comparison, so there it deletes the *other* flows).
     pub filtered_delete_v4: bool,
+    /// As `filtered_delete_v4`, for IPv6.
     pub filtered_delete_v6: bool,
 }
 
@@ -219,12 +224,15 @@ impl Features {
             v6
         }
     }
+    /// Whether a protocol-filtered dump works in this family (AF_INET, AF_INET6).
     pub fn dump_proto(&self, family: u8) -> bool {
         Self::pick(family, self.dump_proto_v4, self.dump_proto_v6)
     }
+    /// Whether an address-filtered dump works in this family.
     pub fn dump_addr(&self, family: u8) -> bool {
         Self::pick(family, self.dump_addr_v4, self.dump_addr_v6)
     }
+    /// Whether a filtered delete works in this family.
     pub fn filtered_delete(&self, family: u8) -> bool {
         Self::pick(family, self.filtered_delete_v4, self.filtered_delete_v6)
     }
@@ -235,30 +243,35 @@ impl Features {
 /// filtered delete must select exactly the right ones. Anything unexpected, including not being allowed to
 /// create a namespace, leaves the feature off; the portable path (dump by family, filter in user space,
 /// delete by exact tuple) needs none of them.
-pub fn probe() -> Result<Features, String> {
+pub fn probe() -> Result<Features, ProbeError> {
     std::thread::Builder::new()
         .name("ct-probe".into())
         .spawn(|| {
             // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                return Err(format!(
-                    "creating a scratch network namespace: {}",
-                    io::Error::last_os_error()
-                ));
+                return Err(ProbeError::Namespace(io::Error::last_os_error()));
             }
-            let mut s = CtSocket::open().map_err(|e| format!("ctnetlink socket: {e}"))?;
+            let mut s = CtSocket::open().map_err(ProbeError::Socket)?;
             let v4 = probe_family(
                 &mut s,
                 "192.0.2.1".parse().unwrap(),
                 "192.0.2.2".parse().unwrap(),
                 "192.0.2.100".parse().unwrap(),
-            )?;
+            )
+            .map_err(|detail| ProbeError::Family {
+                family: "IPv4",
+                detail,
+            })?;
             let v6 = probe_family(
                 &mut s,
                 "2001:db8::1".parse().unwrap(),
                 "2001:db8::2".parse().unwrap(),
                 "2001:db8::100".parse().unwrap(),
-            )?;
+            )
+            .map_err(|detail| ProbeError::Family {
+                family: "IPv6",
+                detail,
+            })?;
             Ok(Features {
                 dump_proto_v4: v4.proto,
                 dump_addr_v4: v4.addr,
@@ -268,9 +281,34 @@ pub fn probe() -> Result<Features, String> {
                 filtered_delete_v6: v6.delete,
             })
         })
-        .map_err(|e| format!("spawning the probe thread: {e}"))?
+        .map_err(ProbeError::Spawn)?
         .join()
-        .unwrap_or_else(|_| Err("the probe thread panicked".into()))
+        .unwrap_or(Err(ProbeError::Panicked))
+}
+
+/// Why the conntrack filter probe gave up (every filter feature then stays off).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// `unshare(CLONE_NEWNET)` failed (no CAP_SYS_ADMIN, or namespaces are not allowed).
+    #[error("creating a scratch network namespace: {0}")]
+    Namespace(io::Error),
+    /// The ctnetlink socket did not open.
+    #[error("ctnetlink socket: {0}")]
+    Socket(io::Error),
+    /// A step of one family's probe failed.
+    #[error("{family} probe: {detail}")]
+    Family {
+        /// "IPv4" or "IPv6".
+        family: &'static str,
+        /// The step and its error.
+        detail: String,
+    },
+    /// The probe's thread could not start.
+    #[error("spawning the probe thread: {0}")]
+    Spawn(io::Error),
+    /// The probe's thread panicked.
+    #[error("the probe thread panicked")]
+    Panicked,
 }
 
 struct FamilyFeatures {

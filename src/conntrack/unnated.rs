@@ -11,8 +11,8 @@
 
 use super::wire::{Entry, AF_INET, AF_INET6, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use super::{DumpFilter, FrontendKinds};
+use crate::model::NodePortAddresses;
 use crate::model::{ClusterState, Protocol};
-use crate::node::NodePortAddresses;
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 
@@ -83,6 +83,7 @@ impl Frontends {
         f
     }
 
+    /// Nothing to look for.
     pub fn is_empty(&self) -> bool {
         self.sockets.is_empty() && (self.node_ports.is_empty() || self.node_addresses.is_empty())
     }

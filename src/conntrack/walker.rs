@@ -54,6 +54,7 @@ pub struct Walker {
 }
 
 impl Walker {
+    /// A walker with these options; its socket opens at the first walk.
     pub fn new(opts: CleanerOptions) -> Walker {
         Walker {
             opts,

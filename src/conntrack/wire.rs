@@ -12,48 +12,82 @@ use crate::netlink::attr::{messages, Attr, Attrs};
 use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+/// The ctnetlink subsystem of nfnetlink.
 pub const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+/// ctnetlink: create an entry.
 pub const IPCTNL_MSG_CT_NEW: u16 = 0;
+/// ctnetlink: get or dump entries.
 pub const IPCTNL_MSG_CT_GET: u16 = 1;
+/// ctnetlink: delete entries.
 pub const IPCTNL_MSG_CT_DELETE: u16 = 2;
 
+/// IPv4 (nfgenmsg family).
 pub const AF_INET: u8 = 2;
+/// IPv6 (nfgenmsg family).
 pub const AF_INET6: u8 = 10;
 
 // enum ctattr_type
+/// The original direction's tuple.
 pub const CTA_TUPLE_ORIG: u16 = 1;
+/// The reply direction's tuple.
 pub const CTA_TUPLE_REPLY: u16 = 2;
+/// The entry's status bits.
 pub const CTA_STATUS: u16 = 3;
+/// Seconds left before the entry expires.
 pub const CTA_TIMEOUT: u16 = 7;
+/// The entry's mark.
 pub const CTA_MARK: u16 = 8;
+/// The entry's id.
 pub const CTA_ID: u16 = 12;
+/// The entry's zone (both directions).
 pub const CTA_ZONE: u16 = 18;
+/// A filter for dumps and deletes (5.8+).
 pub const CTA_FILTER: u16 = 25;
 // enum ctattr_tuple
+/// Tuple: the addresses.
 pub const CTA_TUPLE_IP: u16 = 1;
+/// Tuple: protocol and ports.
 pub const CTA_TUPLE_PROTO: u16 = 2;
+/// Tuple: a zone of this direction only.
 pub const CTA_TUPLE_ZONE: u16 = 3;
 // enum ctattr_ip
+/// IPv4 source address.
 pub const CTA_IP_V4_SRC: u16 = 1;
+/// IPv4 destination address.
 pub const CTA_IP_V4_DST: u16 = 2;
+/// IPv6 source address.
 pub const CTA_IP_V6_SRC: u16 = 3;
+/// IPv6 destination address.
 pub const CTA_IP_V6_DST: u16 = 4;
 // enum ctattr_l4proto
+/// Layer-4 protocol number.
 pub const CTA_PROTO_NUM: u16 = 1;
+/// Source port.
 pub const CTA_PROTO_SRC_PORT: u16 = 2;
+/// Destination port.
 pub const CTA_PROTO_DST_PORT: u16 = 3;
 // enum ctattr_filter
+/// Filter: which fields of the original tuple must match.
 pub const CTA_FILTER_ORIG_FLAGS: u16 = 1;
+/// Filter: which fields of the reply tuple must match.
 pub const CTA_FILTER_REPLY_FLAGS: u16 = 2;
 // CTA_FILTER_F_* (net/netfilter/nf_internals.h): which fields of the filter tuple count.
+/// Filter field: source address.
 pub const CTA_FILTER_F_IP_SRC: u32 = 1 << 0;
+/// Filter field: destination address.
 pub const CTA_FILTER_F_IP_DST: u32 = 1 << 1;
+/// Filter field: protocol number.
 pub const CTA_FILTER_F_PROTO_NUM: u32 = 1 << 3;
+/// Filter field: source port.
 pub const CTA_FILTER_F_PROTO_SRC_PORT: u32 = 1 << 4;
+/// Filter field: destination port.
 pub const CTA_FILTER_F_PROTO_DST_PORT: u32 = 1 << 5;
 
+/// TCP.
 pub const IPPROTO_TCP: u8 = 6;
+/// UDP.
 pub const IPPROTO_UDP: u8 = 17;
+/// SCTP.
 pub const IPPROTO_SCTP: u8 = 132;
 
 /// The netlink message type of a ctnetlink message.
@@ -77,14 +111,20 @@ fn nfgenmsg(family: u8) -> [u8; 4] {
 /// One direction of a connection: addresses, layer-4 protocol and ports (0 for protocols without ports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tuple {
+    /// Source address.
     pub src: IpAddr,
+    /// Destination address.
     pub dst: IpAddr,
+    /// Layer-4 protocol number.
     pub proto: u8,
+    /// Source port.
     pub sport: u16,
+    /// Destination port.
     pub dport: u16,
 }
 
 impl Tuple {
+    /// A tuple (note the order: each address with its port).
     pub fn new(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, proto: u8) -> Tuple {
         Tuple {
             src,
@@ -106,6 +146,7 @@ impl Tuple {
         }
     }
 
+    /// The address family (AF_INET or AF_INET6).
     pub fn family(&self) -> u8 {
         family_of(&self.src)
     }
@@ -140,6 +181,7 @@ pub enum ZoneScope {
 }
 
 impl ZoneScope {
+    /// The zone's id (0: the default zone).
     pub fn id(&self) -> u16 {
         match self {
             ZoneScope::None => 0,
@@ -151,14 +193,19 @@ impl ZoneScope {
 /// One conntrack entry as a dump reports it (the fields cleanup needs).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Entry {
+    /// The original direction.
     pub orig: Tuple,
+    /// The reply direction (after NAT, its source is the endpoint).
     pub reply: Tuple,
+    /// The entry's zone, as reported.
     pub zone: ZoneScope,
     /// The kernel's id of the entry (`CTA_ID`): a hash of the entry's address and original tuple. A delete
     /// carrying it fails with ENOENT if the tuple now belongs to a newer entry allocated elsewhere (one that
     /// reuses the freed slot has the same id, so this narrows the race, it does not close it).
     pub id: Option<u32>,
+    /// The entry's mark.
     pub mark: u32,
+    /// The entry's status bits (IPS_*).
     pub status: u32,
     /// Seconds left.
     pub timeout: u32,
@@ -199,13 +246,16 @@ fn has_ports(proto: u8) -> bool {
 /// filters again in user space anyway).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DumpFilter {
+    /// The address family (AF_INET, AF_INET6).
     pub family: u8,
+    /// Only this layer-4 protocol.
     pub proto: Option<u8>,
     /// Original destination address (needs `proto`: the kernel parses the tuple filter per protocol).
     pub dst: Option<IpAddr>,
 }
 
 impl DumpFilter {
+    /// Every entry of a family.
     pub fn family(family: u8) -> DumpFilter {
         DumpFilter {
             family,
@@ -213,6 +263,7 @@ impl DumpFilter {
             dst: None,
         }
     }
+    /// The entries of one protocol in a family.
     pub fn proto(family: u8, proto: u8) -> DumpFilter {
         DumpFilter {
             family,
@@ -220,6 +271,7 @@ impl DumpFilter {
             dst: None,
         }
     }
+    /// The entries of one protocol sent to `dst`.
     pub fn dst(dst: IpAddr, proto: u8) -> DumpFilter {
         DumpFilter {
             family: family_of(&dst),
@@ -313,6 +365,7 @@ impl DeleteFilter {
             dport: Some(dport),
         }
     }
+    /// Whether the filter selects the entry (by its original direction), as the kernel would.
     pub fn matches(&self, e: &Entry) -> bool {
         e.orig.dst == self.dst
             && e.orig.proto == self.proto
@@ -354,10 +407,15 @@ pub fn encode_filtered_delete(f: &DeleteFilter, seq: u32) -> Vec<u8> {
 /// differ from `orig.inverse()` to imitate a NATed connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NewEntry {
+    /// The original direction.
     pub orig: Tuple,
+    /// The reply direction.
     pub reply: Tuple,
+    /// Seconds before it expires.
     pub timeout_s: u32,
+    /// Its mark.
     pub mark: u32,
+    /// Its zone (both directions; 0: none).
     pub zone: u16,
 }
 

@@ -15,7 +15,9 @@ use super::types::NamespacedName;
 /// values, so the store keeps one shared copy per distinct value (see [`Interner`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Topology {
+    /// The node the endpoint is on.
     pub node_name: Option<String>,
+    /// The zone the endpoint is in.
     pub zone: Option<String>,
     /// Topology hints: zones this endpoint should serve ("forZones").
     pub zone_hints: Vec<String>,
@@ -75,6 +77,7 @@ impl<T: ?Sized + Eq + Hash> Interner<T> {
         self.set.len()
     }
 
+    /// Neither node nor zone nor hints.
     pub fn is_empty(&self) -> bool {
         self.set.is_empty()
     }
@@ -102,10 +105,12 @@ impl Interner<str> {
 pub struct SharedValues {
     /// Namespaces and port names.
     pub strings: Interner<str>,
+    /// Endpoint topologies (node, zone, hints), shared by the endpoints that have the same.
     pub topologies: Interner<Topology>,
 }
 
 impl SharedValues {
+    /// The shared copy of `s`.
     pub fn string(&mut self, s: &str) -> Arc<str> {
         self.strings.string(s)
     }
@@ -122,7 +127,9 @@ impl SharedValues {
 /// A (namespace, name) pair however it is stored: lets maps keyed by [`SharedName`] be queried with a
 /// `&NamespacedName` or a pair of `&str` without building a key.
 pub trait NameKey {
+    /// The namespace.
     fn namespace(&self) -> &str;
+    /// The name.
     fn name(&self) -> &str;
 }
 
@@ -162,7 +169,9 @@ impl Eq for dyn NameKey + '_ {}
 /// A namespaced name made of shared strings: 32 bytes and no allocation of its own.
 #[derive(Debug, Clone, PartialOrd, Ord)]
 pub struct SharedName {
+    /// The namespace (shared).
     pub namespace: Arc<str>,
+    /// The name (shared).
     pub name: Arc<str>,
 }
 
@@ -176,6 +185,7 @@ impl NameKey for SharedName {
 }
 
 impl SharedName {
+    /// An owned copy of the name.
     pub fn to_namespaced_name(&self) -> NamespacedName {
         NamespacedName::new(&*self.namespace, &*self.name)
     }

@@ -19,7 +19,9 @@ pub struct SlicePort {
     /// The port's name ("" if unnamed); matched against the service port's name. Shared: most slices
     /// use the same few names.
     pub name: Arc<str>,
+    /// The port number.
     pub port: u16,
+    /// The port's protocol.
     pub protocol: Protocol,
 }
 
@@ -32,8 +34,11 @@ pub struct SliceEndpoint {
     /// The endpoint's first address, the only one consumers use (the API says an endpoint's addresses
     /// are fungible, and kube-proxy programs the first). The converter still validates all of them.
     pub address: IpAddr,
+    /// `conditions.ready`.
     pub ready: bool,
+    /// `conditions.serving`.
     pub serving: bool,
+    /// `conditions.terminating`.
     pub terminating: bool,
     /// Node, zone and hints; None when the endpoint has none of them. Shared between endpoints.
     pub topology: Option<Arc<Topology>>,
@@ -59,18 +64,22 @@ impl SliceEndpoint {
         self
     }
 
+    /// The node the endpoint is on.
     pub fn node_name(&self) -> Option<&str> {
         self.topology.as_deref()?.node_name.as_deref()
     }
 
+    /// The zone the endpoint is in.
     pub fn zone(&self) -> Option<&str> {
         self.topology.as_deref()?.zone.as_deref()
     }
 
+    /// Topology hints: the zones that should use this endpoint.
     pub fn zone_hints(&self) -> &[String] {
         self.topology.as_deref().map_or(&[], |t| &t.zone_hints)
     }
 
+    /// Topology hints: the nodes that should use this endpoint.
     pub fn node_hints(&self) -> &[String] {
         self.topology.as_deref().map_or(&[], |t| &t.node_hints)
     }
@@ -96,12 +105,17 @@ impl SliceEndpoint {
 /// shared: the store, and the source that produced the slice, point at one copy.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SliceInfo {
+    /// The slice's namespace.
     pub namespace: Arc<str>,
+    /// The slice's name.
     pub name: Arc<str>,
     /// Name of the owning service (label `kubernetes.io/service-name`), in the same namespace.
     pub service: Arc<str>,
+    /// Which family its addresses are.
     pub address_type: IpFamily,
+    /// Its ports (each endpoint serves all of them).
     pub ports: Vec<SlicePort>,
+    /// Its endpoints.
     pub endpoints: Vec<SliceEndpoint>,
 }
 
@@ -162,6 +176,7 @@ pub struct Changes {
 }
 
 impl Changes {
+    /// No services and no slices.
     pub fn is_empty(&self) -> bool {
         self.changed_services.is_empty()
             && self.deleted_udp_cluster_ips.is_empty()
@@ -199,6 +214,7 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
+    /// An empty state.
     pub fn new() -> Self {
         Self::default()
     }
@@ -226,6 +242,7 @@ impl ClusterState {
         }
     }
 
+    /// Removes a Service (its slices stay, waiting for it or for their own deletion).
     pub fn delete_service(&mut self, key: &NamespacedName) {
         if self.ports_of(key).next().is_none() {
             return;
@@ -251,6 +268,7 @@ impl ClusterState {
         self.insert_slice(slice);
     }
 
+    /// Removes an EndpointSlice.
     pub fn delete_slice(&mut self, namespace: &str, name: &str) {
         let Some(old) = self.slice(namespace, name) else {
             return;
@@ -275,6 +293,7 @@ impl ClusterState {
         self.ports_of(key).collect()
     }
 
+    /// An EndpointSlice by namespace and name.
     pub fn slice(&self, namespace: &str, name: &str) -> Option<&SliceInfo> {
         let service = self.slice_owners.get::<dyn NameKey>(&(namespace, name))?;
         let group = self.slices.get::<dyn NameKey>(&(namespace, &**service))?;

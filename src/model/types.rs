@@ -9,8 +9,11 @@ use std::sync::Arc;
 /// Layer-4 protocol of a service port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {
+    /// TCP.
     Tcp,
+    /// UDP.
     Udp,
+    /// SCTP.
     Sctp,
 }
 
@@ -23,7 +26,6 @@ impl Protocol {
             Protocol::Sctp => 132,
         }
     }
-    /// Lower-case name as nft and kube-proxy chain names spell it.
     /// The protocol of IANA number `n`, if it is one of ours.
     pub fn from_number(n: u8) -> Option<Protocol> {
         [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
@@ -31,6 +33,7 @@ impl Protocol {
             .find(|p| p.number() == n)
     }
 
+    /// Lower-case name as nft and kube-proxy chain names spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",
@@ -40,15 +43,29 @@ impl Protocol {
     }
 }
 
+/// Text the model cannot read, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Not TCP, UDP or SCTP.
+    #[error("unsupported protocol {0:?}")]
+    Protocol(String),
+    /// A CIDR whose address part is not an IP address.
+    #[error("invalid CIDR {0:?}: bad address")]
+    CidrAddress(String),
+    /// A CIDR whose prefix length is not a number within the family's bits.
+    #[error("invalid CIDR {0:?}: bad prefix length")]
+    CidrPrefix(String),
+}
+
 impl FromStr for Protocol {
-    type Err = String;
+    type Err = ParseError;
     /// Kubernetes spelling ("TCP", "UDP", "SCTP"); empty means TCP as the API defaults it.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         match s {
             "TCP" | "" => Ok(Protocol::Tcp),
             "UDP" => Ok(Protocol::Udp),
             "SCTP" => Ok(Protocol::Sctp),
-            other => Err(format!("unsupported protocol {other:?}")),
+            other => Err(ParseError::Protocol(other.into())),
         }
     }
 }
@@ -62,11 +79,14 @@ impl fmt::Display for Protocol {
 /// Address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum IpFamily {
+    /// IPv4.
     V4,
+    /// IPv6.
     V6,
 }
 
 impl IpFamily {
+    /// The family of an address.
     pub fn of(ip: &IpAddr) -> IpFamily {
         match ip {
             IpAddr::V4(_) => IpFamily::V4,
@@ -79,11 +99,14 @@ impl IpFamily {
 /// the sync index, change sets), and at 50k services a `String` per copy cost tens of megabytes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NamespacedName {
+    /// The namespace.
     pub namespace: Arc<str>,
+    /// The name.
     pub name: Arc<str>,
 }
 
 impl NamespacedName {
+    /// A name in a namespace.
     pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         NamespacedName {
             namespace: namespace.into(),
@@ -101,9 +124,11 @@ impl fmt::Display for NamespacedName {
 /// Identifies one port of one service: kube-proxy's ServicePortName ("namespace/name:port").
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortName {
+    /// The Service.
     pub service: NamespacedName,
     /// The port's name in the Service spec ("" for a single unnamed port).
     pub port: Arc<str>,
+    /// The port's protocol.
     pub protocol: Protocol,
 }
 
@@ -118,31 +143,42 @@ impl fmt::Display for ServicePortName {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A Service's `spec.type` (ExternalName services are not proxied and never reach the model).
 pub enum ServiceType {
+    /// A cluster IP only.
     ClusterIP,
+    /// A cluster IP and a port on every node.
     NodePort,
+    /// A NodePort, plus the load balancer's IPs from `status.loadBalancer`.
     LoadBalancer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// `externalTrafficPolicy` / `internalTrafficPolicy`.
 pub enum TrafficPolicy {
     #[default]
+    /// Any ready endpoint in the cluster.
     Cluster,
+    /// Endpoints on this node only.
     Local,
 }
 
 /// An IP prefix ("10.0.0.0/8"); the address is stored with host bits cleared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Cidr {
+    /// The network address (host bits cleared).
     pub addr: IpAddr,
+    /// The prefix length.
     pub prefix: u8,
 }
 
 impl Cidr {
+    /// The prefix's family.
     pub fn family(&self) -> IpFamily {
         IpFamily::of(&self.addr)
     }
 
+    /// Whether `ip` is inside the prefix (never across families).
     pub fn contains(&self, ip: &IpAddr) -> bool {
         match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
@@ -175,8 +211,8 @@ impl Cidr {
 }
 
 impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         let (addr, prefix) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
@@ -184,7 +220,7 @@ impl FromStr for Cidr {
         let addr: IpAddr = addr
             .trim()
             .parse()
-            .map_err(|_| format!("invalid CIDR {s:?}: bad address"))?;
+            .map_err(|_| ParseError::CidrAddress(s.into()))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             Some(p) => p
@@ -192,12 +228,21 @@ impl FromStr for Cidr {
                 .parse::<u8>()
                 .ok()
                 .filter(|p| *p <= max)
-                .ok_or_else(|| format!("invalid CIDR {s:?}: bad prefix length"))?,
+                .ok_or_else(|| ParseError::CidrPrefix(s.into()))?,
             None => max,
         };
         let (base, _) = Cidr { addr, prefix }.range();
         Ok(Cidr { addr: base, prefix })
     }
+}
+
+/// Parses a comma-separated list of CIDRs (kube-proxy accepts `--cluster-cidr=a,b` for dual-stack).
+pub fn parse_cidrs(s: &str) -> Result<Vec<Cidr>, ParseError> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<Cidr>())
+        .collect()
 }
 
 impl fmt::Display for Cidr {
@@ -209,21 +254,31 @@ impl fmt::Display for Cidr {
 /// Everything kube-proxy knows about one port of one service.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ServicePort {
+    /// Service and port name.
     pub name: ServicePortName,
+    /// `spec.type`.
     pub service_type: ServiceType,
     /// Cluster IPs of every family the service has (spec.clusterIPs).
     pub cluster_ips: Vec<IpAddr>,
+    /// The service port.
     pub port: u16,
+    /// Its protocol.
     pub protocol: Protocol,
+    /// `nodePort`, for NodePort and LoadBalancer services.
     pub node_port: Option<u16>,
+    /// `spec.externalIPs` (of the cluster IPs' families).
     pub external_ips: Vec<IpAddr>,
     /// LoadBalancer ingress IPs (ingress with ipMode Proxy excluded).
     pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges`.
     pub load_balancer_source_ranges: Vec<Cidr>,
+    /// `spec.externalTrafficPolicy`.
     pub external_traffic_policy: TrafficPolicy,
+    /// `spec.internalTrafficPolicy`.
     pub internal_traffic_policy: TrafficPolicy,
     /// ClientIP affinity timeout in seconds; None without affinity.
     pub session_affinity_timeout: Option<u32>,
+    /// `spec.healthCheckNodePort` (LoadBalancer services with externalTrafficPolicy Local).
     pub health_check_node_port: Option<u16>,
 }
 
@@ -252,13 +307,19 @@ impl ServicePort {
 /// One endpoint of one service port, from an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Endpoint {
+    /// The endpoint's address.
     pub ip: IpAddr,
     /// The port resolved from the slice's port of the same name as the service port.
     pub port: u16,
+    /// `conditions.ready`.
     pub ready: bool,
+    /// `conditions.serving`.
     pub serving: bool,
+    /// `conditions.terminating`.
     pub terminating: bool,
+    /// The node it is on.
     pub node_name: Option<String>,
+    /// The zone it is in.
     pub zone: Option<String>,
     /// Topology hints: zones this endpoint should serve ("forZones").
     pub zone_hints: Vec<String>,

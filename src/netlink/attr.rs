@@ -17,9 +17,19 @@ const NLA_TYPE_MASK: u16 = !(NLA_F_NESTED | NLA_F_NET_BYTEORDER);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LengthError {
     #[error("netlink attribute type {kind} is {len} bytes long; an attribute holds at most 65535")]
-    Attribute { kind: u16, len: usize },
+    /// An attribute too long for its 16-bit length.
+    Attribute {
+        /// The attribute's type.
+        kind: u16,
+        /// Its length.
+        len: usize,
+    },
     #[error("netlink message is {len} bytes long; a message holds at most 4294967295")]
-    Message { len: usize },
+    /// A message too long for its 32-bit length.
+    Message {
+        /// Its length.
+        len: usize,
+    },
 }
 
 impl From<LengthError> for std::io::Error {
@@ -81,6 +91,7 @@ impl MsgBuilder {
         self
     }
 
+    /// Appends a one-byte attribute.
     pub fn attr_u8(&mut self, kind: u16, v: u8) -> &mut Self {
         self.attr(kind, &[v])
     }
@@ -117,6 +128,7 @@ impl MsgBuilder {
         self
     }
 
+    /// Closes the innermost nested attribute, writing its length.
     pub fn end_nested(&mut self) -> &mut Self {
         let (start, kind) = self.open.pop().expect("end_nested without begin_nested");
         let len = self.buf.len() - start;
@@ -155,10 +167,15 @@ impl MsgBuilder {
 /// One decoded netlink message header plus its payload.
 #[derive(Debug, Clone, Copy)]
 pub struct Msg<'a> {
+    /// Message type.
     pub msg_type: u16,
+    /// Header flags (NLM_F_*).
     pub flags: u16,
+    /// Sequence number.
     pub seq: u32,
+    /// Port id of the sender (0: the kernel).
     pub pid: u32,
+    /// What follows the header.
     pub payload: &'a [u8],
 }
 
@@ -189,20 +206,36 @@ fn msg_of(buf: &[u8], len: usize) -> Msg<'_> {
     }
 }
 
+/// A datagram that is not a sequence of whole netlink messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedDatagram {
+    /// Fewer bytes than a header after the last message.
+    #[error("{0} stray bytes after the last message")]
+    StrayBytes(usize),
+    /// A header whose length is shorter than a header or overruns the datagram.
+    #[error("message length {len} with {left} bytes left in the datagram")]
+    BadLength {
+        /// The length the header claims.
+        len: usize,
+        /// The bytes left in the datagram from that header on.
+        left: usize,
+    },
+}
+
 /// Splits a datagram into messages; any byte that is not part of a whole message makes it malformed
 /// (a truncated message, a length that overruns the datagram, a header shorter than a header).
-pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, String> {
+pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, MalformedDatagram> {
     let mut out = Vec::new();
     while !buf.is_empty() {
         if buf.len() < NLMSG_HDRLEN {
-            return Err(format!("{} stray bytes after the last message", buf.len()));
+            return Err(MalformedDatagram::StrayBytes(buf.len()));
         }
         let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
         if len < NLMSG_HDRLEN || len > buf.len() {
-            return Err(format!(
-                "message length {len} with {} bytes left in the datagram",
-                buf.len()
-            ));
+            return Err(MalformedDatagram::BadLength {
+                len,
+                left: buf.len(),
+            });
         }
         out.push(msg_of(buf, len));
         buf = &buf[align4(len).min(buf.len())..];
@@ -213,20 +246,26 @@ pub fn split(mut buf: &[u8]) -> Result<Vec<Msg<'_>>, String> {
 /// A decoded attribute: its type (flags stripped) and payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attr<'a> {
+    /// Attribute type, flags stripped.
     pub kind: u16,
+    /// Attribute payload.
     pub payload: &'a [u8],
 }
 
 impl<'a> Attr<'a> {
+    /// The payload as a big-endian u32.
     pub fn be32(&self) -> Option<u32> {
         Some(u32::from_be_bytes(self.payload.get(..4)?.try_into().ok()?))
     }
+    /// The payload as a big-endian u64.
     pub fn be64(&self) -> Option<u64> {
         Some(u64::from_be_bytes(self.payload.get(..8)?.try_into().ok()?))
     }
+    /// The payload as a native-endian u32.
     pub fn u32_ne(&self) -> Option<u32> {
         Some(u32::from_ne_bytes(self.payload.get(..4)?.try_into().ok()?))
     }
+    /// The payload as a u8.
     pub fn u8(&self) -> Option<u8> {
         self.payload.first().copied()
     }
@@ -239,6 +278,7 @@ impl<'a> Attr<'a> {
             .unwrap_or(self.payload.len());
         std::str::from_utf8(&self.payload[..end]).ok()
     }
+    /// The payload as nested attributes.
     pub fn nested(&self) -> Attrs<'a> {
         Attrs(self.payload)
     }
@@ -249,6 +289,7 @@ impl<'a> Attr<'a> {
 pub struct Attrs<'a>(pub &'a [u8]);
 
 impl<'a> Attrs<'a> {
+    /// The attributes in order.
     pub fn iter(&self) -> AttrIter<'a> {
         AttrIter(self.0)
     }

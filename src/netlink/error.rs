@@ -10,7 +10,9 @@ use std::time::Duration;
 /// Which request an error concerns: what it was and the sequence number it went out with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
+    /// What the request was ("dump nf_tables rules", ...).
     pub what: String,
+    /// Its sequence number.
     pub seq: u32,
 }
 
@@ -24,46 +26,75 @@ impl fmt::Display for Request {
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
     #[error("netlink socket: {0}")]
+    /// The socket failed.
     Io(#[from] io::Error),
     /// The kernel refused one message (`seq` is that message's).
     #[error("{} (errno {errno}, message seq {seq}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
     Kernel {
+        /// The refused message's sequence number.
         seq: u32,
+        /// The kernel's errno.
         errno: i32,
+        /// The kernel's extended ack message, if any.
         ext_ack: Option<String>,
     },
     /// The kernel refused a single request (a dump, a GET).
     #[error("{request}: {} (errno {errno}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
     Refused {
+        /// The refused request.
         request: Request,
+        /// The kernel's errno.
         errno: i32,
+        /// The kernel's extended ack message, if any.
         ext_ack: Option<String>,
     },
     /// The kernel refused a whole batch before looking at its messages, and said so only on BATCH_BEGIN's
     /// sequence number: no CAP_NET_ADMIN (EPERM), a malformed batch, no memory.
     #[error("the kernel refused the whole batch: {} (errno {errno}, reported on BATCH_BEGIN seq {seq}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
     Batch {
+        /// BATCH_BEGIN's sequence number.
         seq: u32,
+        /// The kernel's errno.
         errno: i32,
+        /// The kernel's extended ack message, if any.
         ext_ack: Option<String>,
     },
     /// Nothing answered in time; what the request did is unknown.
     #[error("{request}: no answer from the kernel within {waited:?}; outcome unknown")]
-    Timeout { request: Request, waited: Duration },
+    Timeout {
+        /// The request.
+        request: Request,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// The agent is shutting down; the wait was abandoned.
     #[error("{request}: abandoned, shutting down")]
-    Cancelled { request: Request },
+    Cancelled {
+        /// The request.
+        request: Request,
+    },
     /// The receive buffer overflowed (ENOBUFS): answers were dropped, so the outcome is unknown.
     #[error("{request}: the kernel dropped answers (receive buffer overflow); outcome unknown")]
-    Overrun { request: Request },
+    Overrun {
+        /// The request.
+        request: Request,
+    },
     /// An answer that does not parse.
     #[error("{request}: malformed netlink answer: {detail}")]
-    Protocol { request: Request, detail: String },
+    Protocol {
+        /// The request.
+        request: Request,
+        /// What does not parse.
+        detail: String,
+    },
     /// A dump the kernel kept marking inconsistent (NLM_F_DUMP_INTR, an error in NLMSG_DONE).
     #[error("{request}: dump still inconsistent after {attempts} attempts (last: {last})")]
     Inconsistent {
+        /// The dump.
         request: Request,
+        /// How many times it was tried.
         attempts: u32,
+        /// Why the last attempt was not usable.
         last: DumpFault,
     },
     /// A request that could not be encoded.
@@ -79,7 +110,12 @@ pub enum DumpFault {
     Interrupted,
     /// NLMSG_DONE carried an error: the dump ended early.
     #[error("ended with {} (errno {errno}){}", errno_text(*.errno), ext_suffix(.ext_ack))]
-    DoneError { errno: i32, ext_ack: Option<String> },
+    DoneError {
+        /// The kernel's errno.
+        errno: i32,
+        /// The kernel's extended ack message, if any.
+        ext_ack: Option<String>,
+    },
 }
 
 fn errno_text(errno: i32) -> io::Error {

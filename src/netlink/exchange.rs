@@ -26,14 +26,21 @@ pub enum Expect {
     /// the others answer only when they fail. `batch_begin`: an nfnetlink BATCH_BEGIN at that sequence
     /// number, on which the kernel reports errors that refuse the whole batch (and nothing else comes).
     Acks {
+        /// The first message's sequence number.
         first: u32,
+        /// The last message's sequence number.
         last: u32,
+        /// The message that asked for an acknowledgement.
         ack: u32,
+        /// An nfnetlink BATCH_BEGIN's sequence number, if the messages are a batch.
         batch_begin: Option<u32>,
     },
     /// One request answered by data messages ending with NLMSG_DONE (a dump), or with an acknowledgement
     /// (a plain GET that asked for one), or by an error.
-    Answer { seq: u32 },
+    Answer {
+        /// The request's sequence number.
+        seq: u32,
+    },
 }
 
 /// Where the exchange stands after a datagram.
@@ -93,10 +100,12 @@ impl Exchange {
         }
     }
 
+    /// The request the exchange is for.
     pub fn request(&self) -> &Request {
         &self.request
     }
 
+    /// Where the exchange stands.
     pub fn progress(&self) -> Progress {
         self.progress
     }
@@ -108,7 +117,7 @@ impl Exchange {
         datagram: &[u8],
         sink: &mut dyn FnMut(u16, &[u8]),
     ) -> Result<Progress, NetlinkError> {
-        for msg in split(datagram).map_err(|d| self.malformed(d))? {
+        for msg in split(datagram).map_err(|d| self.malformed(d.to_string()))? {
             if !self.is_ours(&msg) {
                 self.discard(&msg, "not an answer to this request");
                 continue;

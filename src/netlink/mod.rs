@@ -24,19 +24,32 @@ pub static DUMP_RETRIES: AtomicU64 = AtomicU64::new(0);
 /// Size of `struct nlmsghdr`.
 pub const NLMSG_HDRLEN: usize = 16;
 
+/// A request (every message to the kernel).
 pub const NLM_F_REQUEST: u16 = 0x01;
+/// Part of a multipart answer (ended by NLMSG_DONE).
 pub const NLM_F_MULTI: u16 = 0x02;
+/// Asks for an acknowledgement.
 pub const NLM_F_ACK: u16 = 0x04;
+/// GET: the whole table.
 pub const NLM_F_ROOT: u16 = 0x100;
+/// GET: every entry that matches.
 pub const NLM_F_MATCH: u16 = 0x200;
+/// GET: a dump.
 pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
+/// NEW: replace an existing object.
 pub const NLM_F_REPLACE: u16 = 0x100;
+/// NEW: fail if the object exists.
 pub const NLM_F_EXCL: u16 = 0x200;
+/// NEW: create the object if it does not exist.
 pub const NLM_F_CREATE: u16 = 0x400;
+/// NEW: add at the end of the list.
 pub const NLM_F_APPEND: u16 = 0x800;
 
+/// Nothing; to be skipped.
 pub const NLMSG_NOOP: u16 = 1;
+/// An error or an acknowledgement.
 pub const NLMSG_ERROR: u16 = 2;
+/// The end of a multipart answer.
 pub const NLMSG_DONE: u16 = 3;
 
 /// Round up to the 4-byte netlink alignment.

@@ -21,7 +21,9 @@ use std::io;
 
 /// Message types of answers (linux/rtnetlink.h), to tell them apart before decoding.
 pub const RTM_NEWLINK: u16 = 16;
+/// rtnetlink: an address (an answer of an address dump).
 pub const RTM_NEWADDR: u16 = 20;
+/// rtnetlink: a route (an answer of a route dump).
 pub const RTM_NEWROUTE: u16 = 24;
 
 /// The whole netlink message (header included) for `msg`, with `flags` and sequence number `seq`.
@@ -74,6 +76,7 @@ pub fn attributes<'a>(
 pub struct RouteSocket(NlSocket);
 
 impl RouteSocket {
+    /// An rtnetlink socket in the calling thread's network namespace.
     pub fn open() -> io::Result<Self> {
         NlSocket::open(libc::NETLINK_ROUTE).map(RouteSocket)
     }

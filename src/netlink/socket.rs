@@ -35,7 +35,9 @@ pub static SHUTDOWN: AtomicBool = AtomicBool::new(false);
 /// largest table included (50 000 services read back in well under a second here).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
+    /// The longest wait for the next datagram.
     pub silence: Duration,
+    /// The longest whole exchange.
     pub total: Duration,
 }
 
@@ -48,6 +50,7 @@ impl Default for Limits {
     }
 }
 
+/// A blocking netlink socket of one protocol, with bounded exchanges (see the module).
 pub struct NlSocket {
     protocol: i32,
     /// None after an exchange broke and no replacement could be opened yet.

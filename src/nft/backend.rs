@@ -4,6 +4,7 @@ use super::ir::{Element, Family, TableState};
 use super::netlink::{CommitError, DumpError, NftSocket};
 use super::tx::Transaction;
 
+/// Where transactions go: the kernel ([`NftSocket`]) or, in unit tests, an in-memory model of it.
 pub trait Backend {
     /// Applies the transaction atomically; returns the bytes sent.
     fn commit(&mut self, tx: &Transaction) -> Result<usize, CommitError>;

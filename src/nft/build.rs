@@ -7,22 +7,32 @@ use std::net::IpAddr;
 /// A packet field a rule can load into registers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
+    /// `ip saddr`.
     IpSaddr,
+    /// `ip daddr`.
     IpDaddr,
+    /// `ip6 saddr`.
     Ip6Saddr,
+    /// `ip6 daddr`.
     Ip6Daddr,
+    /// `meta l4proto`.
     L4Proto,
+    /// `th sport`.
     ThSport,
+    /// `th dport`.
     ThDport,
+    /// `meta mark`.
     Mark,
     /// The connection's original destination (`ct original ip daddr`): the service address, even after DNAT.
     CtOriginalDaddr,
+    /// The same for IPv6 (`ct original ip6 daddr`).
     CtOriginalDaddr6,
     /// The connection's original destination port (`ct original proto-dst`): the service port.
     CtOriginalProtoDst,
 }
 
 impl Field {
+    /// The source address field of `ip`'s family.
     pub fn saddr(ip: &IpAddr) -> Field {
         if ip.is_ipv4() {
             Field::IpSaddr
@@ -30,6 +40,7 @@ impl Field {
             Field::Ip6Saddr
         }
     }
+    /// The destination address field of `ip`'s family.
     pub fn daddr(ip: &IpAddr) -> Field {
         if ip.is_ipv4() {
             Field::IpDaddr
@@ -38,6 +49,7 @@ impl Field {
         }
     }
 
+    /// The type of the value it loads.
     pub fn data_type(self) -> DataType {
         match self {
             Field::IpSaddr | Field::IpDaddr => DataType::Ipv4Addr,
@@ -166,6 +178,7 @@ pub struct RuleBuilder {
 }
 
 impl RuleBuilder {
+    /// An empty rule.
     pub fn new() -> Self {
         Self::default()
     }
@@ -512,6 +525,7 @@ impl RuleBuilder {
         self
     }
 
+    /// `masquerade [fully-random]`.
     pub fn masquerade(mut self, fully_random: bool) -> Self {
         self.exprs.push(Expr::Masq {
             flags: if fully_random {
@@ -523,21 +537,25 @@ impl RuleBuilder {
         self
     }
 
+    /// `reject` of this kind.
     pub fn reject(mut self, kind: RejectKind) -> Self {
         self.exprs.push(Expr::Reject(kind));
         self
     }
 
+    /// A verdict.
     pub fn verdict(mut self, v: Verdict) -> Self {
         self.exprs.push(Expr::Verdict(v));
         self
     }
 
+    /// Any expression.
     pub fn expr(mut self, e: Expr) -> Self {
         self.exprs.push(e);
         self
     }
 
+    /// The rule.
     pub fn build(self) -> Rule {
         Rule {
             exprs: self.exprs,

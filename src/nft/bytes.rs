@@ -17,12 +17,21 @@ use std::ops::Deref;
 const INLINE: usize = 30;
 
 #[derive(Clone)]
+/// The key or value bytes of an element: inline up to 30 bytes (no allocation), on the heap beyond.
 pub enum ElementBytes {
-    Inline { len: u8, bytes: [u8; INLINE] },
+    /// Up to 30 bytes, in place.
+    Inline {
+        /// How many of `bytes` are used.
+        len: u8,
+        /// The bytes, zero after `len`.
+        bytes: [u8; INLINE],
+    },
+    /// Longer than 30 bytes.
     Heap(Box<[u8]>),
 }
 
 impl ElementBytes {
+    /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         match self {
             ElementBytes::Inline { len, bytes } => &bytes[..*len as usize],

@@ -9,7 +9,9 @@ use crate::netlink::NetlinkError;
 use std::collections::BTreeMap;
 
 #[derive(Debug, Default, Clone)]
+/// An in-memory nf_tables that applies transactions all or nothing and refuses what the kernel refuses.
 pub struct FakeKernel {
+    /// Our tables, by family and name.
     pub tables: BTreeMap<(Family, String), TableState>,
     /// Number of transactions committed.
     pub commits: usize,

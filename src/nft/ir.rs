@@ -12,12 +12,16 @@ use std::sync::Arc;
 /// nf_tables address family of a table (`NFPROTO_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Family {
+    /// `inet`: IPv4 and IPv6 in one table.
     Inet,
+    /// `ip`: IPv4.
     Ip,
+    /// `ip6`: IPv6.
     Ip6,
 }
 
 impl Family {
+    /// The NFPROTO_* number the kernel uses for it.
     pub fn nfproto(self) -> u8 {
         match self {
             Family::Inet => 1,
@@ -25,6 +29,7 @@ impl Family {
             Family::Ip6 => 10,
         }
     }
+    /// The family of an NFPROTO_* number.
     pub fn from_nfproto(v: u8) -> Option<Family> {
         match v {
             1 => Some(Family::Inet),
@@ -33,6 +38,7 @@ impl Family {
             _ => None,
         }
     }
+    /// Its name in nft syntax.
     pub fn as_str(self) -> &'static str {
         match self {
             Family::Inet => "inet",
@@ -43,15 +49,22 @@ impl Family {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A netfilter hook a base chain attaches to.
 pub enum Hook {
+    /// Before routing, as packets arrive.
     Prerouting,
+    /// Packets for this host.
     Input,
+    /// Packets routed through this host.
     Forward,
+    /// Packets this host sends.
     Output,
+    /// After routing, as packets leave.
     Postrouting,
 }
 
 impl Hook {
+    /// The NF_INET_* hook number.
     pub fn number(self) -> u32 {
         match self {
             Hook::Prerouting => 0,
@@ -61,6 +74,7 @@ impl Hook {
             Hook::Postrouting => 4,
         }
     }
+    /// The hook of an NF_INET_* number.
     pub fn from_number(v: u32) -> Option<Hook> {
         [
             Hook::Prerouting,
@@ -72,6 +86,7 @@ impl Hook {
         .into_iter()
         .find(|h| h.number() == v)
     }
+    /// Its name in nft syntax.
     pub fn as_str(self) -> &'static str {
         match self {
             Hook::Prerouting => "prerouting",
@@ -84,13 +99,18 @@ impl Hook {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A base chain's type.
 pub enum ChainType {
+    /// `filter`.
     Filter,
+    /// `nat`: sees the first packet of each connection only.
     Nat,
+    /// `route`: re-routes when marks or addresses change (output hook).
     Route,
 }
 
 impl ChainType {
+    /// Its name in nft syntax (and in the kernel).
     pub fn as_str(self) -> &'static str {
         match self {
             ChainType::Filter => "filter",
@@ -98,6 +118,7 @@ impl ChainType {
             ChainType::Route => "route",
         }
     }
+    /// The type of a name.
     pub fn parse(s: &str) -> Option<ChainType> {
         match s {
             "filter" => Some(ChainType::Filter),
@@ -111,7 +132,9 @@ impl ChainType {
 /// What a base chain does with a packet that no rule decided on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Policy {
+    /// Drop the packet.
     Drop,
+    /// Let the packet through.
     Accept,
 }
 
@@ -123,6 +146,7 @@ impl Policy {
             Policy::Accept => 1,
         }
     }
+    /// The policy of a verdict number.
     pub fn from_number(v: u32) -> Option<Policy> {
         match v {
             0 => Some(Policy::Drop),
@@ -130,6 +154,7 @@ impl Policy {
             _ => None,
         }
     }
+    /// Its name in nft syntax.
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::Drop => "drop",
@@ -144,9 +169,13 @@ impl Policy {
 /// unequal and gets repaired.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BaseHook {
+    /// The hook.
     pub hook: Hook,
+    /// The chain type.
     pub chain_type: ChainType,
+    /// The priority among the hook's chains (lower runs first).
     pub priority: i32,
+    /// The policy.
     pub policy: Policy,
     /// The device of an ingress / egress (netdev) hook; None on the hooks we use.
     pub device: Option<String>,
@@ -163,8 +192,11 @@ impl BaseHook {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A chain's declaration: its name and, for a base chain, where it attaches.
 pub struct Chain {
+    /// The chain's name.
     pub name: String,
+    /// Where it attaches (None: a regular chain, reached by jumps and gotos).
     pub base: Option<BaseHook>,
 }
 
@@ -195,13 +227,19 @@ impl Chain {
 /// nft data types, used for set keys and values: they fix the byte length and how `nft` displays a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum DataType {
+    /// `ipv4_addr`.
     Ipv4Addr,
+    /// `ipv6_addr`.
     Ipv6Addr,
+    /// `inet_proto`: a layer-4 protocol number.
     InetProto,
+    /// `inet_service`: a port (network byte order).
     InetService,
+    /// `mark`: a packet or connection mark.
     Mark,
     /// A plain integer of the given byte length (numgen output, counters, ...), host byte order.
     Integer(u8),
+    /// `verdict`: the value of a verdict map.
     Verdict,
 }
 
@@ -231,6 +269,7 @@ impl DataType {
             DataType::Mark => 4,
         }
     }
+    /// nft's name for the type.
     pub fn name(self) -> &'static str {
         match self {
             DataType::Verdict => "verdict",
@@ -242,6 +281,7 @@ impl DataType {
             DataType::Mark => "mark",
         }
     }
+    /// The type of nft's type number; `len` is the byte length an integer has.
     pub fn from_nft_id(id: u32, len: usize) -> Option<DataType> {
         Some(match id {
             1 => DataType::Verdict,
@@ -295,7 +335,9 @@ pub fn split_type_id(mut id: u32, len: usize) -> Option<Vec<DataType>> {
 /// A named set or map.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Set {
+    /// The set's name.
     pub name: String,
+    /// The key's types (several: a concatenation).
     pub key: Vec<DataType>,
     /// Value types for a map: `[Verdict]` for a verdict map, data types otherwise; empty for a plain set.
     pub data: Vec<DataType>,
@@ -309,6 +351,7 @@ pub struct Set {
     /// Declared `typeof` these expressions rather than by type names: written to the set's user data as nft
     /// does, so that nft can list the set and load its listing again (a numgen slot has no type name).
     pub key_typeof: Option<Vec<TypeofExpr>>,
+    /// As `key_typeof`, for a map's values.
     pub data_typeof: Option<Vec<TypeofExpr>>,
 }
 
@@ -337,9 +380,11 @@ impl Set {
         }
     }
 
+    /// Whether it maps keys to values.
     pub fn is_map(&self) -> bool {
         !self.data.is_empty()
     }
+    /// Whether it maps keys to verdicts.
     pub fn is_verdict_map(&self) -> bool {
         self.data == [DataType::Verdict]
     }
@@ -362,17 +407,25 @@ impl Set {
 /// A dormant table's base chains are unhooked (`nft add table ... { flags dormant; }`).
 pub const TABLE_F_DORMANT: u32 = 0x1;
 
+/// NFT_SET_ANONYMOUS: belongs to one rule.
 pub const SET_F_ANONYMOUS: u32 = 0x1;
+/// NFT_SET_CONSTANT: its elements never change.
 pub const SET_F_CONSTANT: u32 = 0x2;
+/// NFT_SET_INTERVAL: its keys are ranges.
 pub const SET_F_INTERVAL: u32 = 0x4;
+/// NFT_SET_MAP: a map.
 pub const SET_F_MAP: u32 = 0x8;
+/// NFT_SET_TIMEOUT: its elements may expire.
 pub const SET_F_TIMEOUT: u32 = 0x10;
+/// NFT_SET_EVAL: updated from the packet path (nft's `dynamic`).
 pub const SET_F_EVAL: u32 = 0x20;
 
 /// One element: its key bytes (components padded to 4 bytes when concatenated) and, in maps, its value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Element {
+    /// The key bytes.
     pub key: ElementBytes,
+    /// The value, in maps.
     pub value: Option<ElementValue>,
 }
 
@@ -381,7 +434,9 @@ pub struct Element {
 /// Used where the kernel is the only record of who owns an element (the CNI portmap plugin).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct CommentedElement {
+    /// The element.
     pub element: Element,
+    /// Its comment (at most [`ELEMENT_COMMENT_MAX`] bytes).
     pub comment: String,
 }
 
@@ -390,24 +445,34 @@ pub struct CommentedElement {
 pub const ELEMENT_COMMENT_MAX: usize = 128;
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A map element's value.
 pub enum ElementValue {
+    /// A verdict (verdict maps).
     Verdict(Verdict),
+    /// Data bytes (data maps).
     Data(ElementBytes),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// What happens to a packet next.
 pub enum Verdict {
+    /// Let it through this hook.
     Accept,
+    /// Drop it.
     Drop,
+    /// Go on with the next rule.
     Continue,
+    /// Back to the chain that jumped here.
     Return,
-    /// Chain names are shared: every service with n endpoints has a dispatch element naming `lb-<n>`, and a
+    /// Chain names are shared: every service of one kind has a dispatch element naming its `lb*` chain, and a
     /// shared name also keeps an element's value to 32 bytes (see `ElementBytes`).
     Jump(Arc<str>),
+    /// Continue in the named chain without coming back.
     Goto(Arc<str>),
 }
 
 impl Verdict {
+    /// The kernel's verdict code (NF_DROP, NF_ACCEPT, NFT_CONTINUE, NFT_JUMP, NFT_GOTO, NFT_RETURN).
     pub fn code(&self) -> i32 {
         match self {
             Verdict::Drop => 0,
@@ -418,6 +483,7 @@ impl Verdict {
             Verdict::Return => -5,
         }
     }
+    /// The chain a jump or goto names.
     pub fn chain(&self) -> Option<&str> {
         match self {
             Verdict::Jump(c) | Verdict::Goto(c) => Some(c),
@@ -429,8 +495,11 @@ impl Verdict {
 /// Kernel register numbers. `R1` is the 16-byte NFT_REG_1; `reg32(i)` the i-th 4-byte register, which
 /// overlaps: R1 == reg32(0..4). Concatenated keys are loaded into consecutive 4-byte registers.
 pub const REG_VERDICT: u32 = 0;
+/// NFT_REG_1: the first 16-byte data register.
 pub const REG_1: u32 = 1;
+/// NFT_REG_2: the second 16-byte data register.
 pub const REG_2: u32 = 2;
+/// The i-th 4-byte data register (NFT_REG32_00 + i).
 pub const fn reg32(i: u32) -> u32 {
     8 + i
 }
@@ -456,24 +525,39 @@ pub fn reg_slot(reg: u32) -> Option<u32> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// Where a payload offset counts from.
 pub enum PayloadBase {
+    /// The link-layer header.
     LinkLayer,
+    /// The network header (IPv4, IPv6).
     Network,
+    /// The transport header (TCP, UDP, SCTP).
     Transport,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// What a `meta` expression loads or sets.
 pub enum MetaKey {
+    /// The packet's mark.
     Mark,
+    /// The layer-4 protocol.
     L4Proto,
+    /// The layer-3 protocol (NFPROTO_*).
     NfProto,
+    /// The input interface's index.
     Iif,
+    /// The output interface's index.
     Oif,
+    /// The input interface's name.
     IifName,
+    /// The output interface's name.
     OifName,
+    /// The packet's trace bit (`meta nftrace set 1`): the kernel then reports its path (`nftkube trace --live`).
+    NfTrace,
 }
 
 impl MetaKey {
+    /// The NFT_META_* number.
     pub fn number(self) -> u32 {
         match self {
             MetaKey::Mark => 3,
@@ -481,10 +565,12 @@ impl MetaKey {
             MetaKey::Oif => 5,
             MetaKey::IifName => 6,
             MetaKey::OifName => 7,
+            MetaKey::NfTrace => 12,
             MetaKey::NfProto => 15,
             MetaKey::L4Proto => 16,
         }
     }
+    /// The key of an NFT_META_* number.
     pub fn from_number(v: u32) -> Option<MetaKey> {
         [
             MetaKey::Mark,
@@ -494,10 +580,12 @@ impl MetaKey {
             MetaKey::Oif,
             MetaKey::IifName,
             MetaKey::OifName,
+            MetaKey::NfTrace,
         ]
         .into_iter()
         .find(|k| k.number() == v)
     }
+    /// Its name in nft syntax.
     pub fn as_str(self) -> &'static str {
         match self {
             MetaKey::Mark => "mark",
@@ -507,23 +595,30 @@ impl MetaKey {
             MetaKey::Oif => "oif",
             MetaKey::IifName => "iifname",
             MetaKey::OifName => "oifname",
+            MetaKey::NfTrace => "nftrace",
         }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// What a `ct` expression loads.
 pub enum CtKey {
+    /// The connection's state bits (`ct state`).
     State,
+    /// The connection's status bits (`ct status`).
     Status,
+    /// The connection's mark.
     Mark,
     /// The connection's destination port (`ct original proto-dst`: the service port, even after DNAT).
     ProtoDst,
     /// The connection's destination address (`ct original ip daddr`, `ct original ip6 daddr`).
     DstIp,
+    /// The same for IPv6.
     DstIp6,
 }
 
 impl CtKey {
+    /// The NFT_CT_* number.
     pub fn number(self) -> u32 {
         match self {
             CtKey::State => 0,
@@ -534,6 +629,7 @@ impl CtKey {
             CtKey::DstIp6 => 22,
         }
     }
+    /// The key of an NFT_CT_* number.
     pub fn from_number(v: u32) -> Option<CtKey> {
         [
             CtKey::State,
@@ -552,24 +648,36 @@ impl CtKey {
 pub const CT_STATUS_DNAT: u32 = 1 << 5;
 /// `ct state` bits (NF_CT_STATE_BIT).
 pub const CT_STATE_INVALID: u32 = 1;
+/// `ct state established`.
 pub const CT_STATE_ESTABLISHED: u32 = 1 << 1;
+/// `ct state related`.
 pub const CT_STATE_RELATED: u32 = 1 << 2;
+/// `ct state new`.
 pub const CT_STATE_NEW: u32 = 1 << 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A comparison.
 pub enum CmpOp {
+    /// `==`.
     Eq,
+    /// `!=`.
     Neq,
+    /// `<`.
     Lt,
+    /// `<=`.
     Lte,
+    /// `>`.
     Gt,
+    /// `>=`.
     Gte,
 }
 
 impl CmpOp {
+    /// The NFT_CMP_* number.
     pub fn number(self) -> u32 {
         self as u32
     }
+    /// The operator of an NFT_CMP_* number.
     pub fn from_number(v: u32) -> Option<CmpOp> {
         [
             CmpOp::Eq,
@@ -582,6 +690,7 @@ impl CmpOp {
         .into_iter()
         .find(|o| o.number() == v)
     }
+    /// Its nft syntax.
     pub fn as_str(self) -> &'static str {
         match self {
             CmpOp::Eq => "==",
@@ -595,8 +704,11 @@ impl CmpOp {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// Which end of the connection NAT rewrites.
 pub enum NatKind {
+    /// The source.
     Snat,
+    /// The destination.
     Dnat,
 }
 
@@ -604,15 +716,21 @@ pub enum NatKind {
 /// The kernel adds MAP_IPS itself when an address register is given and dumps it back; we send it too so a
 /// rule read back compares equal to the rule we rendered.
 pub const NAT_F_MAP_IPS: u32 = 0x1;
+/// The port register is set.
 pub const NAT_F_PROTO_SPECIFIED: u32 = 0x2;
+/// `random`: random ports.
 pub const NAT_F_PROTO_RANDOM: u32 = 0x4;
+/// `persistent`: the same address for a client.
 pub const NAT_F_PERSISTENT: u32 = 0x8;
+/// `fully-random`: ports fully randomised.
 pub const NAT_F_PROTO_RANDOM_FULLY: u32 = 0x10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// How `reject` answers.
 pub enum RejectKind {
     /// ICMP (v4) or ICMPv6 unreachable with this code, depending on the table family.
     IcmpUnreach(u8),
+    /// A TCP reset.
     TcpReset,
     /// Family-independent ICMPx code (inet tables).
     IcmpxUnreach(u8),
@@ -620,21 +738,31 @@ pub enum RejectKind {
 
 /// ICMP port unreachable (v4 code 3); ICMPv6's is 4; icmpx's is 1.
 pub const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMPv6 port unreachable.
 pub const ICMPV6_PORT_UNREACH: u8 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// What a `dynset` expression does with the key.
 pub enum DynsetOp {
+    /// Adds it if missing (`add @set`).
     Add,
+    /// Adds it or refreshes its timeout (`update @set`).
     Update,
 }
 
 /// `fib` lookups: which address to look up, what to return.
 pub const FIB_F_SADDR: u32 = 1;
+/// Look up the destination address.
 pub const FIB_F_DADDR: u32 = 2;
+/// Include the packet mark.
 pub const FIB_F_MARK: u32 = 4;
+/// Include the input interface.
 pub const FIB_F_IIF: u32 = 8;
+/// Include the output interface.
 pub const FIB_F_OIF: u32 = 16;
+/// Result: the output interface index.
 pub const FIB_RESULT_OIF: u32 = 1;
+/// Result: the address type (RTN_*).
 pub const FIB_RESULT_ADDRTYPE: u32 = 3;
 /// `RTN_LOCAL`: what `fib daddr type local` compares the address type to.
 pub const RTN_LOCAL: u32 = 2;
@@ -642,96 +770,157 @@ pub const RTN_LOCAL: u32 = 2;
 /// One nf_tables expression, as the kernel knows it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Expr {
+    /// Loads `len` bytes at `offset` from a header into `dreg`.
     Payload {
+        /// The header.
         base: PayloadBase,
+        /// Byte offset in it.
         offset: u32,
+        /// Bytes to load.
         len: u32,
+        /// The destination register.
         dreg: u32,
     },
+    /// Loads a meta key into `dreg`.
     Meta {
+        /// The key.
         key: MetaKey,
+        /// The destination register.
         dreg: u32,
     },
+    /// Sets a meta key (the mark) from `sreg`.
     MetaSet {
+        /// The key.
         key: MetaKey,
+        /// The source register.
         sreg: u32,
     },
+    /// Compares `sreg` with `data`; the rule stops here when false.
     Cmp {
+        /// The register compared.
         sreg: u32,
+        /// The operator.
         op: CmpOp,
+        /// The value.
         data: Vec<u8>,
     },
     /// `dreg = (sreg & mask) ^ xor` over `len` bytes.
     Bitwise {
+        /// The source register.
         sreg: u32,
+        /// The destination register.
         dreg: u32,
+        /// Bytes.
         len: u32,
+        /// The mask.
         mask: Vec<u8>,
+        /// The xor.
         xor: Vec<u8>,
     },
+    /// Loads `data` into `dreg`.
     Immediate {
+        /// The destination register.
         dreg: u32,
+        /// The value.
         data: Vec<u8>,
     },
     /// A verdict: immediate into the verdict register.
     Verdict(Verdict),
     /// Set membership (`dreg` None) or map lookup into `dreg` (REG_VERDICT for a verdict map).
     Lookup {
+        /// The set or map.
         set: String,
+        /// The register(s) the key is read from.
         sreg: u32,
+        /// Where a map's value goes (None: a membership test).
         dreg: Option<u32>,
+        /// Matches when the key is *not* in the set.
         invert: bool,
     },
+    /// Loads a number generator's next value (`numgen random|inc mod N offset O`) into `dreg`.
     Numgen {
+        /// The destination register.
         dreg: u32,
+        /// Values are `0..modulus` (plus `offset`).
         modulus: u32,
+        /// Random (else incrementing).
         random: bool,
+        /// Added to each value.
         offset: u32,
     },
+    /// Adds or updates an element of a set from the packet path (`add @set { ... }`, `update @set { ... }`).
     Dynset {
+        /// The set.
         set: String,
+        /// Add or update.
         op: DynsetOp,
+        /// The register(s) the key is read from.
         sreg_key: u32,
+        /// The register(s) a map's value is read from.
         sreg_data: Option<u32>,
+        /// The element's timeout (None: the set's).
         timeout_ms: Option<u64>,
     },
+    /// Source or destination NAT to the address and port in registers.
     Nat {
+        /// SNAT or DNAT.
         kind: NatKind,
+        /// The family of the addresses.
         family: Family,
+        /// The register with the address.
         reg_addr: Option<u32>,
+        /// The register with the port.
         reg_proto: Option<u32>,
+        /// NF_NAT_RANGE_* flags.
         flags: u32,
     },
+    /// Source NAT to the outgoing interface's address.
     Masq {
+        /// NF_NAT_RANGE_* flags.
         flags: u32,
     },
     /// `redirect to :port` (the port from `reg_proto`): DNAT to the primary address of the incoming
     /// interface (127.0.0.1 / ::1 for local traffic).
     Redir {
+        /// The register with the port.
         reg_proto: Option<u32>,
+        /// NF_NAT_RANGE_* flags.
         flags: u32,
     },
+    /// Rejects the packet with an answer.
     Reject(RejectKind),
+    /// Loads a ct key into `dreg`.
     Ct {
+        /// The key.
         key: CtKey,
+        /// The destination register.
         dreg: u32,
     },
     /// A ct key of the original direction (`ct original ...`).
     CtOriginal {
+        /// The key.
         key: CtKey,
+        /// The destination register.
         dreg: u32,
     },
     /// Membership in a constant set that belongs to this rule alone (`meta l4proto { tcp, udp, sctp }`): nft
     /// writes such literal sets as anonymous sets created in the same batch as the rule.
     LookupAnon {
+        /// The set's content.
         set: AnonSet,
+        /// The register(s) the key is read from.
         sreg: u32,
     },
+    /// A routing lookup (`fib daddr type`, ...) into `dreg`.
     Fib {
+        /// What to look up by (FIB_F_*).
         flags: u32,
+        /// What to return (FIB_RESULT_*).
         result: u32,
+        /// The destination register.
         dreg: u32,
     },
+    /// Counts packets and bytes.
     Counter,
 }
 
@@ -762,8 +951,11 @@ impl Expr {
 /// The content of an anonymous set: a key type, how nft declares it, and its elements in order.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct AnonSet {
+    /// The key's type.
     pub key: DataType,
+    /// How nft declares the key.
     pub key_typeof: TypeofExpr,
+    /// The elements' keys, in order.
     pub elements: Vec<ElementBytes>,
 }
 
@@ -773,37 +965,48 @@ pub const ANON_SET_NAME: &str = "__set%d";
 /// A rule: the expressions in order, and an optional comment (kept in the rule's userdata as nft does).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rule {
+    /// The expressions, in order.
     pub exprs: Vec<Expr>,
+    /// The comment.
     pub comment: Option<String>,
 }
 
 /// A chain and its rules.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChainState {
+    /// The chain's declaration.
     pub chain: Chain,
+    /// Its rules, in order.
     pub rules: Vec<Rule>,
 }
 
 /// A set or map and its elements.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SetState {
+    /// The set's declaration.
     pub set: Set,
+    /// Its elements.
     pub elements: BTreeSet<Element>,
 }
 
 /// The whole content of one of our tables, keyed by name so two states diff cheaply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableState {
+    /// The table's family.
     pub family: Family,
+    /// The table's name.
     pub name: String,
     /// NFT_TABLE_F_* flags: ours are always 0; read back, `TABLE_F_DORMANT` means every hook of the table is
     /// detached (all its rules silently off).
     pub flags: u32,
+    /// Its sets and maps, by name.
     pub sets: BTreeMap<String, SetState>,
+    /// Its chains, by name.
     pub chains: BTreeMap<String, ChainState>,
 }
 
 impl TableState {
+    /// An empty table.
     pub fn new(family: Family, name: impl Into<String>) -> Self {
         TableState {
             family,
@@ -814,6 +1017,7 @@ impl TableState {
         }
     }
 
+    /// Declares a chain (kept if already declared) and returns it.
     pub fn add_chain(&mut self, chain: Chain) -> &mut ChainState {
         let name = chain.name.clone();
         self.chains.entry(name).or_insert(ChainState {
@@ -822,12 +1026,14 @@ impl TableState {
         })
     }
 
+    /// A declared chain; panics when it is not (a render bug).
     pub fn chain_mut(&mut self, name: &str) -> &mut ChainState {
         self.chains
             .get_mut(name)
             .unwrap_or_else(|| panic!("chain {name} not declared"))
     }
 
+    /// Declares a set (kept if already declared) and returns it.
     pub fn add_set(&mut self, set: Set) -> &mut SetState {
         let name = set.name.clone();
         self.sets.entry(name).or_insert(SetState {
@@ -836,6 +1042,7 @@ impl TableState {
         })
     }
 
+    /// A declared set; panics when it is not (a render bug).
     pub fn set_mut(&mut self, name: &str) -> &mut SetState {
         self.sets
             .get_mut(name)

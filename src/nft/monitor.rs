@@ -53,7 +53,9 @@ fn is_new_generation(msg_type: u16) -> bool {
 pub struct Watcher {
     /// The port id of the socket the sync engine commits through (it changes when that socket is replaced).
     pub own_port: Arc<AtomicU32>,
+    /// The table whose changes count.
     pub table: String,
+    /// Raised on a foreign change (or lost events).
     pub drift: Arc<Drift>,
     /// A foreign change to our table was seen in a transaction whose NEWGEN has not come yet.
     pending: AtomicBool,
@@ -62,6 +64,7 @@ pub struct Watcher {
 }
 
 impl Watcher {
+    /// A watcher for `table`, ignoring the commits of the socket whose port id `own_port` holds.
     pub fn new(own_port: Arc<AtomicU32>, table: &str, drift: Arc<Drift>) -> Watcher {
         Watcher {
             own_port,

@@ -14,6 +14,7 @@ pub const READ_ATTEMPTS: u32 = 6;
 /// A rejected transaction: nothing of it was applied. Each error names the object that caused it.
 #[derive(Debug)]
 pub struct CommitError {
+    /// Each refused object (its description, when the failing message could be traced to one) and the error.
     pub failures: Vec<(Option<String>, NetlinkError)>,
 }
 
@@ -69,6 +70,7 @@ pub struct NftSocket {
 }
 
 impl NftSocket {
+    /// An nf_tables socket in the calling thread's network namespace.
     pub fn open() -> std::io::Result<Self> {
         Ok(NftSocket {
             sock: NlSocket::open(libc::NETLINK_NETFILTER)?,
@@ -189,6 +191,22 @@ impl NftSocket {
         name: &str,
     ) -> Result<Option<TableState>, DumpError> {
         self.dump_table_with(family, name, true)
+    }
+
+    /// The rules of one table with their kernel handles, as (chain, handle, rule): what trace events refer to.
+    pub fn rules_with_handles(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Vec<(String, u64, Rule)>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETRULE, family, Some(table), None)? {
+            let (t, chain, rule) = wire::decode_rule(&p)?;
+            if t == table {
+                out.push((chain, wire::decode_rule_handle(&p)?, rule));
+            }
+        }
+        Ok(out)
     }
 
     /// Reads one table's chains, rules and set declarations, without the sets' elements: a read whose cost
@@ -397,14 +415,20 @@ fn dump_kind(msg: u16) -> &'static str {
 }
 
 #[derive(Debug, thiserror::Error)]
+/// Why our tables could not be read back.
 pub enum DumpError {
     #[error(transparent)]
+    /// The dump failed.
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
+    /// An answer did not decode.
     Decode(#[from] wire::DecodeError),
     /// Someone kept committing while we read: no consistent view was had.
     #[error("the ruleset changed during each of {attempts} reads of our tables")]
-    Unstable { attempts: u32 },
+    Unstable {
+        /// How many reads were tried.
+        attempts: u32,
+    },
 }
 
 impl From<crate::netlink::LengthError> for DumpError {

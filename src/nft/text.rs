@@ -135,6 +135,7 @@ pub fn element_text(set: &Set, e: &Element) -> String {
     s
 }
 
+/// A verdict in nft syntax (`accept`, `goto lb-3`, ...).
 pub fn verdict_text(v: &Verdict) -> String {
     match v {
         Verdict::Accept => "accept".into(),
@@ -219,10 +220,32 @@ enum RegKind {
 
 /// Renders one rule; `table` supplies set definitions for typing lookups.
 pub fn render_rule(rule: &Rule, table: &TableState) -> String {
-    let mut regs: BTreeMap<u32, RegValue> = BTreeMap::new();
-    let mut out: Vec<String> = Vec::new();
-    let family = table.family;
+    let mut reader = RuleReader {
+        table,
+        regs: BTreeMap::new(),
+        out: Vec::new(),
+    };
     for e in &rule.exprs {
+        reader.read(e);
+    }
+    let mut s = reader.out.join(" ");
+    if let Some(c) = &rule.comment {
+        let _ = write!(s, " comment \"{c}\"");
+    }
+    s
+}
+
+/// Reads a rule's expressions in order, as nft does: loads fill registers, and statements (compares, lookups,
+/// verdicts, nat...) print what the registers they read hold.
+struct RuleReader<'a> {
+    table: &'a TableState,
+    regs: BTreeMap<u32, RegValue>,
+    out: Vec<String>,
+}
+
+impl RuleReader<'_> {
+    fn read(&mut self, e: &Expr) {
+        let family = self.table.family;
         match e {
             Expr::Payload {
                 base,
@@ -231,163 +254,62 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                 dreg,
             } => {
                 let (text, ty) = payload_name(family, *base, *offset, *len);
-                put(&mut regs, *dreg, plain(text, ty));
+                self.load(*dreg, plain(text, ty));
             }
-            Expr::Meta { key, dreg } => {
-                let ty = match key {
-                    MetaKey::L4Proto => DataType::InetProto,
-                    MetaKey::Mark => DataType::Mark,
-                    _ => DataType::Integer(4),
-                };
-                let mut v = plain(format!("meta {}", key.as_str()), ty);
-                if matches!(key, MetaKey::IifName | MetaKey::OifName) {
-                    v.text = key.as_str().to_string();
-                    v.kind = RegKind::IfName;
-                }
-                put(&mut regs, *dreg, v);
-            }
-            Expr::Ct { key, dreg } => put(&mut regs, *dreg, ct_value(*key, "")),
-            Expr::CtOriginal { key, dreg } => {
-                put(&mut regs, *dreg, ct_value(*key, "original "));
-            }
-            Expr::LookupAnon { set, sreg } => match get(&regs, *sreg) {
-                Some(v) => {
-                    let items: Vec<String> = set
-                        .elements
-                        .iter()
-                        .map(|e| scalar_text(set.key, e))
-                        .collect();
-                    out.push(format!("{} {{ {} }}", v.text, items.join(", ")));
-                }
-                None => out.push(debug_expr(e)),
-            },
+            Expr::Meta { key, dreg } => self.load(*dreg, meta_value(*key)),
+            Expr::Ct { key, dreg } => self.load(*dreg, ct_value(*key, "")),
+            Expr::CtOriginal { key, dreg } => self.load(*dreg, ct_value(*key, "original ")),
             Expr::Numgen {
                 dreg,
                 modulus,
                 random,
                 offset,
-            } => {
-                let mut text = format!(
-                    "numgen {} mod {modulus}",
-                    if *random { "random" } else { "inc" }
-                );
-                if *offset != 0 {
-                    let _ = write!(text, " offset {offset}");
-                }
-                put(&mut regs, *dreg, plain(text, DataType::Integer(4)));
-            }
+            } => self.load(*dreg, numgen_value(*modulus, *random, *offset)),
             Expr::Fib {
                 flags,
                 result,
                 dreg,
-            } => {
-                let mut what = Vec::new();
-                if flags & FIB_F_SADDR != 0 {
-                    what.push("saddr");
-                }
-                if flags & FIB_F_DADDR != 0 {
-                    what.push("daddr");
-                }
-                if flags & FIB_F_MARK != 0 {
-                    what.push("mark");
-                }
-                if flags & FIB_F_IIF != 0 {
-                    what.push("iif");
-                }
-                if flags & FIB_F_OIF != 0 {
-                    what.push("oif");
-                }
-                let res = match *result {
-                    FIB_RESULT_ADDRTYPE => "type",
-                    FIB_RESULT_OIF => "oif",
-                    _ => "oifname",
-                };
-                let mut v = plain(
-                    format!("fib {} {res}", what.join(" . ")),
-                    DataType::Integer(4),
-                );
-                if *result == FIB_RESULT_ADDRTYPE {
-                    v.kind = RegKind::FibType;
-                }
-                put(&mut regs, *dreg, v);
-            }
+            } => self.load(*dreg, fib_value(*flags, *result)),
+            Expr::Immediate { dreg, data } => self.load(*dreg, immediate_value(family, data)),
             Expr::Bitwise {
                 sreg,
                 dreg,
                 mask,
                 xor,
                 ..
-            } => {
-                let Some(src) = get(&regs, *sreg) else {
-                    out.push(debug_expr(e));
-                    continue;
-                };
-                let zero_xor = xor.iter().all(|b| *b == 0);
-                let inverse = mask.iter().zip(xor).all(|(m, x)| *m == !*x);
-                let all_ones = mask.iter().all(|b| *b == 0xff);
-                let mut v = src.clone();
-                if zero_xor {
-                    v.mask = Some(mask.clone());
-                } else if inverse {
-                    v.text = format!("{} | {}", src.text, scalar_text(src.ty, xor));
-                } else if all_ones {
-                    v.text = format!("{} ^ {}", src.text, scalar_text(src.ty, xor));
-                } else {
-                    v.text = format!(
-                        "({} & {}) ^ {}",
-                        src.text,
-                        scalar_text(src.ty, mask),
-                        scalar_text(src.ty, xor)
-                    );
+            } => match get(&self.regs, *sreg) {
+                Some(src) => {
+                    let v = bitwise_value(src, mask, xor);
+                    self.load(*dreg, v);
                 }
-                put(&mut regs, *dreg, v);
-            }
-            Expr::Cmp { sreg, op, data } => match get(&regs, *sreg) {
-                Some(v) => out.push(cmp_text(v, *op, data)),
-                None => out.push(debug_expr(e)),
+                None => self.out.push(debug_expr(e)),
             },
-            Expr::Immediate { dreg, data } => {
-                let ty = match data.len() {
-                    4 if family == Family::Ip => DataType::Ipv4Addr,
-                    16 => DataType::Ipv6Addr,
-                    2 => DataType::InetService,
-                    n => DataType::Integer(n as u8),
-                };
-                let mut v = plain(scalar_text(ty, data), ty);
-                v.kind = RegKind::Literal;
-                put(&mut regs, *dreg, v);
+            Expr::LookupAnon { set, sreg } => {
+                let text = get(&self.regs, *sreg).map(|v| {
+                    let items: Vec<String> = set
+                        .elements
+                        .iter()
+                        .map(|e| scalar_text(set.key, e))
+                        .collect();
+                    format!("{} {{ {} }}", v.text, items.join(", "))
+                });
+                self.print_or_debug(text, e);
             }
-            Expr::Verdict(v) => out.push(verdict_text(v)),
+            Expr::Cmp { sreg, op, data } => {
+                let text = get(&self.regs, *sreg).map(|v| cmp_text(v, *op, data));
+                self.print_or_debug(text, e);
+            }
+            Expr::MetaSet { key, sreg } => {
+                let text =
+                    get(&self.regs, *sreg).map(|v| format!("meta {} set {}", key.as_str(), v.text));
+                self.print_or_debug(text, e);
+            }
             Expr::Lookup {
                 set,
                 sreg,
                 dreg,
                 invert,
-            } => {
-                let def = table.sets.get(set).map(|s| &s.set);
-                let key = match def {
-                    Some(d) => concat_text(&regs, *sreg, &d.key),
-                    None => get(&regs, *sreg).map(|v| v.text.clone()),
-                };
-                let Some(key) = key else {
-                    out.push(debug_expr(e));
-                    continue;
-                };
-                match dreg {
-                    None => out.push(format!("{key} {}@{set}", if *invert { "!= " } else { "" })),
-                    Some(REG_VERDICT) => out.push(format!("{key} vmap @{set}")),
-                    Some(r) => {
-                        let ty = def
-                            .and_then(|d| d.data.first().copied())
-                            .unwrap_or(DataType::Integer(4));
-                        let mut v = plain(format!("{key} map @{set}"), ty);
-                        if def.is_some_and(|d| d.data.len() > 1) {
-                            v.kind = RegKind::MapConcat;
-                        }
-                        put(&mut regs, *r, v);
-                    }
-                }
-            }
+            } => self.lookup(e, set, *sreg, *dreg, *invert),
             Expr::Dynset {
                 set,
                 op,
@@ -395,31 +317,8 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                 sreg_data,
                 timeout_ms,
             } => {
-                let def = table.sets.get(set).map(|s| &s.set);
-                let key = def
-                    .and_then(|d| concat_text(&regs, *sreg_key, &d.key))
-                    .or_else(|| get(&regs, *sreg_key).map(|v| v.text.clone()))
-                    .unwrap_or_else(|| "?".into());
-                let mut s = format!(
-                    "{} @{set} {{ {key}",
-                    if *op == DynsetOp::Add {
-                        "add"
-                    } else {
-                        "update"
-                    }
-                );
-                if let Some(ms) = timeout_ms {
-                    let _ = write!(s, " timeout {}", duration(*ms));
-                }
-                if let Some(d) = sreg_data {
-                    let data = def
-                        .and_then(|dd| concat_text(&regs, *d, &dd.data))
-                        .or_else(|| get(&regs, *d).map(|v| v.text.clone()))
-                        .unwrap_or_else(|| "?".into());
-                    let _ = write!(s, " : {data}");
-                }
-                s.push_str(" }");
-                out.push(s);
+                let text = self.dynset(set, *op, *sreg_key, *sreg_data, *timeout_ms);
+                self.out.push(text);
             }
             Expr::Nat {
                 kind,
@@ -428,69 +327,242 @@ pub fn render_rule(rule: &Rule, table: &TableState) -> String {
                 reg_proto,
                 flags,
             } => {
-                let verb = if *kind == NatKind::Dnat {
-                    "dnat"
-                } else {
-                    "snat"
-                };
-                let from_map = reg_addr
-                    .and_then(|r| get(&regs, r))
-                    .filter(|v| v.kind == RegKind::MapConcat);
-                if let Some(v) = from_map {
-                    out.push(format!(
-                        "{verb} {} addr . port to {}{}",
-                        nat_family.as_str(),
-                        v.text,
-                        nat_flags_text(*flags)
-                    ));
-                    continue;
-                }
-                let addr = reg_addr.and_then(|r| get(&regs, r)).map(|v| v.text.clone());
-                let port = reg_proto
-                    .and_then(|r| get(&regs, r))
-                    .map(|v| v.text.clone());
-                let mut s = format!("{verb} to ");
-                match (addr, port) {
-                    (Some(a), Some(p)) if *nat_family == Family::Ip6 => {
-                        let _ = write!(s, "[{a}]:{p}");
-                    }
-                    (Some(a), Some(p)) => {
-                        let _ = write!(s, "{a}:{p}");
-                    }
-                    (Some(a), None) => s.push_str(&a),
-                    (None, Some(p)) => {
-                        let _ = write!(s, ":{p}");
-                    }
-                    (None, None) => s = verb.to_string(),
-                }
-                s.push_str(&nat_flags_text(*flags));
-                out.push(s);
+                let text = self.nat(*kind, *nat_family, *reg_addr, *reg_proto, *flags);
+                self.out.push(text);
             }
-            Expr::Masq { flags } => out.push(format!("masquerade{}", nat_flags_text(*flags))),
             Expr::Redir { reg_proto, flags } => {
-                // nft prints a port from a map with no space after the colon.
-                let port = reg_proto
-                    .and_then(|r| get(&regs, r))
-                    .map(|v| v.text.clone());
-                let flags = nat_flags_text(*flags & !NAT_F_PROTO_SPECIFIED);
-                out.push(match port {
-                    Some(p) => format!("redirect to :{p}{flags}"),
-                    None => format!("redirect{flags}"),
-                });
+                let text = self.redirect(*reg_proto, *flags);
+                self.out.push(text);
             }
-            Expr::Reject(kind) => out.push(reject_text(family, *kind)),
-            Expr::Counter => out.push("counter".into()),
-            Expr::MetaSet { key, sreg } => match get(&regs, *sreg) {
-                Some(v) => out.push(format!("meta {} set {}", key.as_str(), v.text)),
-                None => out.push(debug_expr(e)),
-            },
+            Expr::Verdict(v) => self.out.push(verdict_text(v)),
+            Expr::Masq { flags } => self
+                .out
+                .push(format!("masquerade{}", nat_flags_text(*flags))),
+            Expr::Reject(kind) => self.out.push(reject_text(family, *kind)),
+            Expr::Counter => self.out.push("counter".into()),
         }
     }
-    let mut s = out.join(" ");
-    if let Some(c) = &rule.comment {
-        let _ = write!(s, " comment \"{c}\"");
+
+    fn load(&mut self, reg: u32, v: RegValue) {
+        put(&mut self.regs, reg, v);
     }
-    s
+
+    /// Prints `text`, or the expression itself when the register it reads holds nothing we know.
+    fn print_or_debug(&mut self, text: Option<String>, e: &Expr) {
+        self.out.push(text.unwrap_or_else(|| debug_expr(e)));
+    }
+
+    /// The text of the register(s) a set's key (or data) is read from: a concatenation when the set says so.
+    fn key_text(&self, sreg: u32, types: Option<&[DataType]>) -> Option<String> {
+        match types {
+            Some(types) => concat_text(&self.regs, sreg, types),
+            None => get(&self.regs, sreg).map(|v| v.text.clone()),
+        }
+    }
+
+    /// A set match (`KEY @set`, `KEY != @set`), a verdict map (`KEY vmap @set`) or a map load
+    /// (`KEY map @set` into a register).
+    fn lookup(&mut self, e: &Expr, set: &str, sreg: u32, dreg: Option<u32>, invert: bool) {
+        let def = self.table.sets.get(set).map(|s| &s.set);
+        let Some(key) = self.key_text(sreg, def.map(|d| d.key.as_slice())) else {
+            self.out.push(debug_expr(e));
+            return;
+        };
+        match dreg {
+            None => self
+                .out
+                .push(format!("{key} {}@{set}", if invert { "!= " } else { "" })),
+            Some(REG_VERDICT) => self.out.push(format!("{key} vmap @{set}")),
+            Some(r) => {
+                let ty = def
+                    .and_then(|d| d.data.first().copied())
+                    .unwrap_or(DataType::Integer(4));
+                let mut v = plain(format!("{key} map @{set}"), ty);
+                if def.is_some_and(|d| d.data.len() > 1) {
+                    v.kind = RegKind::MapConcat;
+                }
+                self.load(r, v);
+            }
+        }
+    }
+
+    /// `add @set { KEY [timeout T] [: DATA] }` or `update ...`.
+    fn dynset(
+        &self,
+        set: &str,
+        op: DynsetOp,
+        sreg_key: u32,
+        sreg_data: Option<u32>,
+        timeout_ms: Option<u64>,
+    ) -> String {
+        let def = self.table.sets.get(set).map(|s| &s.set);
+        let text_of = |reg: u32, types: Option<&[DataType]>| {
+            types
+                .and_then(|t| concat_text(&self.regs, reg, t))
+                .or_else(|| get(&self.regs, reg).map(|v| v.text.clone()))
+                .unwrap_or_else(|| "?".into())
+        };
+        let key = text_of(sreg_key, def.map(|d| d.key.as_slice()));
+        let verb = if op == DynsetOp::Add { "add" } else { "update" };
+        let mut s = format!("{verb} @{set} {{ {key}");
+        if let Some(ms) = timeout_ms {
+            let _ = write!(s, " timeout {}", duration(ms));
+        }
+        if let Some(d) = sreg_data {
+            let _ = write!(s, " : {}", text_of(d, def.map(|dd| dd.data.as_slice())));
+        }
+        s.push_str(" }");
+        s
+    }
+
+    /// `dnat`/`snat`: to an address and port from a map (`addr . port to`), or from registers.
+    fn nat(
+        &self,
+        kind: NatKind,
+        nat_family: Family,
+        reg_addr: Option<u32>,
+        reg_proto: Option<u32>,
+        flags: u32,
+    ) -> String {
+        let verb = if kind == NatKind::Dnat {
+            "dnat"
+        } else {
+            "snat"
+        };
+        let from_map = reg_addr
+            .and_then(|r| get(&self.regs, r))
+            .filter(|v| v.kind == RegKind::MapConcat);
+        if let Some(v) = from_map {
+            return format!(
+                "{verb} {} addr . port to {}{}",
+                nat_family.as_str(),
+                v.text,
+                nat_flags_text(flags)
+            );
+        }
+        let text = |reg: Option<u32>| reg.and_then(|r| get(&self.regs, r)).map(|v| v.text.clone());
+        let mut s = format!("{verb} to ");
+        match (text(reg_addr), text(reg_proto)) {
+            (Some(a), Some(p)) if nat_family == Family::Ip6 => {
+                let _ = write!(s, "[{a}]:{p}");
+            }
+            (Some(a), Some(p)) => {
+                let _ = write!(s, "{a}:{p}");
+            }
+            (Some(a), None) => s.push_str(&a),
+            (None, Some(p)) => {
+                let _ = write!(s, ":{p}");
+            }
+            (None, None) => s = verb.to_string(),
+        }
+        s.push_str(&nat_flags_text(flags));
+        s
+    }
+
+    /// `redirect [to :PORT]`; nft prints a port from a map with no space after the colon.
+    fn redirect(&self, reg_proto: Option<u32>, flags: u32) -> String {
+        let port = reg_proto
+            .and_then(|r| get(&self.regs, r))
+            .map(|v| v.text.clone());
+        let flags = nat_flags_text(flags & !NAT_F_PROTO_SPECIFIED);
+        match port {
+            Some(p) => format!("redirect to :{p}{flags}"),
+            None => format!("redirect{flags}"),
+        }
+    }
+}
+
+/// What `meta KEY` loads.
+fn meta_value(key: MetaKey) -> RegValue {
+    let ty = match key {
+        MetaKey::L4Proto => DataType::InetProto,
+        MetaKey::Mark => DataType::Mark,
+        _ => DataType::Integer(4),
+    };
+    let mut v = plain(format!("meta {}", key.as_str()), ty);
+    if matches!(key, MetaKey::IifName | MetaKey::OifName) {
+        v.text = key.as_str().to_string();
+        v.kind = RegKind::IfName;
+    }
+    v
+}
+
+/// What `numgen random|inc mod N [offset O]` loads.
+fn numgen_value(modulus: u32, random: bool, offset: u32) -> RegValue {
+    let mut text = format!(
+        "numgen {} mod {modulus}",
+        if random { "random" } else { "inc" }
+    );
+    if offset != 0 {
+        let _ = write!(text, " offset {offset}");
+    }
+    plain(text, DataType::Integer(4))
+}
+
+/// What `fib saddr . iif ... type|oif|oifname` loads.
+fn fib_value(flags: u32, result: u32) -> RegValue {
+    let inputs = [
+        (FIB_F_SADDR, "saddr"),
+        (FIB_F_DADDR, "daddr"),
+        (FIB_F_MARK, "mark"),
+        (FIB_F_IIF, "iif"),
+        (FIB_F_OIF, "oif"),
+    ];
+    let what: Vec<&str> = inputs
+        .iter()
+        .filter(|(bit, _)| flags & bit != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    let res = match result {
+        FIB_RESULT_ADDRTYPE => "type",
+        FIB_RESULT_OIF => "oif",
+        _ => "oifname",
+    };
+    let mut v = plain(
+        format!("fib {} {res}", what.join(" . ")),
+        DataType::Integer(4),
+    );
+    if result == FIB_RESULT_ADDRTYPE {
+        v.kind = RegKind::FibType;
+    }
+    v
+}
+
+/// A literal, typed by its length (an address of the table's family, a port, or an integer).
+fn immediate_value(family: Family, data: &[u8]) -> RegValue {
+    let ty = match data.len() {
+        4 if family == Family::Ip => DataType::Ipv4Addr,
+        16 => DataType::Ipv6Addr,
+        2 => DataType::InetService,
+        n => DataType::Integer(n as u8),
+    };
+    let mut v = plain(scalar_text(ty, data), ty);
+    v.kind = RegKind::Literal;
+    v
+}
+
+/// `src & mask ^ xor`: a mask alone is kept for the compare that follows (a prefix or flag test); nft's
+/// `| x` and `^ x` shapes are recognised, anything else is printed in full.
+fn bitwise_value(src: &RegValue, mask: &[u8], xor: &[u8]) -> RegValue {
+    let zero_xor = xor.iter().all(|b| *b == 0);
+    let inverse = mask.iter().zip(xor).all(|(m, x)| *m == !*x);
+    let all_ones = mask.iter().all(|b| *b == 0xff);
+    let mut v = src.clone();
+    if zero_xor {
+        v.mask = Some(mask.to_vec());
+    } else if inverse {
+        v.text = format!("{} | {}", src.text, scalar_text(src.ty, xor));
+    } else if all_ones {
+        v.text = format!("{} ^ {}", src.text, scalar_text(src.ty, xor));
+    } else {
+        v.text = format!(
+            "({} & {}) ^ {}",
+            src.text,
+            scalar_text(src.ty, mask),
+            scalar_text(src.ty, xor)
+        );
+    }
+    v
 }
 
 /// What `ct [original] KEY` loads: its text and type.

@@ -4,30 +4,48 @@ use super::ir::*;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// One change to one object; the table and family are the [`Change`]'s.
 pub enum Op {
+    /// Creates the table.
     AddTable,
+    /// Deletes the table and everything in it.
     DeleteTable,
+    /// Creates a chain.
     AddChain(Chain),
     /// Removes every rule of a chain (DELRULE without a handle).
     FlushChain(String),
+    /// Deletes an empty, unreferenced chain.
     DeleteChain(String),
+    /// Appends a rule to a chain.
     AddRule {
+        /// The chain.
         chain: String,
+        /// The rule.
         rule: Rule,
     },
+    /// Creates a set or map.
     AddSet(Set),
+    /// Deletes a set or map no rule references.
     DeleteSet(String),
+    /// Adds elements to a set or map.
     AddElements {
+        /// The set.
         set: String,
+        /// The elements.
         elements: Vec<Element>,
     },
+    /// Deletes elements from a set or map.
     DeleteElements {
+        /// The set.
         set: String,
+        /// The elements.
         elements: Vec<Element>,
     },
     /// Adds elements that carry a comment (their user data).
     AddCommentedElements {
+        /// The set.
         set: String,
+        /// The elements and their comments.
         elements: Vec<CommentedElement>,
     },
 }
@@ -35,8 +53,11 @@ pub enum Op {
 /// One change to one object of one table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
+    /// The table's family.
     pub family: Family,
+    /// The table.
     pub table: String,
+    /// What changes.
     pub op: Op,
 }
 
@@ -76,13 +97,16 @@ impl fmt::Display for Change {
 /// Changes applied all-or-nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Transaction {
+    /// The changes, in the order the kernel applies them.
     pub changes: Vec<Change>,
 }
 
 impl Transaction {
+    /// No changes.
     pub fn is_empty(&self) -> bool {
         self.changes.is_empty()
     }
+    /// Appends a change.
     pub fn push(&mut self, family: Family, table: &str, op: Op) {
         self.changes.push(Change {
             family,

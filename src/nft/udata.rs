@@ -11,13 +11,25 @@ use super::ir::{DataType, MetaKey, Set};
 /// An expression a set is declared with (`typeof ip daddr . th dport`): the shapes nftkube declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum TypeofExpr {
+    /// `ip saddr`.
     IpSaddr,
+    /// `ip daddr`.
     IpDaddr,
+    /// `ip6 saddr`.
     Ip6Saddr,
+    /// `ip6 daddr`.
     Ip6Daddr,
+    /// `th dport`.
     ThDport,
+    /// `meta l4proto`.
     MetaL4proto,
-    NumgenRandom { modulus: u32, offset: u32 },
+    /// `numgen random mod N offset O`.
+    NumgenRandom {
+        /// N.
+        modulus: u32,
+        /// O.
+        offset: u32,
+    },
 }
 
 // nftnl_udata_set_types.
@@ -129,14 +141,20 @@ impl TypeofExpr {
 /// What the declaration of a set says: its key (and value) types, or the expressions it was declared with.
 #[derive(Debug, Clone, Copy)]
 pub struct Declared<'a> {
+    /// The key's types.
     pub key: &'a [DataType],
+    /// The value's types (maps).
     pub data: &'a [DataType],
+    /// The key's declaring expressions, if declared by `typeof`.
     pub key_typeof: Option<&'a [TypeofExpr]>,
+    /// The value's declaring expressions, if declared by `typeof`.
     pub data_typeof: Option<&'a [TypeofExpr]>,
+    /// An anonymous set (a rule's literal set).
     pub anonymous: bool,
 }
 
 impl<'a> Declared<'a> {
+    /// What a set's declaration says.
     pub fn of(set: &'a Set) -> Self {
         Declared {
             key: &set.key,

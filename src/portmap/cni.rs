@@ -14,13 +14,21 @@ pub const CURRENT_VERSION: &str = "1.1.0";
 
 /// Well-known error codes of the CNI specification.
 pub mod code {
+    /// CNI error code: the runtime's CNI version is not supported.
     pub const INCOMPATIBLE_VERSION: u32 = 1;
+    /// CNI error code: a field of the configuration is not supported.
     pub const UNSUPPORTED_FIELD: u32 = 2;
+    /// CNI error code: the environment variables are invalid.
     pub const INVALID_ENVIRONMENT: u32 = 4;
+    /// CNI error code: an I/O error.
     pub const IO_FAILURE: u32 = 5;
+    /// CNI error code: the configuration does not decode.
     pub const DECODE_FAILURE: u32 = 6;
+    /// CNI error code: the configuration is invalid.
     pub const INVALID_CONFIG: u32 = 7;
+    /// CNI error code: try again later.
     pub const TRY_AGAIN_LATER: u32 = 11;
+    /// CNI error code (STATUS): the plugin is not available.
     pub const NOT_AVAILABLE: u32 = 50;
     /// Plugin-specific (codes from 100 are the plugin's own): CHECK found the kernel's state differs.
     pub const CHECK_FAILED: u32 = 100;
@@ -30,12 +38,16 @@ pub mod code {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{msg}{}", if details.is_empty() { String::new() } else { format!(": {details}") })]
 pub struct CniError {
+    /// The CNI error code.
     pub code: u32,
+    /// A short message.
     pub msg: String,
+    /// Details (may be empty).
     pub details: String,
 }
 
 impl CniError {
+    /// An error with this code and message.
     pub fn new(code: u32, msg: impl Into<String>) -> CniError {
         CniError {
             code,
@@ -43,6 +55,7 @@ impl CniError {
             details: String::new(),
         }
     }
+    /// Adds details.
     pub fn with_details(mut self, details: impl Into<String>) -> CniError {
         self.details = details.into();
         self
@@ -58,12 +71,19 @@ impl CniError {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `CNI_COMMAND`.
 pub enum Command {
+    /// Add the container's mappings.
     Add,
+    /// Remove the container's mappings.
     Del,
+    /// Check the container's mappings are in place.
     Check,
+    /// Report the CNI versions supported.
     Version,
+    /// Remove mappings of containers that no longer exist.
     Gc,
+    /// Report whether the plugin can serve ADD.
     Status,
 }
 
@@ -84,13 +104,16 @@ impl Command {
 /// The attachment a command is about: the container and its interface name, as the runtime names them.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Attachment {
+    /// `CNI_CONTAINERID`.
     pub container_id: String,
+    /// `CNI_IFNAME`.
     pub ifname: String,
 }
 
 /// The environment of one invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Env {
+    /// `CNI_COMMAND`.
     pub command: Command,
     /// Set for ADD, DEL and CHECK.
     pub attachment: Option<Attachment>,

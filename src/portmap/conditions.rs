@@ -24,19 +24,31 @@ use std::net::IpAddr;
 pub enum Match {
     /// `ip saddr != 10.0.0.0/8`: the field, the network and its prefix length.
     Addr {
+        /// Which address.
         field: Field,
+        /// The network.
         net: IpAddr,
+        /// Its prefix length.
         prefix: u8,
+        /// `!=`.
         negate: bool,
     },
     /// `iifname "eth*"`.
     IifName {
+        /// The interface name (without the `*`).
         name: String,
+        /// Ends in `*`: a prefix.
         prefix: bool,
+        /// `!=`.
         negate: bool,
     },
     /// `meta mark 0x10`.
-    Mark { value: u32, negate: bool },
+    Mark {
+        /// The mark.
+        value: u32,
+        /// `!=`.
+        negate: bool,
+    },
 }
 
 impl Match {
@@ -74,8 +86,11 @@ impl Match {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{list}[{index}]: {reason}")]
 pub struct ConditionError {
+    /// Which list (`conditionsV4`, `conditionsV6`).
     pub list: &'static str,
+    /// The condition's index in it.
     pub index: usize,
+    /// Why it cannot be read.
     pub reason: String,
 }
 

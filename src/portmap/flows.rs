@@ -14,8 +14,11 @@ use std::net::IpAddr;
 /// A published UDP port: the node address it is bound to (None: every local address) and the port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct HostPort {
+    /// IPv6.
     pub v6: bool,
+    /// The mapping's `hostIP` (None: any local address).
     pub host_ip: Option<IpAddr>,
+    /// The host port.
     pub port: u16,
 }
 
@@ -30,17 +33,42 @@ fn sent_to(e: &Entry, hp: &HostPort, local: &BTreeSet<IpAddr>) -> bool {
         }
 }
 
+/// Why clearing a host port's UDP flows failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClearError {
+    /// The node's addresses (which tell `hostIP`-less mappings' destinations) could not be read.
+    #[error("reading the node's addresses: {0}")]
+    NodeAddresses(std::io::Error),
+    /// The ctnetlink socket did not open.
+    #[error("opening ctnetlink: {0}")]
+    Socket(std::io::Error),
+    /// The dump of one family's UDP entries failed.
+    #[error("dumping UDP conntrack entries: {0}")]
+    Dump(crate::netlink::NetlinkError),
+    /// The delete batch failed as a whole.
+    #[error("deleting conntrack entries: {0}")]
+    Delete(crate::netlink::NetlinkError),
+    /// The kernel refused to delete one entry.
+    #[error("deleting conntrack entry {entry}: {error}")]
+    Entry {
+        /// The entry's original tuple.
+        entry: String,
+        /// The kernel's answer.
+        error: String,
+    },
+}
+
 /// Deletes the entries sent to any of `ports`; returns how many were deleted.
-pub fn clear(ports: &[HostPort]) -> Result<usize, String> {
+pub fn clear(ports: &[HostPort]) -> Result<usize, ClearError> {
     if ports.is_empty() {
         return Ok(0);
     }
     let local: BTreeSet<IpAddr> = crate::node::addresses()
-        .map_err(|e| format!("reading the node's addresses: {e}"))?
+        .map_err(ClearError::NodeAddresses)?
         .into_iter()
         .map(|a| a.ip)
         .collect();
-    let mut sock = CtSocket::open().map_err(|e| format!("opening ctnetlink: {e}"))?;
+    let mut sock = CtSocket::open().map_err(ClearError::Socket)?;
     let mut stale = Vec::new();
     for v6 in [false, true] {
         if !ports.iter().any(|p| p.v6 == v6) {
@@ -54,13 +82,14 @@ pub fn clear(ports: &[HostPort]) -> Result<usize, String> {
                 stale.push(e);
             }
         })
-        .map_err(|e| format!("dumping UDP conntrack entries: {e}"))?;
+        .map_err(ClearError::Dump)?;
     }
-    let outcome = sock
-        .delete(&stale)
-        .map_err(|e| format!("deleting conntrack entries: {e}"))?;
+    let outcome = sock.delete(&stale).map_err(ClearError::Delete)?;
     if let Some((entry, err)) = outcome.errors.first() {
-        return Err(format!("deleting conntrack entry {}: {err}", entry.orig));
+        return Err(ClearError::Entry {
+            entry: entry.orig.to_string(),
+            error: err.to_string(),
+        });
     }
     Ok(outcome.deleted)
 }

@@ -15,8 +15,11 @@ pub use crate::model::Protocol;
 /// One `runtimeConfig.portMappings` entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PortMapping {
+    /// The port on the host.
     pub host_port: u16,
+    /// The port in the container.
     pub container_port: u16,
+    /// The protocol.
     pub protocol: Protocol,
     /// A specific node address; None for every local address (`""`, absent), or `0.0.0.0` / `::` for every
     /// local address of that family only.
@@ -36,6 +39,7 @@ impl PortMapping {
     }
 }
 
+/// The family of an address.
 pub fn family_of(ip: &IpAddr) -> Family {
     if ip.is_ipv4() {
         Family::Ip
@@ -56,6 +60,7 @@ pub struct PrevResult {
 }
 
 impl PrevResult {
+    /// The container's first address of a family, from the previous result.
     pub fn container_ip(&self, family: Family) -> Option<IpAddr> {
         self.container_ips
             .iter()
@@ -76,11 +81,14 @@ impl PrevResult {
 /// An address prefix: its network address (host bits cleared) and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Subnet {
+    /// The network address.
     pub net: IpAddr,
+    /// The prefix length.
     pub prefix: u8,
 }
 
 impl Subnet {
+    /// The subnet of `ip` with this prefix (host bits cleared).
     pub fn of(ip: IpAddr, prefix: u8) -> Subnet {
         let net = match ip {
             IpAddr::V4(a) => {
@@ -99,6 +107,7 @@ impl Subnet {
         Subnet { net, prefix }
     }
 
+    /// Reads "ADDR/PREFIX".
     pub fn parse(text: &str) -> Option<Subnet> {
         let (ip, prefix) = text.split_once('/')?;
         let ip: IpAddr = ip.parse().ok()?;
@@ -117,20 +126,30 @@ impl std::fmt::Display for Subnet {
 /// The configuration of one invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConf {
+    /// `cniVersion`.
     pub cni_version: String,
+    /// The network's `name`.
     pub name: String,
+    /// `snat`: masquerade connections from the host's loopback.
     pub snat: bool,
+    /// `masqAll`: masquerade every mapped connection.
     pub masq_all: bool,
+    /// `markMasqBit`: the fwmark bit that asks for masquerade.
     pub mark_masq_bit: u32,
+    /// `conditionsV4`: extra matches for IPv4 mappings.
     pub conditions_v4: Vec<Match>,
+    /// `conditionsV6`: extra matches for IPv6 mappings.
     pub conditions_v6: Vec<Match>,
+    /// `runtimeConfig.portMappings`.
     pub port_mappings: Vec<PortMapping>,
+    /// `prevResult`: the container's interfaces and addresses.
     pub prev_result: Option<PrevResult>,
     /// GC: `cni.dev/valid-attachments`.
     pub valid_attachments: Option<Vec<Attachment>>,
 }
 
 impl NetConf {
+    /// The conditions of a family.
     pub fn conditions(&self, family: Family) -> &[Match] {
         if family == Family::Ip6 {
             &self.conditions_v6

@@ -14,7 +14,9 @@ use std::collections::BTreeSet;
 /// What an invocation prints on stdout and whether it succeeded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
+    /// What to print on stdout.
     pub stdout: String,
+    /// Whether the command succeeded (the exit code).
     pub ok: bool,
 }
 

@@ -35,6 +35,7 @@ use std::net::IpAddr;
 
 /// The plugin's table, in each family; never the proxy's `nftkube`.
 pub const TABLE: &str = "nftkube-portmap";
+/// The table's families.
 pub const FAMILIES: [Family; 2] = [Family::Ip, Family::Ip6];
 
 /// Base chain priorities, nft's `dstnat` and `srcnat`.
@@ -44,12 +45,19 @@ const SRCNAT: i32 = 100;
 /// The objects of one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
+    /// The prerouting chain.
     pub pre: String,
+    /// The output chain.
     pub out: String,
+    /// The postrouting chain.
     pub post: String,
+    /// The DNAT chain.
     pub dnat: String,
+    /// The host-port map.
     pub ports: String,
+    /// The host-IP map.
     pub hostip: String,
+    /// The set of mapping targets.
     pub targets: String,
 }
 
@@ -74,6 +82,7 @@ impl Names {
         [&self.ports, &self.hostip, &self.targets]
     }
 
+    /// The base chains.
     pub fn chains(&self) -> [&str; 4] {
         [&self.pre, &self.out, &self.post, &self.dnat]
     }
@@ -258,7 +267,9 @@ pub fn parse_owner(comment: &str) -> Option<(&str, &str)> {
 /// One element to hold: the set it belongs to and the element.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Wanted {
+    /// The set or map.
     pub set: String,
+    /// The element, with its comment.
     pub element: CommentedElement,
 }
 

@@ -26,6 +26,7 @@ struct Pin {
 }
 
 impl Balancer {
+    /// A balancer with no endpoints; `affinity_ttl`: ClientIP affinity for that long.
     pub fn new(affinity_ttl: Option<Duration>) -> Balancer {
         Balancer {
             endpoints: Vec::new(),
@@ -36,6 +37,7 @@ impl Balancer {
         }
     }
 
+    /// The current endpoints.
     pub fn endpoints(&self) -> &[SocketAddr] {
         &self.endpoints
     }

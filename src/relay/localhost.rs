@@ -62,6 +62,7 @@ impl LocalhostNodePorts {
         }
     }
 
+    /// The relay that serves them.
     pub fn relay(&self) -> &Relay {
         &self.relay
     }

@@ -64,30 +64,43 @@ impl Default for RelayOptions {
 pub struct Frontend {
     /// For logs: the service port ("namespace/name:port").
     pub service: String,
+    /// The protocol.
     pub protocol: Protocol,
     /// Where to listen (port 0: a port the kernel picks, see [`Relay::local_addr`]).
     pub listen: SocketAddr,
+    /// The endpoints connections go to.
     pub endpoints: Vec<SocketAddr>,
     /// ClientIP affinity timeout.
     pub affinity: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
+/// Why the relay could not serve a service.
 pub enum RelayError {
     #[error("starting the relay's runtime: {0}")]
+    /// The relay's runtime did not start.
     Runtime(#[source] io::Error),
     #[error("{service}: cannot listen on {protocol} {listen}: {source}")]
+    /// A listening socket could not be opened.
     Listen {
+        /// The service.
         service: String,
+        /// The protocol.
         protocol: Protocol,
+        /// The address.
         listen: SocketAddr,
         #[source]
+        /// The socket error.
         source: io::Error,
     },
     #[error("{service}: {protocol} {listen}: the relay carries TCP and UDP only")]
+    /// The relay does not serve this protocol.
     Unsupported {
+        /// The service.
         service: String,
+        /// The protocol.
         protocol: Protocol,
+        /// The address.
         listen: SocketAddr,
     },
 }
@@ -255,6 +268,7 @@ impl Relay {
         self.active.values().map(|a| a.service.live_count()).sum()
     }
 
+    /// Its counters.
     pub fn stats(&self) -> &Stats {
         &self.limits.stats
     }

@@ -21,15 +21,20 @@ pub struct Limits {
 }
 
 #[derive(Debug, Default)]
+/// A relayed service's counters.
 pub struct Stats {
+    /// Connections (or UDP flows) accepted.
     pub accepted: AtomicU64,
+    /// Connections to an endpoint that failed.
     pub dial_failures: AtomicU64,
     /// Accepts or dials that failed for want of file descriptors (EMFILE / ENFILE).
     pub fd_exhausted: AtomicU64,
+    /// Connections closed because their endpoint left the service.
     pub closed_by_endpoint_removal: AtomicU64,
 }
 
 impl Stats {
+    /// Adds one.
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }

@@ -131,6 +131,7 @@ impl UserspaceProxy {
         out
     }
 
+    /// The relay that serves the services.
     pub fn relay(&self) -> &Relay {
         &self.relay
     }

@@ -1,18 +1,33 @@
 //! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
 //! rejection, kubelet's guard) and the sets and maps the services fill.
 
+use super::chains::pick_chain_state;
 use super::common::*;
 use super::names::*;
 use super::{RenderConfig, SLOT_SPACE};
 use crate::model::IpFamily;
+use crate::model::NodePortAddresses;
 use crate::nft::build::{ip_bytes, Field, RuleBuilder};
 use crate::nft::ir::*;
-use crate::node::NodePortAddresses;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The objects every table has whatever the services: hooks, the fixed chains and the sets.
 pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     let mut t = TableState::new(nft_family(f), TABLE);
+    add_sets(&mut t, f);
+    let nodeport_match = nodeport_match(&mut t, f, cfg);
+    add_hooks(&mut t);
+    t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
+    t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall_rules(f, cfg);
+    add_dispatch(&mut t, f, nodeport_match);
+    t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = masquerading_rules(f, cfg);
+    add_cluster_ips_check(&mut t, f, cfg);
+    add_reject(&mut t, f);
+    t
+}
+
+/// The sets and maps service pieces fill (and the affinity map the rules fill).
+fn add_sets(t: &mut TableState, f: IpFamily) {
     let a = addr_type(f);
     let plain_set = Set::new;
     let daddr_of = match f {
@@ -36,11 +51,13 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![daddr_of, TypeofExpr::ThDport],
     ));
     t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
+    let frontend_key = vec![a, DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
-        MAP_NO_ENDPOINT_SERVICES,
-        vec![a, DataType::InetProto, DataType::InetService],
-        vec![DataType::Verdict],
+        SET_NO_ENDPOINT_SERVICES,
+        frontend_key.clone(),
+        vec![],
     ));
+    t.add_set(plain_set(SET_NO_LOCAL_ENDPOINTS, frontend_key, vec![]));
     t.add_set(Set {
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::render::MAX_AFFINITY_SECONDS as u64 * 1000),
@@ -64,10 +81,11 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![DataType::Verdict],
     ));
     t.add_set(plain_set(
-        MAP_NO_ENDPOINT_NODEPORTS,
+        SET_NO_ENDPOINT_NODEPORTS,
         port_key.clone(),
-        vec![DataType::Verdict],
+        vec![],
     ));
+    t.add_set(plain_set(SET_NO_LOCAL_NODEPORTS, port_key.clone(), vec![]));
     t.add_set(plain_set(
         MAP_AFFINITY_NODEPORTS,
         port_key,
@@ -78,8 +96,13 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         vec![TypeofExpr::MetaL4proto, TypeofExpr::ThDport, slot],
         vec![daddr_of, TypeofExpr::ThDport],
     ));
-    // NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses).
-    let nodeport_match: Option<RuleBuilder> = match &cfg.nodeport_addresses {
+}
+
+/// NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses): the start of the rules
+/// that match them (None: NodePorts are not served).
+fn nodeport_match(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) -> Option<RuleBuilder> {
+    let a = addr_type(f);
+    match &cfg.nodeport_addresses {
         NodePortAddresses::None => None,
         NodePortAddresses::AllLocal => {
             let loopback: IpAddr = match f {
@@ -94,7 +117,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             )
         }
         NodePortAddresses::Only(ips) => {
-            let set = t.add_set(plain_set(SET_NODEPORT_IPS, vec![a], vec![]));
+            let set = t.add_set(Set::new(SET_NODEPORT_IPS, vec![a], vec![]));
             for ip in ips.iter().filter(|ip| IpFamily::of(ip) == f) {
                 set.elements.insert(Element {
                     key: ip_bytes(ip).into(),
@@ -103,9 +126,17 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             }
             Some(RuleBuilder::new().in_set(&[daddr(f)], SET_NODEPORT_IPS, false))
         }
-    };
+    }
+}
 
-    let jump = |c: &str| RuleBuilder::new().verdict(Verdict::Jump(c.into())).build();
+fn jump(chain: &str) -> Rule {
+    RuleBuilder::new()
+        .verdict(Verdict::Jump(chain.into()))
+        .build()
+}
+
+/// The base chains: nat hooks to dispatch and masquerading, filter hooks to the checks after NAT.
+fn add_hooks(t: &mut TableState) {
     t.add_chain(Chain::base(
         CHAIN_NAT_PREROUTING,
         ChainType::Nat,
@@ -156,10 +187,12 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         PRIO_FILTER_EARLY,
     ))
     .rules = vec![jump(CHAIN_FIREWALL), record_affinity()];
-    t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
-    // kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
-    // 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
-    // it could otherwise reach services bound to loopback).
+}
+
+/// kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
+/// 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
+/// it could otherwise reach services bound to loopback).
+fn firewall_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
     let mut firewall = vec![RuleBuilder::new()
         .mark_has(cfg.drop_bit, true)
         .verdict(Verdict::Drop)
@@ -178,8 +211,11 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
                 .build(),
         );
     }
-    t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall;
+    firewall
+}
 
+/// `services`: the dispatch by frontend, then by NodePort; the NodePort check on input; the `pick` chains.
+fn add_dispatch(t: &mut TableState, f: IpFamily, nodeport_match: Option<RuleBuilder>) {
     let mut services = vec![RuleBuilder::new()
         .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
         .build()];
@@ -196,13 +232,26 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .insert(1, jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
-            .vmap(&[Field::L4Proto, Field::ThDport], MAP_NO_ENDPOINT_NODEPORTS)
+            .in_set(
+                &[Field::L4Proto, Field::ThDport],
+                SET_NO_ENDPOINT_NODEPORTS,
+                false,
+            )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
             .build()];
     }
     t.add_chain(Chain::regular(CHAIN_SERVICES)).rules = services;
+    for node_port in [false, true] {
+        for local in [false, true] {
+            let pick = pick_chain_state(f, node_port, local);
+            t.add_chain(pick.chain.clone()).rules = pick.rules;
+        }
+    }
+}
 
+fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
     let bit = cfg.masquerade_bit;
-    t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = vec![
+    vec![
         RuleBuilder::new()
             .ct_has(CtKey::Status, CT_STATUS_DNAT)
             .in_set(&[saddr(f), daddr(f)], SET_HAIRPIN, false)
@@ -217,14 +266,19 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
         RuleBuilder::new()
             .masquerade(cfg.masquerade_fully_random)
             .build(),
-    ];
+    ]
+}
 
+/// After NAT: frontends without endpoints, and whatever still goes to a ClusterIP, are rejected.
+fn add_cluster_ips_check(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
     t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
         RuleBuilder::new()
-            .vmap(
+            .in_set(
                 &[daddr(f), Field::L4Proto, Field::ThDport],
-                MAP_NO_ENDPOINT_SERVICES,
+                SET_NO_ENDPOINT_SERVICES,
+                false,
             )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
             .build(),
         RuleBuilder::new()
             .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
@@ -243,7 +297,9 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
                 .build(),
         );
     }
+}
 
+fn add_reject(t: &mut TableState, f: IpFamily) {
     let unreach = match f {
         IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
         IpFamily::V6 => RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH),
@@ -255,7 +311,6 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
             .build(),
         RuleBuilder::new().reject(unreach).build(),
     ];
-    t
 }
 
 /// The most affinity entries a table holds (one per client and frontend while it lasts). kube-proxy's

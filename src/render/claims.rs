@@ -35,6 +35,7 @@ pub struct Fingerprinter {
 }
 
 impl Fingerprinter {
+    /// The fingerprint of `value`.
     pub fn of(&self, value: &impl Hash) -> Fingerprint {
         [self.high.hash_one(value), self.low.hash_one(value)]
     }
@@ -47,6 +48,8 @@ struct Claim {
     elements: u32,
 }
 
+/// Who holds each frontend of the per-service sets: the first claimant (in name order), until its last
+/// element of that frontend goes.
 #[derive(Debug, Default, Clone)]
 pub struct Claims {
     claims: HashMap<Fingerprint, Claim>,

@@ -9,14 +9,20 @@ use std::collections::BTreeMap;
 /// One table as it should be.
 #[derive(Debug)]
 pub struct Desired<'a> {
+    /// The table's family.
     pub family: Family,
+    /// The table's name.
     pub name: &'a str,
+    /// Its sets, each with its elements.
     pub sets: BTreeMap<&'a str, DesiredSet<'a>>,
+    /// Its chains with their rules.
     pub chains: BTreeMap<&'a str, &'a ChainState>,
 }
 
+/// One set as it should be: its declaration and its elements.
 #[derive(Debug)]
 pub struct DesiredSet<'a> {
+    /// The declaration.
     pub set: &'a Set,
     /// Sorted by element, one per key (a sorted vector: a third of a BTreeSet's memory).
     elements: Vec<&'a Element>,
@@ -33,10 +39,12 @@ impl<'a> DesiredSet<'a> {
         self.elements
     }
 
+    /// Whether `e` (key and value) is among the elements.
     pub fn contains(&self, e: &Element) -> bool {
         self.elements.binary_search(&e).is_ok()
     }
 
+    /// Whether the set has no element.
     pub fn is_empty(&self) -> bool {
         self.elements.is_empty()
     }

@@ -9,25 +9,30 @@ pub mod names;
 mod services;
 pub mod userspace;
 
-pub use chains::{affinity_chain_state, lb_chain_state, LbKind, LOCAL_SLOTS, SLOT_SPACE};
+pub use chains::{
+    affinity_chain_state, lb_chain_state, pick_chain_state, region, Counts, LbKind, LOCAL_REGIONS,
+    MAX_ENDPOINTS, SHARED_COUNTS, SLOT_SPACE,
+};
 pub use desired::{Desired, DesiredSet};
 pub use services::usable_endpoints;
 
-use crate::model::{Cidr, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName};
+use crate::model::{
+    Cidr, DetectLocal, EndpointsMap, IpFamily, ServiceMap, ServicePort, ServicePortName,
+};
 use crate::nft::ir::{ChainState, Element, Family, TableState};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// `lb-<n>` of a family under a config, built once and shared by every service piece that needs it (10k
-/// services would otherwise hold 10k copies of a handful of chains).
+/// An `lb-*` chain of a family under a config, built once and shared by every service piece that needs it
+/// (10k services would otherwise hold 10k copies of a handful of chains).
 pub fn lb_chain(
     family: Family,
-    n: u32,
     kind: LbKind,
+    counts: Counts,
     affinity: bool,
     cfg: &RenderConfig,
 ) -> Arc<ChainState> {
-    type Cache = Mutex<HashMap<(Family, u32, LbKind, bool, RenderConfig), Arc<ChainState>>>;
+    type Cache = Mutex<HashMap<(Family, LbKind, Counts, bool, RenderConfig), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
         .get_or_init(Default::default)
@@ -37,8 +42,8 @@ pub fn lb_chain(
         cache.clear(); // configs do not change at run time; this only bounds tests that vary them
     }
     cache
-        .entry((family, n, kind, affinity, cfg.clone()))
-        .or_insert_with(|| Arc::new(lb_chain_state(family, n, kind, affinity, cfg)))
+        .entry((family, kind, counts, affinity, cfg.clone()))
+        .or_insert_with(|| Arc::new(lb_chain_state(family, kind, counts, affinity, cfg)))
         .clone()
 }
 
@@ -57,18 +62,24 @@ pub fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
 }
 
 /// Something one service port needs in the kernel. Pieces of different services may coincide (two services
-/// with the same endpoint count share `lb-<n>`; two ports of one ClusterIP share its `cluster-ips` element):
+/// of one kind share its `lb-*` chain; two ports of one ClusterIP share its `cluster-ips` element):
 /// the sync engine counts references, so an object goes when the last service needing it goes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Piece {
+    /// An element of one of the piece sets.
     Element {
+        /// The table's family.
         family: Family,
+        /// Which set.
         set: names::PieceSet,
+        /// The element.
         element: Element,
     },
+    /// A chain (with its rules) some service needs.
     Chain {
+        /// The table's family.
         family: Family,
-        /// Shared: every service with n endpoints points at the same `lb-<n>` (see `lb_chain`).
+        /// Shared: every service of one kind points at the same `lb-*` chain (see `lb_chain`).
         chain: Arc<ChainState>,
     },
 }
@@ -160,7 +171,7 @@ pub struct RenderConfig {
     /// `masquerade fully-random` (kube-proxy's `--iptables-masquerade-fully-random`... mapped to nft).
     pub masquerade_fully_random: bool,
     /// Where NodePorts are served (resolved from `--nodeport-addresses` and the node's addresses).
-    pub nodeport_addresses: crate::node::NodePortAddresses,
+    pub nodeport_addresses: crate::model::NodePortAddresses,
     /// The mark bit whose packets are dropped (kubelet's KUBE-MARK-DROP, 0x8000).
     pub drop_bit: u32,
     /// Service ranges (`--service-cidr`): addresses in them that no Service has are dropped.
@@ -168,22 +179,9 @@ pub struct RenderConfig {
     /// The node's own addresses (for loadBalancerSourceRanges that include the node).
     pub node_ips: Vec<std::net::IpAddr>,
     /// How traffic from this node's pods is told apart (kube-proxy's `--detect-local-mode`).
-    pub local_detector: LocalDetector,
+    pub local_detector: DetectLocal,
     /// This node's zone (its `topology.kubernetes.io/zone` label), for topology hints.
     pub node_zone: Option<String>,
-}
-
-/// kube-proxy's local-traffic detectors: what makes a packet "from a pod" (not masqueraded on its way to a
-/// ClusterIP, short-circuited for externalTrafficPolicy Local).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum LocalDetector {
-    /// Source inside `--cluster-cidr` (the first CIDR of each family).
-    #[default]
-    ClusterCidr,
-    /// Arrived on an interface whose name starts with this prefix (`--pod-interface-name-prefix`).
-    InterfaceNamePrefix(String),
-    /// Arrived on this bridge (`--pod-bridge-interface`).
-    BridgeInterface(String),
 }
 
 impl Default for RenderConfig {
@@ -194,11 +192,11 @@ impl Default for RenderConfig {
             masquerade_all: false,
             masquerade_bit: 0x4000,
             masquerade_fully_random: false,
-            nodeport_addresses: crate::node::NodePortAddresses::None,
+            nodeport_addresses: crate::model::NodePortAddresses::None,
             drop_bit: 0x8000,
             service_cidrs: Vec::new(),
             node_ips: Vec::new(),
-            local_detector: LocalDetector::ClusterCidr,
+            local_detector: DetectLocal::ClusterCidr,
             node_zone: None,
         }
     }

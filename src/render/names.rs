@@ -5,21 +5,36 @@ use crate::model::ServicePortName;
 /// The table every nftkube object lives in (one per address family).
 pub const TABLE: &str = "nftkube";
 
+/// Base chain: nat prerouting (dstnat), jumps to `services`.
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
+/// Base chain: nat output (dstnat), jumps to `services`.
 pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
+/// Base chain: nat postrouting (srcnat), jumps to `masquerading`.
 pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
+/// Base chain: filter forward, the checks after NAT.
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+/// Base chain: filter output, the checks after NAT.
 pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
+/// The dispatch: frontends and NodePorts to their `lb*` chains.
 pub const CHAIN_SERVICES: &str = "services";
+/// Masquerades marked packets and hairpin connections.
 pub const CHAIN_MASQUERADING: &str = "masquerading";
+/// After NAT: rejects what still goes to a ClusterIP or to a frontend without endpoints.
 pub const CHAIN_CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
+/// TCP reset, ICMP port unreachable otherwise.
 pub const CHAIN_REJECT: &str = "reject-chain";
+/// kubelet's guard: the drop mark and martian localnet traffic.
 pub const CHAIN_FIREWALL: &str = "firewall";
 
+/// Every ClusterIP: whatever reaches one un-NATed is rejected.
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
+/// The dispatch verdict map: `addr . proto . port : goto lb*` (ClusterIPs, external and LoadBalancer IPs).
 pub const MAP_SERVICE_IPS: &str = "service-ips";
+/// Endpoint slots of frontends: `addr . proto . port . slot : endpoint addr . port`.
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
+/// `endpoint . endpoint`: an endpoint reaching itself through its service is masqueraded.
 pub const SET_HAIRPIN: &str = "hairpin-endpoints";
+/// The addresses NodePorts are served on, when `--nodeport-addresses` names them.
 pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
 /// ClientIP affinity: `saddr . daddr . proto . port : endpoint addr . port`, filled by the packet path.
 pub const MAP_AFFINITY: &str = "affinity";
@@ -29,17 +44,40 @@ pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
 pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 /// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
 pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
+/// The NodePort dispatch: `proto . port : goto lb-np*`.
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
+/// Endpoint slots of NodePorts: `proto . port . slot : endpoint addr . port`.
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
-pub const MAP_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// NodePorts of services without endpoints (`proto . port`): rejected on input.
+pub const SET_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// Base chain: filter input (the NodePort check, the guard, affinity records).
 pub const CHAIN_FILTER_INPUT: &str = "filter-input";
+/// On input: rejects NodePorts of services without endpoints.
 pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
 /// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
 pub const MAP_RELAY_PORTS: &str = "relay-ports";
 
-/// External and LoadBalancer frontends of services without endpoints: `addr . proto . port : goto reject`.
-pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+/// External and LoadBalancer frontends of services without endpoints (`addr . proto . port`): rejected in
+/// filter. A plain set, so that a service losing its last endpoint adds no verdict element.
+pub const SET_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+
+/// Frontends (`addr . proto . port`) whose service has endpoints, none of them on this node, under a Local
+/// traffic policy: their `lb-*` chain drops what no local endpoint took.
+pub const SET_NO_LOCAL_ENDPOINTS: &str = "no-local-endpoints";
+
+/// The same for NodePorts (`proto . port`).
+pub const SET_NO_LOCAL_NODEPORTS: &str = "no-local-endpoint-nodeports";
+
+/// The shared choice of an endpoint by count (see `chains::Counts`): frontends, their local endpoints,
+/// NodePorts, and their local endpoints.
+pub const CHAIN_PICK: &str = "pick";
+/// The choice among a frontend's node-local endpoints.
+pub const CHAIN_PICK_LOCAL: &str = "pick-local";
+/// The choice among a NodePort's endpoints.
+pub const CHAIN_PICK_NODEPORT: &str = "pick-np";
+/// The choice among a NodePort's node-local endpoints.
+pub const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
 /// services), where a 16-byte `&str` cost ~10 MB.
@@ -47,15 +85,17 @@ pub const MAP_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 11] = [
+const PIECE_SETS: [&str; 13] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
     SET_HAIRPIN,
     MAP_SERVICE_NODEPORTS,
     MAP_NODEPORT_ENDPOINTS,
-    MAP_NO_ENDPOINT_NODEPORTS,
-    MAP_NO_ENDPOINT_SERVICES,
+    SET_NO_ENDPOINT_NODEPORTS,
+    SET_NO_ENDPOINT_SERVICES,
+    SET_NO_LOCAL_ENDPOINTS,
+    SET_NO_LOCAL_NODEPORTS,
     MAP_AFFINITY_SERVICES,
     MAP_AFFINITY_NODEPORTS,
     MAP_RELAY_PORTS,
@@ -63,6 +103,7 @@ const PIECE_SETS: [&str; 11] = [
 
 impl PieceSet {
     /// The set of this name. Panics for a set pieces never use (a programming error caught by every test).
+    /// The piece set of that name (a programming error if it is none).
     pub fn named(name: &str) -> PieceSet {
         let at = PIECE_SETS
             .iter()
@@ -71,6 +112,7 @@ impl PieceSet {
         PieceSet(at as u8)
     }
 
+    /// The set's name in the table.
     pub fn name(self) -> &'static str {
         PIECE_SETS[self.0 as usize]
     }
@@ -87,23 +129,8 @@ impl std::fmt::Display for PieceSet {
     }
 }
 
-/// Prefix of the load-balancing chains, one per endpoint count in use.
+/// Prefix of the load-balancing chains (see `chains::lb_chain_state`).
 pub const LB_CHAIN_PREFIX: &str = "lb-";
-
-/// `lb-<n>`: picks one of n endpoints with `numgen random mod n`, for ClusterIP frontends.
-pub fn lb_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}{n}")
-}
-
-/// `lb-ext-<n>`: the same for external IP and LoadBalancer frontends, which masquerade differently.
-pub fn lb_external_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}ext-{n}")
-}
-
-/// `lb-np-<n>`: the same for NodePorts, keyed by protocol and port alone (any node address).
-pub fn lb_nodeport_chain(n: u32) -> String {
-    format!("{LB_CHAIN_PREFIX}np-{n}")
-}
 
 /// `affinity-<seconds>`: records the endpoint of a new connection for that long (one chain per timeout in
 /// use, shared by every service with that timeout).
@@ -136,20 +163,4 @@ fn short_hash(s: &str) -> String {
     (0..8)
         .map(|i| ALPHABET[((h >> (i * 5)) & 31) as usize] as char)
         .collect()
-}
-
-/// The endpoint count an `lb-<n>` chain serves, if `name` is one.
-pub fn lb_count(name: &str) -> Option<u32> {
-    name.strip_prefix(LB_CHAIN_PREFIX)?.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lb_chain_names_round_trip() {
-        assert_eq!(lb_count(&lb_chain(7)), Some(7));
-        assert_eq!(lb_count("services"), None);
-    }
 }

@@ -1,20 +1,25 @@
 //! What each service port contributes (set elements, and which shared chains it needs), and the endpoint
 //! selection rules (readiness fallback, topology hints, traffic policies). The fixed objects are in
-//! `base.rs`, the `lb-*` and firewall chains in `chains.rs`.
+//! `base.rs`, the `lb-*`, `pick` and firewall chains in `chains.rs`.
 //!
 //! The shape is chosen so that the kernel loads it in linear time and so that services come and go, and
 //! endpoints change, by **set elements only** (KERNEL-NOTES.md, "Candidate shapes", shape D):
 //! - `services` (reached from nat prerouting and output) looks up `daddr . l4proto . dport` in the verdict
-//!   map `service-ips`, whose element for a service port says `goto lb-<n>` where n is its endpoint count:
-//!   one lookup per new connection whatever the number of services.
-//! - `lb-<n>` (one chain per endpoint count in use, shared by every service with n endpoints) marks for
-//!   masquerade when the source is outside the cluster CIDR (or always, with masquerade-all) and does
-//!   `dnat to daddr . l4proto . dport . numgen random mod n` looked up in `service-endpoints`: slot k of a
-//!   service maps to its k-th endpoint, so each endpoint is chosen with probability exactly 1/n.
+//!   map `service-ips`, whose element for a service port says `goto lb…`, the chain of its kind (ClusterIP,
+//!   external, NodePort, externalTrafficPolicy Local; with or without affinity): one lookup per new
+//!   connection whatever the number of services.
+//! - `lb…` marks for masquerade when the source is outside the cluster CIDR (or always, with
+//!   masquerade-all) and jumps to `pick`, which holds one rule per endpoint count n:
+//!   `dnat to daddr . l4proto . dport . numgen random mod n offset region(n)` looked up in
+//!   `service-endpoints`. A frontend with n endpoints keeps endpoint k at slot `region(n) + k`, so only the
+//!   rule of its own count finds an element, and each endpoint is chosen with probability exactly 1/n. An
+//!   endpoint count is thus data: a change of count replaces the service's slot elements and nothing else.
 //! - postrouting masquerades marked packets and hairpin connections (an endpoint reaching itself through its
 //!   service: `ct status dnat` and `saddr . daddr` in `hairpin-endpoints`).
 //! - filter forward and output reject whatever still goes to a ClusterIP after NAT: a service with no
-//!   endpoints, or a port that is no service port (TCP: reset; others: ICMP port unreachable).
+//!   endpoints, or a port that is no service port (TCP: reset; others: ICMP port unreachable); external
+//!   frontends and NodePorts without endpoints are rejected through the plain sets `no-endpoint-services`
+//!   and `no-endpoint-nodeports`.
 //!
 //! No per-service chain or rule exists, so adding a service never adds a rule (rules make the kernel
 //! re-validate the whole table), and no anonymous set is bound per service (quadratic in the kernel).
@@ -23,10 +28,10 @@ use super::chains::*;
 use super::common::*;
 use super::names::*;
 use super::{Piece, RenderConfig};
+use crate::model::NodePortAddresses;
 use crate::model::{Cidr, Endpoint, IpFamily, ServicePort, TrafficPolicy};
 use crate::nft::build::{concat_key, ip_bytes};
 use crate::nft::ir::*;
-use crate::node::NodePortAddresses;
 use std::net::IpAddr;
 
 /// Topology hints, as kube-proxy applies them to cluster-wide endpoint sets: when every endpoint has node hints
@@ -75,14 +80,12 @@ pub fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
         .collect()
 }
 
-/// Everything one service port adds to the tables, in every family it has a frontend in: its ClusterIPs,
-/// external IPs, LoadBalancer ingress IPs and NodePort.
+/// What one service port contributes, in both families.
 pub(super) fn service_pieces(
     svc: &ServicePort,
     endpoints: &[Endpoint],
     cfg: &RenderConfig,
 ) -> Vec<Piece> {
-    let mut pieces = Vec::new();
     let local_endpoints: Vec<Endpoint> = endpoints
         .iter()
         .filter(|e| {
@@ -90,240 +93,264 @@ pub(super) fn service_pieces(
         })
         .cloned()
         .collect();
-    let node_port = svc
-        .node_port
-        .filter(|_| cfg.nodeport_addresses != NodePortAddresses::None);
+    let mut pieces = Vec::new();
     for f in [IpFamily::V4, IpFamily::V6] {
-        let family = nft_family(f);
-        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
-            ips.iter()
-                .copied()
-                .filter(|ip| IpFamily::of(ip) == f)
-                .collect()
+        let mut all = topology_filter(usable_endpoints(endpoints, f), cfg);
+        let mut local = usable_endpoints(&local_endpoints, f);
+        all.truncate(MAX_ENDPOINTS);
+        local.truncate(MAX_ENDPOINTS);
+        let mut family = FamilyPieces {
+            svc,
+            cfg,
+            f,
+            family: nft_family(f),
+            all: &all,
+            local: &local,
+            pieces: &mut pieces,
         };
-        let cluster = of_family(&svc.cluster_ips);
-        let mut external = of_family(&svc.external_ips);
-        external.extend(of_family(&svc.load_balancer_ips));
-        external.sort();
-        external.dedup();
-        external.retain(|ip| !cluster.contains(ip));
-        if cluster.is_empty() && external.is_empty() {
-            continue;
-        }
-        let element =
-            |set: &'static str, key: Vec<u8>, value: Option<ElementValue>| Piece::Element {
-                family,
-                set: PieceSet::named(set),
-                element: Element {
-                    key: key.into(),
-                    value,
-                },
-            };
-        let proto = vec![svc.protocol.number()];
-        let frontend =
-            |ip: &IpAddr| vec![ip_bytes(ip), proto.clone(), svc.port.to_be_bytes().to_vec()];
-        let node_port_key = |np: u16| vec![proto.clone(), np.to_be_bytes().to_vec()];
-        let goto = |chain: &str| Some(ElementValue::Verdict(Verdict::Goto(chain.into())));
-        // Slot elements: endpoint k of `eps` at slot `offset + k` of the frontend (or port) `key`.
-        let slots = |set: &'static str,
-                     key: &[Vec<u8>],
-                     eps: &[Endpoint],
-                     offset: u32,
-                     out: &mut Vec<Piece>| {
-            for (k, ep) in eps.iter().enumerate() {
-                let mut full = key.to_vec();
-                full.push((offset + k as u32).to_ne_bytes().to_vec());
-                out.push(element(
-                    set,
-                    concat_key(&full),
-                    Some(ElementValue::Data(
-                        concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]).into(),
-                    )),
-                ));
-            }
-        };
-        let all = topology_filter(usable_endpoints(endpoints, f), cfg);
-        let local = usable_endpoints(&local_endpoints, f);
-
-        // ClusterIPs (internalTrafficPolicy).
-        for ip in &cluster {
-            pieces.push(element(SET_CLUSTER_IPS, ip_bytes(ip), None));
-        }
-        let internal = if svc.internal_traffic_policy == TrafficPolicy::Local {
-            &local
-        } else {
-            &all
-        };
-        // ClientIP affinity: every frontend of the service records its connections' endpoints.
-        let affinity = svc.session_affinity_timeout;
-        let record = affinity.map(|seconds| {
-            let chain = super::affinity_chain(family, seconds);
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            target
-        });
-        if !internal.is_empty() {
-            let n = internal.len() as u32;
-            let chain = super::lb_chain(family, n, LbKind::Cluster, affinity.is_some(), cfg);
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            for ip in &cluster {
-                slots(
-                    MAP_SERVICE_ENDPOINTS,
-                    &frontend(ip),
-                    internal,
-                    0,
-                    &mut pieces,
-                );
-                pieces.push(element(
-                    MAP_SERVICE_IPS,
-                    concat_key(&frontend(ip)),
-                    goto(&target),
-                ));
-                if let Some(r) = &record {
-                    pieces.push(element(
-                        MAP_AFFINITY_SERVICES,
-                        concat_key(&frontend(ip)),
-                        goto(r),
-                    ));
-                }
-            }
-        } else if !all.is_empty() {
-            // internalTrafficPolicy Local without a local endpoint: dropped (endpoints exist elsewhere).
-            for ip in &cluster {
-                pieces.push(element(
-                    MAP_SERVICE_IPS,
-                    concat_key(&frontend(ip)),
-                    Some(ElementValue::Verdict(Verdict::Drop)),
-                ));
-            }
-        }
-        // Otherwise no dispatch element: the packet leaves NAT untouched and is rejected in filter (every
-        // port of a ClusterIP is ours).
-
-        // External IPs, LoadBalancer IPs and the NodePort (externalTrafficPolicy).
-        if all.is_empty() {
-            // External addresses may serve other things on other ports: rejected per port.
-            for ip in &external {
-                pieces.push(element(
-                    MAP_NO_ENDPOINT_SERVICES,
-                    concat_key(&frontend(ip)),
-                    goto(CHAIN_REJECT),
-                ));
-            }
-            if let Some(np) = node_port {
-                pieces.push(element(
-                    MAP_NO_ENDPOINT_NODEPORTS,
-                    concat_key(&node_port_key(np)),
-                    goto(CHAIN_REJECT),
-                ));
-            }
-            continue;
-        }
-        let n = all.len() as u32;
-        let etp_local = svc.external_traffic_policy == TrafficPolicy::Local;
-        let (ext_kind, np_kind) = if etp_local {
-            let l = local.len() as u32;
-            (LbKind::LocalExternal(l), LbKind::LocalNodePort(l))
-        } else {
-            (LbKind::External, LbKind::NodePort)
-        };
-        if !external.is_empty() {
-            let chain = super::lb_chain(family, n, ext_kind, affinity.is_some(), cfg);
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            // loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort)
-            // before DNAT, in a chain of this service's own.
-            let ranges: Vec<&Cidr> = svc
-                .load_balancer_source_ranges
-                .iter()
-                .filter(|c| c.family() == f)
-                .collect();
-            let firewall = (!ranges.is_empty()).then(|| {
-                let chain = firewall_chain_state(svc, f, &ranges, &target, cfg);
-                let name = chain.chain.name.clone();
-                pieces.push(Piece::Chain {
-                    family,
-                    chain: std::sync::Arc::new(chain),
-                });
-                name
-            });
-            for ip in &external {
-                slots(MAP_SERVICE_ENDPOINTS, &frontend(ip), &all, 0, &mut pieces);
-                if etp_local {
-                    slots(
-                        MAP_SERVICE_ENDPOINTS,
-                        &frontend(ip),
-                        &local,
-                        LOCAL_SLOTS,
-                        &mut pieces,
-                    );
-                }
-                let to = match &firewall {
-                    Some(fw) if svc.load_balancer_ips.contains(ip) => fw,
-                    _ => &target,
-                };
-                pieces.push(element(
-                    MAP_SERVICE_IPS,
-                    concat_key(&frontend(ip)),
-                    goto(to),
-                ));
-                if let Some(r) = &record {
-                    pieces.push(element(
-                        MAP_AFFINITY_SERVICES,
-                        concat_key(&frontend(ip)),
-                        goto(r),
-                    ));
-                }
-            }
-        }
-        if let Some(np) = node_port {
-            let chain = super::lb_chain(family, n, np_kind, affinity.is_some(), cfg);
-            let target = chain.chain.name.clone();
-            pieces.push(Piece::Chain { family, chain });
-            slots(
-                MAP_NODEPORT_ENDPOINTS,
-                &node_port_key(np),
-                &all,
-                0,
-                &mut pieces,
-            );
-            if etp_local {
-                slots(
-                    MAP_NODEPORT_ENDPOINTS,
-                    &node_port_key(np),
-                    &local,
-                    LOCAL_SLOTS,
-                    &mut pieces,
-                );
-            }
-            pieces.push(element(
-                MAP_SERVICE_NODEPORTS,
-                concat_key(&node_port_key(np)),
-                goto(&target),
-            ));
-            if let Some(r) = &record {
-                pieces.push(element(
-                    MAP_AFFINITY_NODEPORTS,
-                    concat_key(&node_port_key(np)),
-                    goto(r),
-                ));
-            }
-        }
-        let mut hairpin: Vec<&Endpoint> = all.iter().chain(local.iter()).collect();
-        hairpin.sort();
-        hairpin.dedup();
-        for ep in hairpin {
-            pieces.push(element(
-                SET_HAIRPIN,
-                concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]),
-                None,
-            ));
-        }
+        family.add();
     }
     // Kept for the life of the service in the sync index: no spare capacity.
     pieces.shrink_to_fit();
     pieces
+}
+
+/// The pieces of one service port in one family, section by section.
+struct FamilyPieces<'a> {
+    svc: &'a ServicePort,
+    cfg: &'a RenderConfig,
+    f: IpFamily,
+    family: Family,
+    /// The endpoints chosen among (readiness fallback and topology hints applied).
+    all: &'a [Endpoint],
+    /// This node's endpoints (readiness fallback applied).
+    local: &'a [Endpoint],
+    pieces: &'a mut Vec<Piece>,
+}
+
+impl FamilyPieces<'_> {
+    fn add(&mut self) {
+        let cluster = self.of_family(&self.svc.cluster_ips);
+        let mut external = self.of_family(&self.svc.external_ips);
+        external.extend(self.of_family(&self.svc.load_balancer_ips));
+        external.sort();
+        external.dedup();
+        external.retain(|ip| !cluster.contains(ip));
+        if cluster.is_empty() && external.is_empty() {
+            return;
+        }
+        // ClientIP affinity: every frontend of the service records its connections' endpoints.
+        let record = self.svc.session_affinity_timeout.map(|seconds| {
+            let chain = super::affinity_chain(self.family, seconds);
+            let target = chain.chain.name.clone();
+            self.pieces.push(Piece::Chain {
+                family: self.family,
+                chain,
+            });
+            target
+        });
+        self.cluster_ips(&cluster, record.as_deref());
+        self.external_ips(&external, record.as_deref());
+        self.node_port(record.as_deref());
+        self.hairpin();
+    }
+
+    fn of_family(&self, ips: &[IpAddr]) -> Vec<IpAddr> {
+        ips.iter()
+            .copied()
+            .filter(|ip| IpFamily::of(ip) == self.f)
+            .collect()
+    }
+
+    fn etp_local(&self) -> bool {
+        self.svc.external_traffic_policy == TrafficPolicy::Local
+    }
+
+    /// Endpoints exist, none on this node, and a Local policy applies (`itp`: internal, else external).
+    fn none_local(&self, local_policy: bool) -> bool {
+        local_policy && self.local.is_empty() && !self.all.is_empty()
+    }
+
+    fn element(&mut self, set: &'static str, key: Vec<u8>, value: Option<ElementValue>) {
+        self.pieces.push(Piece::Element {
+            family: self.family,
+            set: PieceSet::named(set),
+            element: Element {
+                key: key.into(),
+                value,
+            },
+        });
+    }
+
+    fn goto(&mut self, set: &'static str, key: &[Vec<u8>], chain: &str) {
+        let verdict = ElementValue::Verdict(Verdict::Goto(chain.into()));
+        self.element(set, concat_key(key), Some(verdict));
+    }
+
+    fn member(&mut self, set: &'static str, key: &[Vec<u8>]) {
+        self.element(set, concat_key(key), None);
+    }
+
+    /// Endpoint k of `eps` at slot k of its count's region, under the frontend (or port) `key` (see
+    /// `chains::Counts`).
+    fn slots(&mut self, set: &'static str, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
+        let first = region(eps.len() as u32, local);
+        for (k, ep) in eps.iter().enumerate() {
+            let mut full = key.to_vec();
+            full.push((first + k as u32).to_ne_bytes().to_vec());
+            let endpoint = concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]);
+            self.element(
+                set,
+                concat_key(&full),
+                Some(ElementValue::Data(endpoint.into())),
+            );
+        }
+    }
+
+    /// The `lb*` chain of `kind` for these counts (shared with every frontend alike), as a piece.
+    fn lb(&mut self, kind: LbKind, all: usize, local: usize) -> String {
+        let affinity = self.svc.session_affinity_timeout.is_some();
+        let chain = super::lb_chain(
+            self.family,
+            kind,
+            Counts::of(all, local),
+            affinity,
+            self.cfg,
+        );
+        let target = chain.chain.name.clone();
+        self.pieces.push(Piece::Chain {
+            family: self.family,
+            chain,
+        });
+        target
+    }
+
+    fn frontend(&self, ip: &IpAddr) -> Vec<Vec<u8>> {
+        let proto = vec![self.svc.protocol.number()];
+        vec![ip_bytes(ip), proto, self.svc.port.to_be_bytes().to_vec()]
+    }
+
+    /// ClusterIPs (internalTrafficPolicy). Every frontend is dispatched to its `lb*` chain whatever its
+    /// endpoint count, zero included, so that a change of count changes elements only. Without endpoints
+    /// a ClusterIP's packet leaves NAT untouched and is rejected in filter (every port of a ClusterIP is
+    /// ours); internalTrafficPolicy Local without a local endpoint, while endpoints exist elsewhere: dropped.
+    fn cluster_ips(&mut self, cluster: &[IpAddr], record: Option<&str>) {
+        for ip in cluster {
+            self.element(SET_CLUSTER_IPS, ip_bytes(ip), None);
+        }
+        if cluster.is_empty() {
+            return;
+        }
+        let itp_local = self.svc.internal_traffic_policy == TrafficPolicy::Local;
+        let internal = if itp_local { self.local } else { self.all };
+        let target = self.lb(LbKind::Cluster, internal.len(), 0);
+        for ip in cluster {
+            let key = self.frontend(ip);
+            self.slots(MAP_SERVICE_ENDPOINTS, &key, internal, false);
+            self.goto(MAP_SERVICE_IPS, &key, &target);
+            if self.none_local(itp_local) {
+                self.member(SET_NO_LOCAL_ENDPOINTS, &key);
+            }
+            if let Some(r) = record {
+                self.goto(MAP_AFFINITY_SERVICES, &key, r);
+            }
+        }
+    }
+
+    /// External and LoadBalancer IPs (externalTrafficPolicy; loadBalancerSourceRanges). Without endpoints
+    /// they are rejected in filter, per port (external addresses may serve other things on other ports).
+    fn external_ips(&mut self, external: &[IpAddr], record: Option<&str>) {
+        if external.is_empty() {
+            return;
+        }
+        let kind = if self.etp_local() {
+            LbKind::LocalExternal
+        } else {
+            LbKind::External
+        };
+        let target = self.lb(kind, self.all.len(), self.local.len());
+        let firewall = self.firewall(&target);
+        for ip in external {
+            let key = self.frontend(ip);
+            self.slots(MAP_SERVICE_ENDPOINTS, &key, self.all, false);
+            if self.etp_local() {
+                self.slots(MAP_SERVICE_ENDPOINTS, &key, self.local, true);
+            }
+            let to = match &firewall {
+                Some(fw) if self.svc.load_balancer_ips.contains(ip) => fw,
+                _ => &target,
+            };
+            self.goto(MAP_SERVICE_IPS, &key, to);
+            if self.all.is_empty() {
+                self.member(SET_NO_ENDPOINT_SERVICES, &key);
+            } else if self.none_local(self.etp_local()) {
+                self.member(SET_NO_LOCAL_ENDPOINTS, &key);
+            }
+            if let Some(r) = record {
+                self.goto(MAP_AFFINITY_SERVICES, &key, r);
+            }
+        }
+    }
+
+    /// loadBalancerSourceRanges filter the LoadBalancer IPs (not external IPs, not the NodePort) before
+    /// DNAT, in a chain of this service's own that goes on to `target`.
+    fn firewall(&mut self, target: &str) -> Option<String> {
+        let ranges: Vec<&Cidr> = self
+            .svc
+            .load_balancer_source_ranges
+            .iter()
+            .filter(|c| c.family() == self.f)
+            .collect();
+        if ranges.is_empty() {
+            return None;
+        }
+        let chain = firewall_chain_state(self.svc, self.f, &ranges, target, self.cfg);
+        let name = chain.chain.name.clone();
+        self.pieces.push(Piece::Chain {
+            family: self.family,
+            chain: std::sync::Arc::new(chain),
+        });
+        Some(name)
+    }
+
+    /// The NodePort, keyed by protocol and port (externalTrafficPolicy), where NodePorts are served.
+    fn node_port(&mut self, record: Option<&str>) {
+        let Some(np) = self.svc.node_port else { return };
+        if self.cfg.nodeport_addresses == NodePortAddresses::None {
+            return;
+        }
+        let kind = if self.etp_local() {
+            LbKind::LocalNodePort
+        } else {
+            LbKind::NodePort
+        };
+        let target = self.lb(kind, self.all.len(), self.local.len());
+        let key = vec![vec![self.svc.protocol.number()], np.to_be_bytes().to_vec()];
+        self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.all, false);
+        if self.etp_local() {
+            self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.local, true);
+        }
+        self.goto(MAP_SERVICE_NODEPORTS, &key, &target);
+        if self.all.is_empty() {
+            self.member(SET_NO_ENDPOINT_NODEPORTS, &key);
+        } else if self.none_local(self.etp_local()) {
+            self.member(SET_NO_LOCAL_NODEPORTS, &key);
+        }
+        if let Some(r) = record {
+            self.goto(MAP_AFFINITY_NODEPORTS, &key, r);
+        }
+    }
+
+    /// Every endpoint reaching itself through the service is masqueraded (`saddr . daddr`).
+    fn hairpin(&mut self) {
+        let mut hairpin: Vec<&Endpoint> = self.all.iter().chain(self.local.iter()).collect();
+        hairpin.sort();
+        hairpin.dedup();
+        for ep in hairpin {
+            let key = concat_key(&[ip_bytes(&ep.ip), ip_bytes(&ep.ip)]);
+            self.element(SET_HAIRPIN, key, None);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -357,7 +384,7 @@ mod tests {
     }
 
     #[test]
-    fn endpoints_fill_one_slot_each_and_dispatch_goes_to_the_count_chain() {
+    fn endpoints_fill_the_region_of_their_count_and_dispatch_goes_to_the_kind_chain() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
         let eps: EndpointsMap = [(
@@ -372,33 +399,96 @@ mod tests {
         let tables = render(&services, &eps, &RenderConfig::default());
         let v4 = &tables[0];
         let text = crate::nft::text::render_table(v4);
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-3"), "{text}");
         assert!(
-            text.contains("10.96.0.1 . tcp . 80 . 2 : 10.0.0.3 . 8080"),
+            text.contains("10.96.0.1 . tcp . 80 : goto lb\n")
+                || text.contains("10.96.0.1 . tcp . 80 : goto lb "),
+            "{text}"
+        );
+        let third = region(3, false) + 2;
+        assert!(
+            text.contains(&format!("10.96.0.1 . tcp . 80 . {third} : 10.0.0.3 . 8080")),
             "{text}"
         );
         assert!(
-            text.contains("dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 3 map @service-endpoints"),
+            text.contains("dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 3 offset 196608 map @service-endpoints"),
             "{text}"
         );
         assert_eq!(v4.sets[MAP_SERVICE_ENDPOINTS].elements.len(), 3);
         assert_eq!(v4.sets[SET_HAIRPIN].elements.len(), 3);
-        // Only the count chain in use exists; no per-service chain.
-        assert!(v4.chains.contains_key("lb-3") && !v4.chains.contains_key("lb-2"));
+        // One chain of the ClusterIP kind; no chain per count, none per service.
+        let lb: Vec<_> = v4.chains.keys().filter(|c| c.starts_with("lb")).collect();
+        assert_eq!(lb, ["lb"]);
         // The v6 table exists but holds no service.
         assert!(tables[1].sets[MAP_SERVICE_IPS].elements.is_empty());
     }
 
     #[test]
-    fn service_without_ready_endpoints_is_not_dispatched_but_listed_for_rejection() {
+    fn service_without_ready_endpoints_is_dispatched_to_no_slot_and_listed_for_rejection() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Udp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
         let eps: EndpointsMap = [(spn.clone(), vec![ep("10.0.0.1", 8080, false)])].into();
         let t = &render(&services, &eps, &RenderConfig::default())[0];
-        assert!(t.sets[MAP_SERVICE_IPS].elements.is_empty());
+        // Dispatched like any ClusterIP (so that its first endpoint adds elements only), but no rule of
+        // `pick` finds a slot: NAT leaves the packet alone and filter rejects it by its ClusterIP.
+        assert_eq!(t.sets[MAP_SERVICE_IPS].elements.len(), 1);
         assert!(t.sets[MAP_SERVICE_ENDPOINTS].elements.is_empty());
+        assert!(t.sets[SET_NO_LOCAL_ENDPOINTS].elements.is_empty());
         assert_eq!(t.sets[SET_CLUSTER_IPS].elements.len(), 1);
-        assert!(!t.chains.keys().any(|c| c.starts_with(LB_CHAIN_PREFIX)));
+    }
+
+    /// Issue 14 part 6: a service going from n to m endpoints (zero included, local or not) changes the
+    /// elements of its own slots and membership sets, and nothing else: no verdict element, no chain.
+    #[test]
+    fn endpoint_count_changes_are_data_only() {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        sp.external_ips = vec!["192.168.250.10".parse().unwrap()];
+        sp.node_port = Some(30080);
+        sp.session_affinity_timeout = Some(60);
+        let cfg = RenderConfig {
+            node_name: "n1".into(),
+            nodeport_addresses: NodePortAddresses::AllLocal,
+            ..RenderConfig::default()
+        };
+        let endpoint = |i: u8, node: &str| {
+            let mut e = ep(&format!("10.0.0.{i}"), 8080, true);
+            e.node_name = Some(node.into());
+            e
+        };
+        let data_sets = [
+            MAP_SERVICE_ENDPOINTS,
+            MAP_NODEPORT_ENDPOINTS,
+            SET_HAIRPIN,
+            SET_NO_ENDPOINT_SERVICES,
+            SET_NO_ENDPOINT_NODEPORTS,
+            SET_NO_LOCAL_ENDPOINTS,
+            SET_NO_LOCAL_NODEPORTS,
+        ];
+        for (etp, itp) in [
+            (TrafficPolicy::Cluster, TrafficPolicy::Cluster),
+            (TrafficPolicy::Local, TrafficPolicy::Local),
+        ] {
+            sp.external_traffic_policy = etp;
+            sp.internal_traffic_policy = itp;
+            let services: ServiceMap = [(spn.clone(), sp.clone())].into();
+            let structure = |n: u8, local: u8| {
+                let eps: Vec<_> = (1..=n)
+                    .map(|i| endpoint(i, if i <= local { "n1" } else { "n2" }))
+                    .collect();
+                let mut t = render(&services, &[(spn.clone(), eps)].into(), &cfg).remove(0);
+                for set in data_sets {
+                    t.sets.get_mut(set).unwrap().elements.clear();
+                }
+                t
+            };
+            let first = structure(0, 0);
+            for (n, local) in [(1, 0), (1, 1), (3, 1), (7, 7), (32, 2), (2, 0), (0, 0)] {
+                assert_eq!(
+                    structure(n, local),
+                    first,
+                    "{n} endpoints, {local} local, {etp:?}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -420,12 +510,15 @@ mod tests {
     #[test]
     fn masquerade_rule_follows_config() {
         let mut cfg = RenderConfig::default();
-        let lb = |cfg: &RenderConfig| lb_chain_state(Family::Ip, 2, LbKind::Cluster, false, cfg);
-        assert_eq!(lb(&cfg).rules.len(), 1);
+        let lb = |cfg: &RenderConfig| {
+            lb_chain_state(Family::Ip, LbKind::Cluster, Counts::Shared, false, cfg)
+        };
+        // jump pick; the drop of internalTrafficPolicy Local without a local endpoint.
+        assert_eq!(lb(&cfg).rules.len(), 2);
         cfg.cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
         let t = TableState::new(Family::Ip, TABLE);
         let rules = lb(&cfg).rules;
-        assert_eq!(rules.len(), 2, "only the v4 CIDR applies to the ip table");
+        assert_eq!(rules.len(), 3, "only the v4 CIDR applies to the ip table");
         assert_eq!(
             crate::nft::text::render_rule(&rules[0], &t),
             "ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000 comment \"not from a pod\""
@@ -454,33 +547,35 @@ mod tests {
         .into();
         let t = &render(&services, &eps, &RenderConfig::default())[0];
         let text = crate::nft::text::render_table(t);
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-2"), "{text}");
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
         assert!(
-            text.contains("192.168.250.10 . tcp . 80 : goto lb-ext-2"),
+            text.contains("192.168.250.10 . tcp . 80 : goto lb-ext"),
             "{text}"
         );
+        let second = region(2, false) + 1;
         assert!(
-            text.contains("192.168.250.20 . tcp . 80 . 1 : 10.0.0.2 . 8080"),
+            text.contains(&format!(
+                "192.168.250.20 . tcp . 80 . {second} : 10.0.0.2 . 8080"
+            )),
             "{text}"
         );
         // External addresses are not ClusterIPs: never rejected wholesale.
         assert_eq!(t.sets[SET_CLUSTER_IPS].elements.len(), 1);
         // Without a cluster CIDR, external traffic is always masqueraded; ClusterIP traffic never.
-        assert_eq!(t.chains["lb-ext-2"].rules.len(), 2);
-        assert_eq!(t.chains["lb-2"].rules.len(), 1);
+        assert_eq!(t.chains["lb-ext"].rules.len(), 2);
+        assert_eq!(t.chains["lb"].rules.len(), 2);
+        assert!(t.sets[SET_NO_ENDPOINT_SERVICES].elements.is_empty());
 
         let none: EndpointsMap = EndpointsMap::new();
         let t = &render(&services, &none, &RenderConfig::default())[0];
         let text = crate::nft::text::render_table(t);
+        assert_eq!(t.sets[SET_NO_ENDPOINT_SERVICES].elements.len(), 2, "{text}");
+        assert!(text.contains("192.168.250.20 . tcp . 80"), "{text}");
         assert!(
-            text.contains("192.168.250.10 . tcp . 80 : goto reject-chain"),
+            text.contains("@no-endpoint-services goto reject-chain"),
             "{text}"
         );
-        assert!(
-            text.contains("192.168.250.20 . tcp . 80 : goto reject-chain"),
-            "{text}"
-        );
-        assert!(t.sets[MAP_SERVICE_IPS].elements.is_empty());
+        assert_eq!(t.sets[MAP_SERVICE_IPS].elements.len(), 3);
     }
 
     #[test]
@@ -501,26 +596,37 @@ mod tests {
         let eps: EndpointsMap = [(spn.clone(), vec![local.clone(), remote.clone()])].into();
         let text = crate::nft::text::render_table(&render(&services, &eps, &cfg)[0]);
         // ClusterIP: only the local endpoint (internalTrafficPolicy Local).
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb-1"), "{text}");
-        // External: both endpoints for the short-circuit, the local one in the local slots.
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
+        let only = region(1, false);
         assert!(
-            text.contains("192.168.250.10 . tcp . 80 : goto lb-etp-1-2"),
+            text.contains(&format!("10.96.0.1 . tcp . 80 . {only} : 10.0.0.1 . 8080")),
             "{text}"
         );
+        // External: both endpoints for the short-circuit, the local one in the local slots.
+        assert!(
+            text.contains("192.168.250.10 . tcp . 80 : goto lb-etp"),
+            "{text}"
+        );
+        let local_slot = region(1, true);
+        assert_eq!(local_slot, 0x8001_0000);
         assert!(
             text.contains(&format!(
-                "192.168.250.10 . tcp . 80 . {LOCAL_SLOTS} : 10.0.0.1 . 8080"
+                "192.168.250.10 . tcp . 80 . {local_slot} : 10.0.0.1 . 8080"
             )),
             "{text}"
         );
-        assert!(text.contains("numgen random mod 1 offset 65536"), "{text}");
-        // No local endpoint: ClusterIP traffic dropped, outside traffic dropped in lb-etp-0-1.
-        let eps: EndpointsMap = [(spn.clone(), vec![remote])].into();
-        let text = crate::nft::text::render_table(&render(&services, &eps, &cfg)[0]);
-        assert!(text.contains("10.96.0.1 . tcp . 80 : drop"), "{text}");
-        assert!(text.contains("goto lb-etp-0-1"), "{text}");
         assert!(
-            text.contains("drop comment \"from outside: no local endpoint\""),
+            text.contains("numgen random mod 1 offset 2147549184"),
+            "{text}"
+        );
+        assert!(text.contains("jump pick-local comment"), "{text}");
+        // No local endpoint: ClusterIP traffic and outside traffic dropped by `no-local-endpoints`.
+        let eps: EndpointsMap = [(spn.clone(), vec![remote])].into();
+        let t = &render(&services, &eps, &cfg)[0];
+        let text = crate::nft::text::render_table(t);
+        assert_eq!(t.sets[SET_NO_LOCAL_ENDPOINTS].elements.len(), 2, "{text}");
+        assert!(
+            text.contains("@no-local-endpoints drop comment \"from outside: no local endpoint\""),
             "{text}"
         );
     }
@@ -538,6 +644,6 @@ mod tests {
         let tables = render(&services, &eps, &RenderConfig::default());
         assert_eq!(tables[0].sets[MAP_SERVICE_ENDPOINTS].elements.len(), 1);
         assert_eq!(tables[1].sets[MAP_SERVICE_ENDPOINTS].elements.len(), 1);
-        assert!(tables[0].chains.contains_key("lb-1") && tables[1].chains.contains_key("lb-1"));
+        assert!(tables[0].chains.contains_key("lb") && tables[1].chains.contains_key("lb"));
     }
 }

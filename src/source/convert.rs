@@ -34,6 +34,7 @@ pub struct ConvertError {
     pub kind: &'static str,
     /// "namespace/name" ("namespace/<unnamed>" if the name is missing).
     pub object: String,
+    /// Why the object was not used.
     pub reason: String,
 }
 
@@ -49,6 +50,7 @@ pub enum ServiceConversion {
 /// Result of converting an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SliceConversion {
+    /// An EndpointSlice.
     Slice(SliceInfo),
     /// A slice the proxy does not handle (addressType FQDN), with the reason.
     Skipped(String),
@@ -91,7 +93,7 @@ fn parse_optional_port(what: &str, p: Option<i32>) -> Result<Option<u16>, String
 }
 
 fn parse_protocol(p: Option<&str>) -> Result<Protocol, String> {
-    Protocol::from_str(p.unwrap_or(""))
+    Protocol::from_str(p.unwrap_or("")).map_err(|e| e.to_string())
 }
 
 fn parse_traffic_policy(field: &str, v: Option<&str>) -> Result<TrafficPolicy, String> {

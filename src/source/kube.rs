@@ -2,7 +2,7 @@
 //! source emits.
 //!
 //! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
-//! after `410 Gone`, exponential backoff 0.8 s → 30 s with jitter, as client-go's reflector, starting over as
+//! after `410 Gone`, exponential backoff 0.2 s → 30 s with jitter (client-go starts at 0.8 s), starting over as
 //! soon as the API answers the watcher again: [`super::backoff`]) run on a
 //! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
 //! proxy loop through a channel. The runtime thread never changes network namespace: it inherits the one
@@ -65,8 +65,11 @@ pub struct KubeOptions {
 /// Which watcher an item came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
+    /// A Service.
     Service,
+    /// An EndpointSlice.
     EndpointSlice,
+    /// This node's Node.
     Node,
 }
 
@@ -97,6 +100,7 @@ pub struct Converted {
 }
 
 impl Converted {
+    /// Converts a Service.
     pub fn service(svc: &Service) -> Converted {
         let key = meta_key(&svc.metadata);
         let model = match convert::service_ports(svc) {
@@ -114,6 +118,7 @@ impl Converted {
         }
     }
 
+    /// Converts an EndpointSlice.
     pub fn slice(slice: &EndpointSlice) -> Converted {
         let key = meta_key(&slice.metadata);
         let model = match convert::endpoint_slice(slice) {
@@ -137,10 +142,13 @@ impl Converted {
         }
     }
 
+    /// Converts this node's Node.
     pub fn node(node: &Node) -> Converted {
         Converted {
             key: meta_key(&node.metadata),
-            model: node_info(node).map(|n| Some(Model::Node(n))),
+            model: node_info(node)
+                .map(|n| Some(Model::Node(n)))
+                .map_err(|e| e.to_string()),
             trigger: None,
         }
     }
@@ -161,8 +169,21 @@ pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     Some(SystemTime::from(ts))
 }
 
+/// A Node object nftkube cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeError {
+    /// A pod CIDR that does not parse.
+    #[error("node {node}: spec.podCIDRs: {source}")]
+    PodCidr {
+        /// The Node's name.
+        node: String,
+        /// What is wrong with the CIDR.
+        source: crate::model::ParseError,
+    },
+}
+
 /// Converts this node's object.
-pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
+pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
     let name = node.metadata.name.clone().unwrap_or_default();
     let zone = node
         .metadata
@@ -196,7 +217,12 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
     let pod_cidrs = cidr_strings
         .into_iter()
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<Cidr>().map_err(|e| format!("spec.podCIDRs: {e}")))
+        .map(|s| {
+            s.parse::<Cidr>().map_err(|source| NodeError::PodCidr {
+                node: name.clone(),
+                source,
+            })
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let tainted = spec
         .and_then(|s| s.taints.as_ref())
@@ -295,6 +321,7 @@ impl Default for Coordinator {
 }
 
 impl Coordinator {
+    /// A coordinator for a source started at `started`.
     pub fn new(started: SystemTime) -> Self {
         Coordinator {
             services: Tracker::new(Kind::Service),
@@ -1038,6 +1065,9 @@ mod tests {
         assert!(n.deleting);
         let mut bad = node.clone();
         bad.spec.as_mut().unwrap().pod_cidrs = Some(vec!["10.244.1.0/99".into()]);
-        assert!(node_info(&bad).unwrap_err().contains("podCIDRs"));
+        assert!(node_info(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("podCIDRs"));
     }
 }

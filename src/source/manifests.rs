@@ -31,11 +31,13 @@ use crate::model::{NamespacedName, ServicePort, SharedValues, SliceInfo};
 /// A problem with one file or one document of a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceError {
+    /// The file.
     pub path: PathBuf,
     /// 0-based index of the document in the file (among non-empty documents); None for the whole file.
     pub document: Option<usize>,
     /// "namespace/name" of the object, when known.
     pub object: Option<String>,
+    /// What is wrong.
     pub reason: String,
 }
 
@@ -228,6 +230,7 @@ impl ManifestSource {
         }
     }
 
+    /// The directory or file watched.
     pub fn path(&self) -> &Path {
         &self.path
     }

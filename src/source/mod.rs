@@ -23,13 +23,20 @@ pub enum Event {
     /// A Service was added or changed. A service the proxy does not handle (headless, ExternalName)
     /// comes with no ports, so a service that turns headless is removed from the model.
     ServiceApplied {
+        /// The Service.
         key: NamespacedName,
+        /// Its ports.
         ports: Vec<ServicePort>,
     },
+    /// A Service was deleted.
     ServiceDeleted(NamespacedName),
+    /// An EndpointSlice was added or changed.
     SliceApplied(SliceInfo),
+    /// An EndpointSlice was deleted.
     SliceDeleted {
+        /// Its namespace.
         namespace: String,
+        /// Its name.
         name: String,
     },
     /// The source has delivered a complete snapshot (after the initial list).
@@ -38,7 +45,9 @@ pub enum Event {
     /// annotation says when the change behind it happened: the start of kube-proxy's network programming
     /// latency. Sent just before the `SliceApplied` it belongs to; changes nothing in the store.
     EndpointsChangeTriggered {
+        /// The Service.
         service: NamespacedName,
+        /// When the change was triggered (the slice's last-change-trigger-time).
         at: SystemTime,
     },
     /// This node's object changed (API source only); changes nothing in the store.
@@ -50,6 +59,7 @@ pub enum Event {
 /// What the agent keeps of its own Node object: no kube types, only what it uses.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct NodeInfo {
+    /// The node's name.
     pub name: String,
     /// `topology.kubernetes.io/zone`, for topology-aware routing.
     pub zone: Option<String>,
@@ -108,7 +118,9 @@ impl Outbox {
 /// doorbell (a [`Notify`]) when events are waiting.
 #[derive(Debug)]
 pub enum ProxySource {
+    /// Manifest files.
     Manifests(ManifestWatcher),
+    /// The Kubernetes API.
     Kube(KubeSource),
 }
 

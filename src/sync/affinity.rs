@@ -46,6 +46,7 @@ impl EndpointPairs {
         };
     }
 
+    /// Forgets an element (it left the kernel).
     pub fn remove(&mut self, set: &str, e: &Element) {
         let Some(pair) = slot_pair(e) else { return };
         match set {
@@ -55,6 +56,7 @@ impl EndpointPairs {
         };
     }
 
+    /// Nothing pending.
     pub fn is_empty(&self) -> bool {
         self.frontends.is_empty() && self.nodeports.is_empty()
     }

@@ -80,6 +80,7 @@ impl<'a> Plan<'a> {
         }));
     }
 
+    /// Adds elements to a set.
     pub fn add_elements(
         &mut self,
         family: Family,
@@ -90,6 +91,7 @@ impl<'a> Plan<'a> {
         self.push_elements(family, table, set, true, elements);
     }
 
+    /// Deletes elements from a set.
     pub fn delete_elements(
         &mut self,
         family: Family,
@@ -140,6 +142,7 @@ impl<'a> Plan<'a> {
         self.changes.iter().map(count).sum()
     }
 
+    /// No changes.
     pub fn is_empty(&self) -> bool {
         self.changes.is_empty()
     }

@@ -2,7 +2,7 @@
 //! services alone: O(changes), never O(cluster).
 //!
 //! Pieces that several services can need at once (a ClusterIP shared by two ports, an endpoint in two
-//! services, an `lb-<n>` chain) are reference-counted; the rest (dispatch and endpoint-slot elements, whose
+//! services, an `lb*` chain) are reference-counted; the rest (dispatch and endpoint-slot elements, whose
 //! keys name the service's own frontend) belong to one service and are added and removed with it.
 
 use crate::model::{NamespacedName, ServicePortName};
@@ -15,14 +15,18 @@ use std::sync::Arc;
 /// The kernel-level effect of replacing some services' pieces.
 #[derive(Debug, Default)]
 pub struct Delta {
+    /// Chains a service now needs that nobody needed.
     pub chains_added: Vec<(Family, Arc<ChainState>)>,
     /// Chains no service needs any more (deleted in a later transaction, see KERNEL-NOTES on EBUSY).
     pub chains_unused: Vec<(Family, String)>,
+    /// Elements to delete, by family and set.
     pub elements_removed: BTreeMap<(Family, &'static str), Vec<Element>>,
+    /// Elements to add, by family and set.
     pub elements_added: BTreeMap<(Family, &'static str), Vec<Element>>,
 }
 
 impl Delta {
+    /// Nothing changes.
     pub fn is_empty(&self) -> bool {
         self.chains_added.is_empty()
             && self.chains_unused.is_empty()
@@ -32,6 +36,7 @@ impl Delta {
 }
 
 #[derive(Debug, Default, Clone)]
+/// What is committed, per service port, with reference counts of shared pieces (see the module).
 pub struct Index {
     /// Keyed by the same `Arc` that the holders map points at: one copy of each name.
     pieces: BTreeMap<Arc<ServicePortName>, Vec<Piece>>,
@@ -77,6 +82,7 @@ impl Index {
         self.pieces.get(port).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// The ports of a service that are committed.
     pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
         let first = ServicePortName {
             service: service.clone(),
@@ -90,6 +96,7 @@ impl Index {
             .collect()
     }
 
+    /// How many service ports are committed.
     pub fn service_ports(&self) -> usize {
         self.pieces.len()
     }

@@ -4,11 +4,11 @@ use super::*;
 use crate::conntrack::cleaner::CleanerOptions;
 use crate::conntrack::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
 use crate::conntrack::FrontendKinds;
+use crate::model::NodePortAddresses;
 use crate::model::{
     IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, SliceEndpoint, SliceInfo,
     SlicePort,
 };
-use crate::node::NodePortAddresses;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 

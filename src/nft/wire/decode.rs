@@ -6,8 +6,11 @@ use crate::nft::ir::*;
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot decode nf_tables {what}: {reason}")]
+/// A kernel message that does not decode into the IR.
 pub struct DecodeError {
+    /// What kind of message ("table", "rule", ...).
     pub what: &'static str,
+    /// What is wrong with it.
     pub reason: String,
 }
 
@@ -218,7 +221,8 @@ fn decode_data(d: Attr<'_>) -> Result<ElementValue, String> {
     Err("data without value or verdict".into())
 }
 
-fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
+/// A verdict attribute (NFTA_DATA_VERDICT's nest); the error says what is missing or unknown.
+pub(crate) fn decode_verdict(v: Attr<'_>) -> Result<Verdict, String> {
     let v = v.nested();
     let code = be32(&v, NFTA_VERDICT_CODE).ok_or("verdict without code")? as i32;
     let chain = || {
@@ -258,7 +262,7 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
                 .unwrap_or(Attrs(&[]));
             match decode_expr(name, &data) {
                 Ok(x) => exprs.push(x),
-                Err(reason) => {
+                Err(ExprError { reason, .. }) => {
                     return Ok((
                         table,
                         chain,
@@ -272,6 +276,14 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
         }
     }
     Ok((table, chain, Rule { exprs, comment }))
+}
+
+/// A rule message's handle (what trace events name the rule by).
+pub fn decode_rule_handle(payload: &[u8]) -> Result<u64, DecodeError> {
+    let (_, a) = split(payload, "rule")?;
+    a.get(NFTA_RULE_HANDLE)
+        .and_then(|h| h.be64())
+        .ok_or_else(|| err("rule", "missing handle"))
 }
 
 fn parse_comment(mut udata: &[u8]) -> Option<String> {
@@ -297,8 +309,25 @@ fn need(a: &Attrs<'_>, kind: u16, field: &str) -> Result<u32, String> {
     be32(a, kind).ok_or_else(|| format!("missing {field}"))
 }
 
+/// An expression the IR does not model (or not in this form).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{expr} expression: {reason}")]
+pub struct ExprError {
+    /// The expression's kernel name ("payload", "nat", ...).
+    pub expr: String,
+    /// What in it is not modelled or missing.
+    pub reason: String,
+}
+
 /// One expression from its kernel name and attributes.
-pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
+pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, ExprError> {
+    expr_of(name, a).map_err(|reason| ExprError {
+        expr: name.into(),
+        reason,
+    })
+}
+
+fn expr_of(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
     Ok(match name {
         "payload" => {
             if a.get(5).is_some() {

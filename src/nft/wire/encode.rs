@@ -13,6 +13,7 @@ const MAX_ELEMENT_BYTES: usize = 48 * 1024;
 /// An encoded batch and the map from sequence numbers back to the transaction's changes.
 #[derive(Debug)]
 pub struct EncodedBatch {
+    /// The batch's bytes, ready for one `sendmsg`.
     pub bytes: Vec<u8>,
     /// (sequence number, index of the change in the transaction) for every object message.
     pub seqs: Vec<(u32, usize)>,

@@ -825,11 +825,16 @@ fn all_exprs() -> Vec<Expr> {
         MetaKey::Oif,
         MetaKey::IifName,
         MetaKey::OifName,
+        MetaKey::NfTrace,
     ] {
         v.push(Expr::Meta { key, dreg: REG_2 });
     }
     v.push(Expr::MetaSet {
         key: MetaKey::Mark,
+        sreg: REG_1,
+    });
+    v.push(Expr::MetaSet {
+        key: MetaKey::NfTrace,
         sreg: REG_1,
     });
     for op in [

@@ -18,10 +18,10 @@
 //! IPv6 pod prefixes put `i` in the *fourth* 16-bit group (fd00:244:0:{i}::/64) so that every pod lies inside
 //! the /48 cluster CIDR fd00:244::/48 (fd00:244:{i}::/64 would leave it for i ≥ 1). Pod 10 is `fd00:244:0:a::2`.
 
-use crate::netns::{
+use anyhow::Context;
+use nftkube::netns::{
     self, add_address, add_route, create_veth, set_link_up, set_sysctl, NetNs, NetnsError,
 };
-use anyhow::Context;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

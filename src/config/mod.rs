@@ -9,21 +9,23 @@
 //! periods) plus `iptables` (masquerade) for `ipvs` — `masqueradeBit`, `masqueradeAll`, `syncPeriod`,
 //! `minSyncPeriod`.
 //!
-//! Every other known field is accepted; set to anything but its zero value or kube-proxy's default, it is
-//! warned about by name as not supported. Unknown fields are warned about by name (kube-proxy decodes
-//! leniently too). Invalid values (a bad CIDR, duration, address, mask bit, an unsupported detect-local
+//! The file is read into typed structs (`file.rs`). Every other known field is accepted; set to anything but
+//! its zero value or kube-proxy's default, it is warned about by name as not supported. Unknown fields are
+//! warned about by name (kube-proxy decodes leniently too). Invalid values (a bad CIDR, duration, address, mask bit, an unsupported detect-local
 //! mode) are a [`ConfigError`]: startup stops with exit code 64.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::Value;
+mod file;
 
 use crate::admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
-use crate::model::Cidr;
+use crate::model::{Cidr, DetectLocal};
 
+/// The only `apiVersion` read.
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+/// The only `kind` read.
 pub const KIND: &str = "KubeProxyConfiguration";
 
 /// Exit code for invalid configuration and invalid flags (EX_USAGE).
@@ -38,127 +40,43 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))
 }
 
-/// How local (pod) traffic is told apart (kube-proxy's `detectLocalMode`).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum DetectLocal {
-    /// Sources inside `clusterCIDR` are local.
-    #[default]
-    ClusterCidr,
-    /// Sources inside this node's `spec.podCIDRs` are local (needs the API source).
-    NodeCidr,
-    /// Packets that arrive on an interface whose name starts with this prefix.
-    InterfaceNamePrefix(String),
-    /// Packets that arrive on this bridge.
-    BridgeInterface(String),
-}
-
 /// The values the file sets (None: not set, or set to its zero value as Go's decoder would leave it).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FileConfig {
+    /// `clientConnection.kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
+    /// `hostnameOverride`.
     pub hostname_override: Option<String>,
+    /// `bindAddress` (its family picks the default admin addresses').
     pub bind_address: Option<String>,
+    /// `healthzBindAddress`.
     pub healthz_bind_address: Option<String>,
+    /// `metricsBindAddress`.
     pub metrics_bind_address: Option<String>,
+    /// `bindAddressHardFail`.
     pub bind_address_hard_fail: Option<bool>,
+    /// `mode`.
     pub mode: Option<String>,
+    /// `masqueradeBit` of the mode's section (range checked when resolved).
     pub masquerade_bit: Option<i64>,
+    /// `masqueradeAll` of the mode's section.
     pub masquerade_all: Option<bool>,
+    /// `syncPeriod` of the mode's section (None when 0).
     pub sync_period: Option<Duration>,
+    /// `minSyncPeriod` of the mode's section.
     pub min_sync_period: Option<Duration>,
+    /// `detectLocalMode`.
     pub detect_local_mode: Option<String>,
+    /// `detectLocal.bridgeInterface`.
     pub bridge_interface: Option<String>,
+    /// `detectLocal.interfaceNamePrefix`.
     pub interface_name_prefix: Option<String>,
+    /// `clusterCIDR` (comma-separated, read when resolved).
     pub cluster_cidr: Option<String>,
+    /// `nodePortAddresses` (CIDRs or keywords, read when resolved).
     pub node_port_addresses: Option<Vec<String>>,
     /// Fields warned about (unknown, unsupported, or of another mode's section).
     pub warnings: Vec<String>,
-}
-
-/// What the file says about each known field.
-#[derive(Clone, Copy)]
-enum Field {
-    /// A mapping whose fields are described too.
-    Object,
-    /// Read by nftkube.
-    Honoured,
-    /// Known, not supported: silent when at its zero value or at one of these kube-proxy defaults.
-    Ignored(&'static [&'static str]),
-}
-
-/// Every field of v1alpha1 (as of Kubernetes 1.33), by dotted path.
-fn field(path: &str) -> Option<Field> {
-    use Field::*;
-    Some(match path {
-        "apiVersion" | "kind" => Honoured,
-        "clientConnection" | "iptables" | "ipvs" | "nftables" | "winkernel" | "detectLocal"
-        | "conntrack" => Object,
-        "clientConnection.kubeconfig" => Honoured,
-        "clientConnection.acceptContentTypes" => Ignored(&["application/json"]),
-        "clientConnection.contentType" => {
-            Ignored(&["application/vnd.kubernetes.protobuf", "application/json"])
-        }
-        "clientConnection.qps" => Ignored(&["5"]),
-        "clientConnection.burst" => Ignored(&["10"]),
-        "hostnameOverride"
-        | "bindAddress"
-        | "healthzBindAddress"
-        | "metricsBindAddress"
-        | "bindAddressHardFail"
-        | "mode"
-        | "detectLocalMode"
-        | "clusterCIDR"
-        | "nodePortAddresses" => Honoured,
-        "featureGates" | "logging" => Ignored(&[]),
-        "enableProfiling" | "showHiddenMetricsForVersion" | "portRange" | "windowsRunAsService" => {
-            Ignored(&[])
-        }
-        "oomScoreAdj" => Ignored(&["-999"]),
-        "configSyncPeriod" => Ignored(&["15m0s", "15m"]),
-        "iptables.masqueradeBit"
-        | "iptables.masqueradeAll"
-        | "iptables.syncPeriod"
-        | "iptables.minSyncPeriod"
-        | "nftables.masqueradeBit"
-        | "nftables.masqueradeAll"
-        | "nftables.syncPeriod"
-        | "nftables.minSyncPeriod"
-        | "ipvs.syncPeriod"
-        | "ipvs.minSyncPeriod" => Honoured,
-        "iptables.localhostNodePorts" => Ignored(&["true"]),
-        "iptables.snatNodeInternalIP" => Ignored(&[]),
-        "ipvs.scheduler" | "ipvs.excludeCIDRs" | "ipvs.strictARP" | "ipvs.tcpTimeout"
-        | "ipvs.tcpFinTimeout" | "ipvs.udpTimeout" => Ignored(&[]),
-        "detectLocal.bridgeInterface" | "detectLocal.interfaceNamePrefix" => Honoured,
-        "conntrack.maxPerCore" => Ignored(&["32768"]),
-        "conntrack.min" => Ignored(&["131072"]),
-        "conntrack.tcpEstablishedTimeout" => Ignored(&["24h0m0s", "24h"]),
-        "conntrack.tcpCloseWaitTimeout" => Ignored(&["1h0m0s", "1h"]),
-        "conntrack.tcpBeLiberal" | "conntrack.udpTimeout" | "conntrack.udpStreamTimeout" => {
-            Ignored(&[])
-        }
-        p if p.starts_with("winkernel.") => Ignored(&[]),
-        _ => return None,
-    })
-}
-
-/// Go's zero value of a decoded field: null, false, 0, "", "0s", empty list or map (recursively).
-fn is_zero(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty() || s == "0s" || s == "0",
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.values().all(is_zero),
-    }
-}
-
-fn scalar_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 /// Reads and checks a configuration file.
@@ -172,176 +90,29 @@ pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
 pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
     let root = crate::yaml::parse_document(text)
         .map_err(|e| ConfigError(format!("not valid YAML: {e}")))?;
-    let Value::Object(map) = &root else {
-        return err("the file is not a mapping");
-    };
-    match map.get("apiVersion").and_then(Value::as_str) {
-        Some(API_VERSION) => {}
-        Some(other) => {
-            return err(format!(
-                "apiVersion {other:?} is not supported (want {API_VERSION})"
-            ))
-        }
-        None => return err(format!("apiVersion is missing (want {API_VERSION})")),
-    }
-    match map.get("kind").and_then(Value::as_str) {
-        Some(KIND) => {}
-        other => return err(format!("kind {other:?} is not {KIND}")),
-    }
-    let mut cfg = FileConfig::default();
-    walk(&root, "", &mut cfg.warnings);
-
-    let get = |path: &str| -> Option<&Value> {
-        let mut v = &root;
-        for part in path.split('.') {
-            v = v.get(part)?;
-        }
-        Some(v).filter(|v| !v.is_null())
-    };
-    let string = |path: &str| -> Result<Option<String>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::String(s)) if s.is_empty() => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(other) => err(format!("{path}: want a string, got {other}")),
-        }
-    };
-    let boolean = |path: &str| -> Result<Option<bool>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(other) => err(format!("{path}: want true or false, got {other}")),
-        }
-    };
-    let duration = |path: &str| -> Result<Option<Duration>, ConfigError> {
-        match get(path) {
-            None => Ok(None),
-            Some(Value::String(s)) if s.is_empty() => Ok(None),
-            Some(Value::String(s)) => parse_go_duration(s)
-                .map(Some)
-                .map_err(|e| ConfigError(format!("{path}: {e}"))),
-            Some(other) => err(format!(
-                "{path}: want a duration string such as \"30s\", got {other}"
-            )),
-        }
-    };
-
-    cfg.kubeconfig = string("clientConnection.kubeconfig")?.map(PathBuf::from);
-    cfg.hostname_override = string("hostnameOverride")?;
-    cfg.bind_address = string("bindAddress")?;
-    cfg.healthz_bind_address = string("healthzBindAddress")?;
-    cfg.metrics_bind_address = string("metricsBindAddress")?;
-    cfg.bind_address_hard_fail = boolean("bindAddressHardFail")?;
-    cfg.mode = string("mode")?;
-    cfg.detect_local_mode = string("detectLocalMode")?;
-    cfg.bridge_interface = string("detectLocal.bridgeInterface")?;
-    cfg.interface_name_prefix = string("detectLocal.interfaceNamePrefix")?;
-    cfg.cluster_cidr = string("clusterCIDR")?;
-    cfg.node_port_addresses = match get("nodePortAddresses") {
-        None => None,
-        Some(Value::Array(a)) => Some(
-            a.iter()
-                .map(|v| match v {
-                    Value::String(s) => Ok(s.clone()),
-                    other => err(format!("nodePortAddresses: want strings, got {other}")),
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        Some(other) => return err(format!("nodePortAddresses: want a list, got {other}")),
-    };
-
-    // The section of the configured mode; the others' non-zero values are warned about.
-    let mode = cfg.mode.clone().unwrap_or_default();
-    let (sync_section, masq_section) = match mode.as_str() {
-        // userspace: kube-proxy's userspace proxier read the iptables section too.
-        "" | "iptables" | "userspace" => ("iptables", "iptables"),
-        "nftables" => ("nftables", "nftables"),
-        "ipvs" => ("ipvs", "iptables"),
-        other => {
-            return err(format!(
-                "mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables, userspace)"
-            ))
-        }
-    };
-    if !matches!(mode.as_str(), "" | "nftables" | "userspace") {
-        cfg.warnings.push(format!(
-            "mode {mode:?}: nftkube always programs nf_tables; the {sync_section} section's settings are used"
-        ));
-    }
-    for section in ["iptables", "ipvs", "nftables"] {
-        for f in [
-            "masqueradeBit",
-            "masqueradeAll",
-            "syncPeriod",
-            "minSyncPeriod",
-        ] {
-            let path = format!("{section}.{f}");
-            let used = if f.starts_with("masquerade") {
-                section == masq_section
-            } else {
-                section == sync_section
-            };
-            if !used && field(&path).is_some() && get(&path).is_some_and(|v| !is_zero(v)) {
-                cfg.warnings.push(format!(
-                    "{path} is ignored: with mode {:?} the {} section applies",
-                    mode,
-                    if f.starts_with("masquerade") {
-                        masq_section
-                    } else {
-                        sync_section
-                    }
-                ));
-            }
-        }
-    }
-    cfg.masquerade_bit = match get(&format!("{masq_section}.masqueradeBit")) {
-        None => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| {
-            ConfigError(format!(
-                "{masq_section}.masqueradeBit: want an integer, got {v}"
-            ))
-        })?),
-    };
-    cfg.masquerade_all = boolean(&format!("{masq_section}.masqueradeAll"))?;
-    cfg.sync_period = duration(&format!("{sync_section}.syncPeriod"))?.filter(|d| !d.is_zero());
-    cfg.min_sync_period = duration(&format!("{sync_section}.minSyncPeriod"))?;
-    Ok(cfg)
+    file::read(root)
 }
 
-/// Collects warnings for unknown fields and for unsupported fields set to something.
-fn walk(v: &Value, prefix: &str, warnings: &mut Vec<String>) {
-    let Value::Object(map) = v else { return };
-    for (k, child) in map {
-        let path = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
-        match field(&path) {
-            None => warnings.push(format!("unknown field {path} (ignored)")),
-            Some(Field::Object) => walk(child, &path, warnings),
-            Some(Field::Honoured) => {}
-            Some(Field::Ignored(defaults)) => {
-                if !is_zero(child) && !defaults.contains(&scalar_text(child).as_str()) {
-                    warnings.push(format!(
-                        "{path} is not supported by nftkube (ignored; set to {})",
-                        scalar_text(child)
-                    ));
-                }
-            }
-        }
-    }
+/// A duration that cannot be read, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Not a Go duration (or a number of seconds, for flags), or too large.
+    #[error("invalid duration {0:?} (examples: \"30s\", \"1m30s\", \"500ms\")")]
+    Invalid(String),
+    /// Below zero.
+    #[error("invalid duration {0:?}: negative")]
+    Negative(String),
 }
 
 /// A Go duration ("300ms", "1.5h", "2h45m", "0"): what metav1.Duration and kube-proxy's flags accept.
-pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
-    let bad = || format!("invalid duration {s:?} (examples: \"30s\", \"1m30s\", \"500ms\")");
+pub fn parse_go_duration(s: &str) -> Result<Duration, DurationError> {
+    let bad = || DurationError::Invalid(s.into());
     let t = s.trim();
     if t == "0" {
         return Ok(Duration::ZERO);
     }
     if t.starts_with('-') {
-        return Err(format!("invalid duration {s:?}: negative"));
+        return Err(DurationError::Negative(s.into()));
     }
     let t = t.strip_prefix('+').unwrap_or(t);
     if t.is_empty() {
@@ -380,12 +151,15 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// A duration flag: a Go duration ("30s", as kube-proxy's flags take) or a plain number of seconds.
-pub fn parse_duration_flag(s: &str) -> Result<Duration, String> {
+pub fn parse_duration_flag(s: &str) -> Result<Duration, DurationError> {
     if let Ok(secs) = s.trim().parse::<f64>() {
-        if (0.0..1e12).contains(&secs) {
+        if secs < 0.0 {
+            return Err(DurationError::Negative(s.into()));
+        }
+        if secs < 1e12 {
             return Ok(Duration::from_secs_f64(secs));
         }
-        return Err(format!("invalid duration {s:?}"));
+        return Err(DurationError::Invalid(s.into()));
     }
     parse_go_duration(s)
 }
@@ -414,7 +188,7 @@ pub fn parse_bind_address(
 
 /// A comma-separated list of CIDRs, at most one per family (kube-proxy's clusterCIDR rule).
 pub fn parse_cluster_cidrs(what: &str, s: &str) -> Result<Vec<Cidr>, ConfigError> {
-    let cidrs = crate::agent::parse_cidrs(s).map_err(|e| ConfigError(format!("{what}: {e}")))?;
+    let cidrs = crate::model::parse_cidrs(s).map_err(|e| ConfigError(format!("{what}: {e}")))?;
     check_families(what, &cidrs)?;
     Ok(cidrs)
 }
@@ -474,45 +248,75 @@ pub fn parse_node_port_addresses(
 /// applies).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Flags {
+    /// `--config`.
     pub config: Option<PathBuf>,
+    /// `--manifests`.
     pub manifests: Option<PathBuf>,
+    /// `--kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
+    /// `--master`.
     pub master: Option<String>,
+    /// `--hostname-override`.
     pub hostname_override: Option<String>,
+    /// `--cluster-cidr`.
     pub cluster_cidr: Option<Vec<Cidr>>,
+    /// `--nodeport-addresses`.
     pub nodeport_addresses: Option<Vec<Cidr>>,
+    /// `--masquerade-all`.
     pub masquerade_all: Option<bool>,
+    /// `--masquerade-bit`.
     pub masquerade_bit: Option<u32>,
+    /// `--sync-period`.
     pub sync_period: Option<Duration>,
+    /// `--min-sync-period`.
     pub min_sync_period: Option<Duration>,
+    /// `--healthz-bind-address` (empty: off).
     pub healthz_bind_address: Option<String>,
+    /// `--metrics-bind-address` (empty: off).
     pub metrics_bind_address: Option<String>,
+    /// `--bind-address-hard-fail`.
     pub bind_address_hard_fail: Option<bool>,
+    /// `--bind-address`.
     pub bind_address: Option<String>,
+    /// `--detect-local-mode`.
     pub detect_local_mode: Option<String>,
+    /// `--pod-interface-name-prefix`.
     pub pod_interface_name_prefix: Option<String>,
+    /// `--pod-bridge-interface`.
     pub pod_bridge_interface: Option<String>,
+    /// `--proxy-mode`.
     pub proxy_mode: Option<String>,
 }
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceSpec {
+    /// Service and EndpointSlice manifests in this directory (or file).
     Manifests(PathBuf),
+    /// The Kubernetes API.
     Kube(crate::source::KubeOptions),
 }
 
 /// The effective settings after file, flags and defaults.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolved {
+    /// Where Services and EndpointSlices come from.
     pub source: SourceSpec,
+    /// This node's name (lower-cased; empty with manifests and no override).
     pub node_name: String,
+    /// The cluster's pod ranges, at most one per family.
     pub cluster_cidrs: Vec<Cidr>,
+    /// How traffic from pods is told apart.
     pub detect_local: DetectLocal,
+    /// Masquerade every connection to a service.
     pub masquerade_all: bool,
+    /// The fwmark bit (0-31) that asks for masquerade.
     pub masquerade_bit: u32,
+    /// How often the periodic check runs.
     pub sync_period: Duration,
+    /// The least time between two syncs.
     pub min_sync_period: Duration,
+    /// Health and metrics servers.
     pub admin: AdminOptions,
     /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
     pub nodeport_cidrs: Vec<Cidr>,
@@ -532,6 +336,7 @@ pub struct Env {
 }
 
 impl Env {
+    /// This machine's values.
     pub fn current() -> Env {
         let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|s| s.trim().to_string())
@@ -564,34 +369,74 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<Resolved, ConfigError> {
 /// [`resolve`] with the file already parsed.
 pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolved, ConfigError> {
     let mut warnings = file.warnings.clone();
-    if let Some(mode) = flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
-        match mode {
-            "nftables" | "userspace" => {}
-            "iptables" | "ipvs" => warnings.push(format!(
-                "--proxy-mode {mode}: nftkube always programs nf_tables"
-            )),
-            other => return err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
-        }
+    check_proxy_mode(flags, &mut warnings)?;
+    let (source, node_name) = source_and_node(flags, &file, env)?;
+    let kube = matches!(source, SourceSpec::Kube(_));
+    let cluster_cidrs = cluster_cidrs(flags, &file)?;
+    let detect_local = detect_local(flags, &file, kube)?;
+    if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
+        warnings.push(
+            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
+                .into(),
+        );
     }
+    let masquerade_bit = masquerade_bit(flags, &file)?;
+    let (sync_period, min_sync_period) = sync_periods(flags, &file)?;
+    let admin = admin_options(flags, &file)?;
+    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
+        (Some(c), _) => c.clone(),
+        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
+        (None, None) => Vec::new(),
+    };
+    Ok(Resolved {
+        source,
+        node_name,
+        cluster_cidrs,
+        detect_local,
+        masquerade_all: flags
+            .masquerade_all
+            .or(file.masquerade_all)
+            .unwrap_or(false),
+        masquerade_bit,
+        sync_period,
+        min_sync_period,
+        admin,
+        nodeport_cidrs,
+        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+            Some(flag) => flag == "userspace",
+            None => file.mode.as_deref() == Some("userspace"),
+        },
+        warnings,
+    })
+}
 
-    // Source.
-    let kubeconfig = flags.kubeconfig.clone().or(file.kubeconfig.clone());
-    let master = flags.master.clone().filter(|m| !m.is_empty());
-    if let Some(m) = &master {
-        let uri: http::Uri = m
-            .parse()
-            .map_err(|e| ConfigError(format!("--master {m:?}: {e}")))?;
-        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
-            return err(format!("--master {m:?}: want http(s)://HOST[:PORT]"));
+/// `--proxy-mode`: nftables or userspace; iptables and ipvs are accepted with a warning.
+fn check_proxy_mode(flags: &Flags, warnings: &mut Vec<String>) -> Result<(), ConfigError> {
+    match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
+        None | Some("nftables" | "userspace") => Ok(()),
+        Some(mode @ ("iptables" | "ipvs")) => {
+            warnings.push(format!(
+                "--proxy-mode {mode}: nftkube always programs nf_tables"
+            ));
+            Ok(())
         }
+        Some(other) => err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
     }
+}
+
+/// Where Services come from, and this node's name (which the API source watches its Node by).
+fn source_and_node(
+    flags: &Flags,
+    file: &FileConfig,
+    env: &Env,
+) -> Result<(SourceSpec, String), ConfigError> {
+    let master = checked_master(flags)?;
+    let kubeconfig = flags.kubeconfig.clone().or(file.kubeconfig.clone());
     let source = match &flags.manifests {
-        Some(dir) => {
-            if flags.kubeconfig.is_some() || master.is_some() {
-                return err("--manifests cannot be combined with --kubeconfig or --master");
-            }
-            SourceSpec::Manifests(dir.clone())
+        Some(_) if flags.kubeconfig.is_some() || master.is_some() => {
+            return err("--manifests cannot be combined with --kubeconfig or --master")
         }
+        Some(dir) => SourceSpec::Manifests(dir.clone()),
         None if kubeconfig.is_some() || master.is_some() || env.in_cluster => {
             SourceSpec::Kube(crate::source::KubeOptions {
                 kubeconfig,
@@ -606,11 +451,40 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             )
         }
     };
-    let kube = matches!(source, SourceSpec::Kube(_));
+    let node_name = node_name(flags, file, env, matches!(source, SourceSpec::Kube(_)))?;
+    let source = match source {
+        SourceSpec::Kube(k) => SourceSpec::Kube(crate::source::KubeOptions {
+            node_name: node_name.clone(),
+            ..k
+        }),
+        m => m,
+    };
+    Ok((source, node_name))
+}
 
-    // Node name: kube-proxy's rule (override, else the hostname), lower-cased; with manifests the
-    // override alone (no node-local semantics unless asked for).
-    let node_name = flags
+/// `--master`, when given: an http(s) URL with a host.
+fn checked_master(flags: &Flags) -> Result<Option<String>, ConfigError> {
+    let master = flags.master.clone().filter(|m| !m.is_empty());
+    if let Some(m) = &master {
+        let uri: http::Uri = m
+            .parse()
+            .map_err(|e| ConfigError(format!("--master {m:?}: {e}")))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return err(format!("--master {m:?}: want http(s)://HOST[:PORT]"));
+        }
+    }
+    Ok(master)
+}
+
+/// kube-proxy's rule (the override, else the hostname), lower-cased; with manifests the override alone (no
+/// node-local semantics unless asked for).
+fn node_name(
+    flags: &Flags,
+    file: &FileConfig,
+    env: &Env,
+    kube: bool,
+) -> Result<String, ConfigError> {
+    let name = flags
         .hostname_override
         .clone()
         .or(file.hostname_override.clone())
@@ -618,82 +492,64 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         .filter(|s| !s.is_empty())
         .or_else(|| kube.then(|| env.hostname.trim().to_lowercase()))
         .unwrap_or_default();
-    if kube && node_name.is_empty() {
+    if kube && name.is_empty() {
         return err("cannot tell this node's name: give --hostname-override");
     }
-    let source = match source {
-        SourceSpec::Kube(mut k) => {
-            k.node_name = node_name.clone();
-            SourceSpec::Kube(k)
-        }
-        m => m,
-    };
+    Ok(name)
+}
 
-    let cluster_cidrs = match (&flags.cluster_cidr, &file.cluster_cidr) {
+fn cluster_cidrs(flags: &Flags, file: &FileConfig) -> Result<Vec<Cidr>, ConfigError> {
+    match (&flags.cluster_cidr, &file.cluster_cidr) {
         (Some(c), _) => {
             check_families("--cluster-cidr", c)?;
-            c.clone()
+            Ok(c.clone())
         }
-        (None, Some(s)) => parse_cluster_cidrs("clusterCIDR", s)?,
-        (None, None) => Vec::new(),
-    };
-    let pick = |flag: &Option<String>, file: &Option<String>| -> String {
-        flag.clone()
-            .or(file.clone())
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
-    let detect_local = match pick(&flags.detect_local_mode, &file.detect_local_mode).as_str() {
-        "" | "ClusterCIDR" => DetectLocal::ClusterCidr,
-        "NodeCIDR" => {
-            if !kube {
-                return err("detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)");
-            }
-            DetectLocal::NodeCidr
-        }
-        "InterfaceNamePrefix" => {
-            let p = pick(&flags.pod_interface_name_prefix, &file.interface_name_prefix);
-            if p.is_empty() {
-                return err("detectLocalMode InterfaceNamePrefix needs detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)");
-            }
-            DetectLocal::InterfaceNamePrefix(p)
-        }
-        "BridgeInterface" => {
-            let b = pick(&flags.pod_bridge_interface, &file.bridge_interface);
-            if b.is_empty() {
-                return err("detectLocalMode BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)");
-            }
-            DetectLocal::BridgeInterface(b)
-        }
-        other => {
-            return err(format!(
-                "detectLocalMode {other:?} is not one of ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix"
-            ))
-        }
-    };
-    if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
-        warnings.push(
-            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
-                .into(),
+        (None, Some(s)) => parse_cluster_cidrs("clusterCIDR", s),
+        (None, None) => Ok(Vec::new()),
+    }
+}
+
+/// The flag if given, else the file's value, trimmed ("" when neither).
+fn flag_or_file(flag: &Option<String>, file: &Option<String>) -> String {
+    flag.clone()
+        .or(file.clone())
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+fn detect_local(flags: &Flags, file: &FileConfig, kube: bool) -> Result<DetectLocal, ConfigError> {
+    let detect_local = DetectLocal::parse(
+        &flag_or_file(&flags.detect_local_mode, &file.detect_local_mode),
+        &flag_or_file(
+            &flags.pod_interface_name_prefix,
+            &file.interface_name_prefix,
+        ),
+        &flag_or_file(&flags.pod_bridge_interface, &file.bridge_interface),
+    )
+    .map_err(|e| ConfigError(e.to_string()))?;
+    if detect_local == DetectLocal::NodeCidr && !kube {
+        return err(
+            "detectLocalMode NodeCIDR needs the Kubernetes API source (this node's podCIDRs)",
         );
     }
+    Ok(detect_local)
+}
 
-    let masquerade_bit = match (flags.masquerade_bit, file.masquerade_bit) {
+fn masquerade_bit(flags: &Flags, file: &FileConfig) -> Result<u32, ConfigError> {
+    let bit = match (flags.masquerade_bit, file.masquerade_bit) {
         (Some(b), _) => b as i64,
         (None, Some(b)) => b,
         (None, None) => 14,
     };
-    if !(0..=31).contains(&masquerade_bit) {
-        return err(format!(
-            "masqueradeBit {masquerade_bit} is out of range (0-31)"
-        ));
+    if !(0..=31).contains(&bit) {
+        return err(format!("masqueradeBit {bit} is out of range (0-31)"));
     }
-    let masquerade_all = flags
-        .masquerade_all
-        .or(file.masquerade_all)
-        .unwrap_or(false);
+    Ok(bit as u32)
+}
 
+/// syncPeriod (30 s by default, never 0) and minSyncPeriod (1 s by default, at most syncPeriod).
+fn sync_periods(flags: &Flags, file: &FileConfig) -> Result<(Duration, Duration), ConfigError> {
     let sync_period = flags
         .sync_period
         .or(file.sync_period)
@@ -710,25 +566,13 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             "minSyncPeriod ({min_sync_period:?}) must not exceed syncPeriod ({sync_period:?})"
         ));
     }
+    Ok((sync_period, min_sync_period))
+}
 
-    // Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it
-    // private unless configured), IPv6 loopback when bindAddress is IPv6.
-    let bind_v6 = flags
-        .bind_address
-        .as_deref()
-        .or(file.bind_address.as_deref())
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<IpAddr>()
-                .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
-        })
-        .transpose()?
-        .is_some_and(|ip| ip.is_ipv6());
-    let loopback: IpAddr = if bind_v6 {
-        Ipv6Addr::LOCALHOST.into()
-    } else {
-        Ipv4Addr::LOCALHOST.into()
-    };
+/// Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it private
+/// unless configured), IPv6 loopback when bindAddress is IPv6.
+fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, ConfigError> {
+    let loopback = admin_loopback(flags, file)?;
     let addr = |what: &str,
                 field: &str,
                 flag: &Option<String>,
@@ -743,7 +587,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             (None, None) => Ok(Some(SocketAddr::new(loopback, port))),
         }
     };
-    let admin = AdminOptions {
+    Ok(AdminOptions {
         healthz: addr(
             "healthz-bind-address",
             "healthzBindAddress",
@@ -762,29 +606,26 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
             .bind_address_hard_fail
             .or(file.bind_address_hard_fail)
             .unwrap_or(false),
-    };
+    })
+}
 
-    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
-        (Some(c), _) => c.clone(),
-        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
-        (None, None) => Vec::new(),
-    };
-    Ok(Resolved {
-        source,
-        node_name,
-        cluster_cidrs,
-        detect_local,
-        masquerade_all,
-        masquerade_bit: masquerade_bit as u32,
-        sync_period,
-        min_sync_period,
-        admin,
-        nodeport_cidrs,
-        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
-            Some(flag) => flag == "userspace",
-            None => file.mode.as_deref() == Some("userspace"),
-        },
-        warnings,
+/// The loopback address of bindAddress's family (IPv4 when it is not set).
+fn admin_loopback(flags: &Flags, file: &FileConfig) -> Result<IpAddr, ConfigError> {
+    let bind_v6 = flags
+        .bind_address
+        .as_deref()
+        .or(file.bind_address.as_deref())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<IpAddr>()
+                .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
+        })
+        .transpose()?
+        .is_some_and(|ip| ip.is_ipv6());
+    Ok(if bind_v6 {
+        Ipv6Addr::LOCALHOST.into()
+    } else {
+        Ipv4Addr::LOCALHOST.into()
     })
 }
 
@@ -1141,11 +982,40 @@ iptables:
         );
     }
 
+    #[test]
+    fn sections_are_typed_and_null_sections_are_empty() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let f = parse(&format!(
+            "{base}clientConnection: null\niptables: ~\ndetectLocal:\n  bridgeInterface: cbr0\n  color: red\nwinkernel:\n  enableDSR: true\n"
+        ))
+        .unwrap();
+        assert_eq!(f.bridge_interface.as_deref(), Some("cbr0"));
+        assert_eq!(
+            f.warnings,
+            [
+                "unknown field detectLocal.color (ignored)",
+                "winkernel.enableDSR is not supported by nftkube (ignored; set to true)"
+            ]
+        );
+        // A section that is not a mapping is an error naming it, as is a list of non-strings.
+        let e = parse(&format!("{base}iptables: 5\n")).unwrap_err().0;
+        assert!(
+            e.contains("iptables: invalid type: integer `5`, expected a mapping"),
+            "{e}"
+        );
+        let e = parse(&format!("{base}nodePortAddresses: [1]\n"))
+            .unwrap_err()
+            .0;
+        assert_eq!(e, "nodePortAddresses: want strings, got 1");
+        let e = parse(&format!("{base}ipvs:\n  masqueradeBit: 3\n")).unwrap();
+        assert_eq!(e.warnings, ["unknown field ipvs.masqueradeBit (ignored)"]);
+    }
+
     /// deploy/nftkube.yaml's ConfigMap: the config loads without a warning, names the kubeconfig, and the
     /// kubeconfig is one the client reads.
     #[test]
     fn the_deploy_config_map_is_valid() {
-        let text = include_str!("../deploy/nftkube.yaml");
+        let text = include_str!("../../deploy/nftkube.yaml");
         let cm: serde_json::Value = text
             .split("\n---")
             .map(|d| crate::yaml::parse_document(d).unwrap())
@@ -1228,7 +1098,7 @@ mod cli_tests {
         };
         let sub = m.subcommand_matches("proxy").unwrap();
         let given = |id: &str| sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
-        p.options(&given)
+        p.options(&given).map_err(|e| e.to_string())
     }
 
     #[test]

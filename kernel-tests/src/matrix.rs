@@ -1,0 +1,169 @@
+//! The matrix of sources × destinations × policies shared by `tests/matrix.rs` (real packets against kube-proxy's
+//! expected answers) and `tests/trace.rs` (`nftkube trace` against where real packets went): three LoadBalancer
+//! services (ClusterIP 10.96.1.i, LB IP 192.168.251.i, NodePort 31000 + i) with one endpoint on this node
+//! (pod1, node-1) and one on another (pod2, node-2).
+
+use crate::sandbox;
+use std::collections::BTreeSet;
+use std::fmt::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Policy {
+    Cluster,
+    EtpLocal,
+    ItpLocal,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Dest {
+    ClusterIp,
+    NodePort,
+    LbIp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Source {
+    Pod,
+    Node,
+    Outside,
+}
+
+/// Service i: ClusterIP 10.96.1.i, LB IP 192.168.251.i, NodePort 31000 + i.
+pub fn manifest() -> String {
+    let mut out = String::new();
+    for (i, policy) in [Policy::Cluster, Policy::EtpLocal, Policy::ItpLocal]
+        .iter()
+        .enumerate()
+    {
+        let i = i + 1;
+        let extra = match policy {
+            Policy::Cluster => "",
+            Policy::EtpLocal => "  externalTrafficPolicy: Local\n",
+            Policy::ItpLocal => "  internalTrafficPolicy: Local\n",
+        };
+        let _ = write!(
+            out,
+            r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: m{i}, namespace: demo}}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.1.{i}
+{extra}  ports: [{{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: {np}}}]
+status:
+  loadBalancer:
+    ingress: [{{ip: 192.168.251.{i}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: m{i}-1, namespace: demo, labels: {{kubernetes.io/service-name: m{i}}}}}
+addressType: IPv4
+ports: [{{name: tcp, port: 8080, protocol: TCP}}]
+endpoints:
+- {{addresses: ["10.244.1.2"], nodeName: node-1}}
+- {{addresses: ["10.244.2.2"], nodeName: node-2}}
+"#,
+            np = 31000 + i
+        );
+    }
+    out
+}
+
+pub fn target(policy: Policy, dest: Dest) -> SocketAddr {
+    let i = match policy {
+        Policy::Cluster => 1,
+        Policy::EtpLocal => 2,
+        Policy::ItpLocal => 3,
+    };
+    match dest {
+        Dest::ClusterIp => SocketAddr::new(Ipv4Addr::new(10, 96, 1, i).into(), 80),
+        Dest::LbIp => SocketAddr::new(Ipv4Addr::new(192, 168, 251, i).into(), 80),
+        Dest::NodePort => SocketAddr::new(sandbox::node_ip_v4().into(), 31000 + i as u16),
+    }
+}
+
+/// kube-proxy's answer for a cell: (endpoints that answer, whether the backend sees the client's address).
+pub fn expected(
+    src: Source,
+    dest: Dest,
+    policy: Policy,
+    masquerade_all: bool,
+) -> (BTreeSet<usize>, bool) {
+    let all: BTreeSet<usize> = [1, 2].into();
+    let local: BTreeSet<usize> = [1].into();
+    match dest {
+        Dest::ClusterIp => {
+            let eps = if policy == Policy::ItpLocal {
+                local
+            } else {
+                all
+            };
+            // Only pods (inside the cluster CIDR) keep their address, and not with masquerade-all.
+            (eps, src == Source::Pod && !masquerade_all)
+        }
+        Dest::NodePort | Dest::LbIp => match (policy, src) {
+            // externalTrafficPolicy Local: outside traffic to local endpoints, client kept; pods and the node
+            // are short-circuited to every endpoint (pods keep their address unless masquerade-all).
+            (Policy::EtpLocal, Source::Outside) => (local, true),
+            (Policy::EtpLocal, Source::Pod) => (all, !masquerade_all),
+            (Policy::EtpLocal, Source::Node) => (all, false),
+            // Cluster policy: NodePorts always masquerade; LB IPs spare pods (unless masquerade-all).
+            (_, Source::Pod) => (all, dest == Dest::LbIp && !masquerade_all),
+            _ => (all, false),
+        },
+    }
+}
+
+/// The client's own address. The node's connections to a pod leave from its address on that pod's link,
+/// masqueraded or not, so for the node only reachability and endpoints are compared.
+pub fn client_addr(src: Source) -> Option<IpAddr> {
+    match src {
+        Source::Pod => Some(sandbox::pod_ip_v4(0).into()),
+        Source::Outside => Some(sandbox::ext_ip_v4().into()),
+        Source::Node => None,
+    }
+}
+
+pub const POLICIES: [Policy; 3] = [Policy::Cluster, Policy::EtpLocal, Policy::ItpLocal];
+pub const DESTS: [Dest; 3] = [Dest::ClusterIp, Dest::NodePort, Dest::LbIp];
+pub const SOURCES: [Source; 3] = [Source::Pod, Source::Node, Source::Outside];
+
+/// The namespace a source sends from.
+pub fn source_ns(sb: &sandbox::Sandbox, src: Source) -> &nftkube::netns::NetNs {
+    match src {
+        Source::Pod => sb.client(),
+        Source::Node => sb.node(),
+        Source::Outside => sb.ext(),
+    }
+}
+
+/// Where real connections went: the endpoints that answered, the client addresses they saw, failures.
+#[derive(Debug, Default)]
+pub struct Observed {
+    pub endpoints: BTreeSet<usize>,
+    pub peers: BTreeSet<IpAddr>,
+    pub errors: usize,
+}
+
+/// `k` TCP connections from `src` to `dst`.
+pub fn observe(
+    sb: &sandbox::Sandbox,
+    src: Source,
+    dst: SocketAddr,
+    k: usize,
+    timeout: std::time::Duration,
+) -> Observed {
+    let mut seen = Observed::default();
+    for a in sandbox::tcp_requests(source_ns(sb, src), dst, k, timeout) {
+        match a.as_ref().ok().and_then(|s| sandbox::parse_answer(s)) {
+            Some((pod, peer)) => {
+                seen.endpoints.insert(pod);
+                seen.peers.insert(peer);
+            }
+            None => seen.errors += 1,
+        }
+    }
+    seen
+}
