@@ -272,7 +272,7 @@ pub fn sync_once<B: crate::nft::Backend>(
 
 /// A full sync builds and drops large transient structures; hand the freed pages back to the system so the
 /// agent's resident size reflects what it keeps, not its peak.
-fn release_free_memory() {
+pub(crate) fn release_free_memory() {
     // SAFETY: malloc_trim only walks glibc's own heap structures; it has no preconditions.
     unsafe {
         libc::malloc_trim(0);

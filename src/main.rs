@@ -69,6 +69,7 @@ fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
 ) -> anyhow::Result<()> {
+    single_heap();
     // The probe creates a scratch network namespace (CAP_SYS_ADMIN): before the drop, never again after.
     opts.conntrack_features = Some(nftkube::conntrack::probe_features());
     let ports = opts
@@ -87,6 +88,18 @@ fn start_proxy(
     let (stop, inbox) = nftkube::agent::Inbox::new();
     forward_stop_signals(signals, stop)?;
     nftkube::agent::run_proxy(&opts, inbox)
+}
+
+/// One malloc arena for every thread. The manifest source parses on threads of its own and hands what it
+/// parsed to the proxy loop; with an arena per thread, the memory the parse freed could not be reused by the
+/// loop's render and index, which then took fresh pages: peak RSS 51 MiB instead of 42 at 10k services,
+/// 184 instead of 152 at 50k. The parse was no slower with one arena (its allocations are a small part of
+/// its time).
+fn single_heap() {
+    // SAFETY: mallopt only sets a glibc allocator parameter; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
 }
 
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).

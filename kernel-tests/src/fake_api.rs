@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -475,34 +476,46 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
     }
     // A list, possibly one page of it.
     let st = shared.state.lock().unwrap();
-    let (list_rv, offset) = match params.get("continue").filter(|c| !c.is_empty()) {
+    // The continue token names the list's resourceVersion and the last key served, as kube-apiserver's
+    // does: the next page starts after that key, so a paged list of 100k objects costs each page its own
+    // length.
+    let (list_rv, after) = match params.get("continue").filter(|c| !c.is_empty()) {
         Some(c) => {
-            let (rv, off) = c.split_once('/').unwrap_or(("0", "0"));
-            (rv.parse().unwrap_or(st.rv), off.parse().unwrap_or(0))
+            let mut parts = c.splitn(3, '/');
+            let rv = parts.next().and_then(|r| r.parse().ok()).unwrap_or(st.rv);
+            let key: Key = (
+                resource,
+                parts.next().unwrap_or("").to_string(),
+                parts.next().unwrap_or("").to_string(),
+            );
+            (rv, Bound::Excluded(key))
         }
-        None => (st.rv, 0usize),
+        None => (
+            st.rv,
+            Bound::Included((resource, String::new(), String::new())),
+        ),
     };
-    let all: Vec<&Value> = st
-        .objects
-        .iter()
-        .filter(|(k, v)| k.0 == resource && selected(v))
-        .map(|(_, v)| v)
-        .collect();
     let limit = params
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
         .unwrap_or(usize::MAX);
-    let page: Vec<Value> = all
-        .iter()
-        .skip(offset)
-        .take(limit)
-        .map(|v| (*v).clone())
+    let mut page: Vec<(&Key, &Value)> = st
+        .objects
+        .range((after, Bound::Unbounded))
+        .take_while(|(k, _)| k.0 == resource)
+        .filter(|(_, v)| selected(v))
+        .take(limit.saturating_add(1))
         .collect();
-    let next = offset.saturating_add(limit);
+    let more = page.len() > limit;
+    page.truncate(limit);
+    let last = page
+        .last()
+        .map(|(k, _)| format!("{list_rv}/{}/{}", k.1, k.2));
+    let page: Vec<Value> = page.into_iter().map(|(_, v)| v.clone()).collect();
     let mut meta = json!({"resourceVersion": list_rv.to_string()});
-    if next < all.len() {
-        meta["continue"] = json!(format!("{list_rv}/{next}"));
+    if let Some(token) = last.filter(|_| more) {
+        meta["continue"] = json!(token);
     }
     let body =
         json!({"kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version(),

@@ -31,6 +31,10 @@ use super::runner::SyncRunner;
 /// every 10 minutes is under 0.1 % of a core.
 pub const FULL_READ_INTERVAL: Duration = Duration::from_secs(600);
 
+/// A batch of events this long (a snapshot, a large re-read) leaves enough freed memory behind to hand back
+/// before the sync that follows builds its own structures; a small one is not worth the heap walk.
+const LARGE_BATCH: usize = 1000;
+
 /// The first retry of a failed sync, doubled up to `MAX_BACKOFF`.
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -173,6 +177,7 @@ impl ProxyLoop<'_> {
         if events.is_empty() {
             return;
         }
+        let large = events.len() >= LARGE_BATCH;
         for ev in events {
             self.observer.on_event(&ev);
             if ev == Event::Synced && !self.synced {
@@ -183,6 +188,9 @@ impl ProxyLoop<'_> {
                 );
             }
             apply_event(&mut self.state, ev);
+        }
+        if large {
+            crate::agent::release_free_memory();
         }
         self.request_sync();
     }
