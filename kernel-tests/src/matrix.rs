@@ -167,3 +167,35 @@ pub fn observe(
     }
     seen
 }
+
+/// The matrix's sandbox: two backend pods, and a route from outside to the LoadBalancer IPs; its manifests
+/// (the examples and the matrix's services).
+pub fn setup(tag: &str) -> (sandbox::Sandbox, crate::Manifests) {
+    let sb = crate::sandbox(tag, 2);
+    crate::route_from_outside(&sb, Ipv4Addr::new(192, 168, 251, 0), 24);
+    let m = crate::Manifests::examples();
+    m.write("matrix.yaml", &manifest());
+    (sb, m)
+}
+
+/// The agent on the matrix's manifests (with `--masquerade-all` or not), once it serves them.
+pub fn start_agent(
+    sb: &sandbox::Sandbox,
+    m: &crate::Manifests,
+    masquerade_all: bool,
+) -> crate::Agent {
+    const SYNC: std::time::Duration = std::time::Duration::from_secs(15);
+    let extra: &[&str] = if masquerade_all {
+        &["--masquerade-all"]
+    } else {
+        &[]
+    };
+    let agent = crate::Agent::start(sb.node(), &m.dir, extra);
+    agent.wait_syncs(1, SYNC);
+    let probe = std::time::Duration::from_millis(300);
+    crate::wait_until(SYNC, || {
+        crate::served(sb.ext(), target(Policy::Cluster, Dest::LbIp), probe)
+    })
+    .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+    agent
+}

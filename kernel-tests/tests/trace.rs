@@ -143,24 +143,11 @@ fn plan_args(dir: &Path, masquerade_all: bool) -> Vec<String> {
 
 #[test]
 fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
-    let sb = sandbox("nk-tr", 2);
-    route_from_outside(&sb, Ipv4Addr::new(192, 168, 251, 0), 24);
-    let m = Manifests::examples();
-    m.write("matrix.yaml", &manifest());
+    let (sb, m) = setup("nk-tr");
     let mut failures = Vec::new();
     let mut cells = 0;
     for masquerade_all in [false, true] {
-        let extra: &[&str] = if masquerade_all {
-            &["--masquerade-all"]
-        } else {
-            &[]
-        };
-        let agent = Agent::start(sb.node(), &m.dir, extra);
-        agent.wait_syncs(1, SYNC);
-        wait_until(SYNC, || {
-            served(sb.ext(), target(Policy::Cluster, Dest::LbIp), T)
-        })
-        .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
+        let agent = start_agent(&sb, &m, masquerade_all);
         for policy in POLICIES {
             for dest in DESTS {
                 for src in SOURCES {
