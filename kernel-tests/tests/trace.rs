@@ -283,6 +283,32 @@ fn bad_arguments_are_refused_with_the_argument_named() {
     assert!(stderr.contains("--src"), "{stderr}");
 }
 
+/// `nftkube trace ARGS` (a `--live` run) in `ns`, once its table is in place: the child and the table's name.
+/// `capture`: its output piped for the test to read, else discarded.
+fn start_live(
+    ns: &nftkube::netns::NetNs,
+    args: &[String],
+    capture: bool,
+) -> (std::process::Child, String) {
+    let output = || {
+        if capture {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        }
+    };
+    let child = command_in(ns, nftkube_bin())
+        .args(args)
+        .stdout(output())
+        .stderr(output())
+        .spawn()
+        .expect("starting nftkube trace --live");
+    let table = format!("nftkube-trace-{}", child.id());
+    wait_until(Duration::from_secs(10), || has_table(ns, &table))
+        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    (child, table)
+}
+
 /// Whether table `name` exists in `ns` (family ip).
 fn has_table(ns: &nftkube::netns::NetNs, name: &str) -> bool {
     let name = name.to_string();
@@ -319,15 +345,7 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         .unwrap_or_else(|_| panic!("never programmed; log:\n{}", agent.log()));
     let mut args = packet_args(Source::Pod, Policy::Cluster, Dest::ClusterIp);
     args.extend(["--live", "--count", "1", "--timeout", "20s"].map(String::from));
-    let child = command_in(sb.node(), nftkube_bin())
-        .args(&args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting nftkube trace --live");
-    let table = format!("nftkube-trace-{}", child.id());
-    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
-        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    let (child, table) = start_live(sb.node(), &args, true);
     // The trace table obeys the listing invariant like every state we program.
     assert_listable(sb.node());
     let answer =
@@ -386,15 +404,7 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
     assert_eq!(live_rules, offline_rules, "live events:\n{live:#}");
 
     // Ctrl-C while waiting: the table goes, what was seen (nothing) is printed, exit 0.
-    let child = command_in(sb.node(), nftkube_bin())
-        .args(&args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting nftkube trace --live");
-    let table = format!("nftkube-trace-{}", child.id());
-    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
-        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    let (child, table) = start_live(sb.node(), &args, true);
     // SAFETY: kill has no memory-safety preconditions; the pid is our own child's, not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let out = child
@@ -414,15 +424,7 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
     );
 
     // SIGKILL leaves the table behind; `nftkube cleanup` removes it with nftkube's own tables.
-    let mut child = command_in(sb.node(), nftkube_bin())
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("starting nftkube trace --live");
-    let table = format!("nftkube-trace-{}", child.id());
-    wait_until(Duration::from_secs(10), || has_table(sb.node(), &table))
-        .unwrap_or_else(|_| panic!("table {table} never appeared"));
+    let (mut child, table) = start_live(sb.node(), &args, false);
     child.kill().unwrap();
     child.wait().unwrap();
     drop(agent);
