@@ -367,8 +367,8 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         .expect("one packet's events");
     let live_rules: Vec<String> = events
         .iter()
-        // A rule that matched: a rule event, or on older kernels (5.10 and 6.1 here; 6.12 reports a rule) a return event that names the rule
-        // (a rule whose verdict is `return` was traced as a return there; the end of a chain has no handle).
+        // A rule that matched: a rule event, or a return event that names the rule (5.10 and 6.1 trace a rule
+        // whose verdict is `return` that way; 6.12 as a rule). The end of a chain returns with no handle.
         .filter(|e| {
             let kind_ok = e["kind"] == "rule" || e["kind"] == "return";
             e["table"] == "ip nftkube" && kind_ok && !e["rule_handle"].is_null()
