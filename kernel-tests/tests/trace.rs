@@ -367,11 +367,8 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         .expect("one packet's events");
     let live_rules: Vec<String> = events
         .iter()
-        // A rule that matched: a rule event, or a return event that names the rule (5.10 and 6.1 trace a rule
-        // whose verdict is `return` that way; 6.12 as a rule). The end of a chain returns with no handle.
         .filter(|e| {
-            let kind_ok = e["kind"] == "rule" || e["kind"] == "return";
-            e["table"] == "ip nftkube" && kind_ok && !e["rule_handle"].is_null()
+            e["table"] == "ip nftkube" && e["kind"] == "rule" && !e["rule_handle"].is_null()
         })
         .map(|e| {
             e["rule"]

@@ -98,8 +98,12 @@ pub fn decode_trace(payload: &[u8]) -> Result<TraceEvent, DecodeError> {
             .ok_or_else(|| err(format!("missing {field}")))
     };
     let be32 = |k: u16| a.get(k).and_then(|x| x.be32());
+    let rule_handle = a.get(NFTA_TRACE_RULE_HANDLE).and_then(|h| h.be64());
     let kind = match be32(NFTA_TRACE_TYPE) {
         Some(1) => TraceKind::Policy,
+        // A return that names a rule is a rule whose verdict is `return`: kernels up to 6.1 at least trace it
+        // so, 6.12 as a rule. Reported as a rule everywhere.
+        Some(2) if rule_handle.is_some() => TraceKind::Rule,
         Some(2) => TraceKind::Return,
         Some(3) => TraceKind::Rule,
         other => return Err(err(format!("trace type {other:?}"))),
@@ -115,7 +119,7 @@ pub fn decode_trace(payload: &[u8]) -> Result<TraceEvent, DecodeError> {
         table: text(NFTA_TRACE_TABLE, "table")?,
         chain: text(NFTA_TRACE_CHAIN, "chain")?,
         kind,
-        rule_handle: a.get(NFTA_TRACE_RULE_HANDLE).and_then(|h| h.be64()),
+        rule_handle,
         verdict,
         network_header: a.get(NFTA_TRACE_NETWORK_HEADER).map(|h| h.payload.to_vec()),
         transport_header: a
@@ -170,6 +174,29 @@ mod tests {
         m.attr_be32(NFTA_TRACE_IIF, 3);
         m.attr_be32(NFTA_TRACE_MARK, 0x4000);
         m.finish().unwrap()
+    }
+
+    /// A return event in `masquerading`, naming rule 9 or no rule (the end of the chain).
+    fn return_event(handle: Option<u64>) -> TraceEvent {
+        let mut m = MsgBuilder::new((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_TRACE, 0, 0);
+        m.raw(&[2, 0, 0, 0]);
+        m.attr_str(NFTA_TRACE_TABLE, "nftkube");
+        m.attr_str(NFTA_TRACE_CHAIN, "masquerading");
+        if let Some(h) = handle {
+            m.attr_be64(NFTA_TRACE_RULE_HANDLE, h);
+        }
+        m.attr_be32(NFTA_TRACE_TYPE, 2);
+        m.attr_be32(NFTA_TRACE_ID, 1);
+        let bytes = m.finish().unwrap();
+        let msg = crate::netlink::attr::messages(&bytes).next().unwrap();
+        decode_trace(msg.payload).unwrap()
+    }
+
+    #[test]
+    fn a_return_naming_a_rule_is_that_rule_matching() {
+        // 5.10 and 6.1 trace a rule whose verdict is `return` as a return event with the rule's handle.
+        assert_eq!(return_event(Some(9)).kind, TraceKind::Rule);
+        assert_eq!(return_event(None).kind, TraceKind::Return);
     }
 
     #[test]
