@@ -30,7 +30,7 @@ use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -249,16 +249,6 @@ fn write_atomically(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// A fake API server on 127.0.0.1 inside `ns`.
-fn fake_api_in(ns: &NetNs) -> FakeApi {
-    let name = ns.name().to_string();
-    FakeApi::start_with(Arc::new(move |a| {
-        NetNs::open_existing(&name)
-            .map_err(|e| std::io::Error::other(e.to_string()))?
-            .run(move || TcpListener::bind(a))?
-    }))
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // The binary.
 
@@ -400,7 +390,7 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
         ns.run(|| nftkube::netns::set_link_up("lo"))
             .unwrap()
             .expect("loopback up");
-        let api = fake_api_in(&ns);
+        let api = FakeApi::in_namespace(&ns);
         cluster.load_api(&api);
         let (wall, rss) = binary_cold_in(bin, &ns, Source::Api(&api));
         push(
@@ -572,7 +562,7 @@ fn probe_slice_yaml(pod: usize) -> String {
 impl<'a> Run<'a> {
     fn start(bin: &Path, sb: &'a Sandbox, cluster: &'a Cluster, api_source: bool) -> Run<'a> {
         let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
-        let api = api_source.then(|| fake_api_in(sb.node()));
+        let api = api_source.then(|| FakeApi::in_namespace(sb.node()));
         match &api {
             Some(api) => {
                 cluster.load_api(api);

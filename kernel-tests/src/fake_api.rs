@@ -117,6 +117,16 @@ fn key_of(resource: Resource, obj: &Value) -> Key {
 }
 
 impl FakeApi {
+    /// A fake API server listening on 127.0.0.1 inside `ns` (rebinds there after an outage, too).
+    pub fn in_namespace(ns: &nftkube::netns::NetNs) -> FakeApi {
+        let name = ns.name().to_string();
+        FakeApi::start_with(Arc::new(move |a| {
+            nftkube::netns::NetNs::open_existing(&name)
+                .map_err(|e| std::io::Error::other(e.to_string()))?
+                .run(move || TcpListener::bind(a))?
+        }))
+    }
+
     /// Serves on 127.0.0.1 (an ephemeral port) of the current network namespace.
     pub fn start() -> FakeApi {
         Self::start_with(Arc::new(TcpListener::bind))

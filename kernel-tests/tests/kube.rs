@@ -11,8 +11,7 @@ use nftkube::netns::NetNs;
 use nftkube::nft::ir::Family;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener};
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
 const ECHO_V4: &str = "10.96.0.10";
@@ -21,16 +20,6 @@ const SYNC: Duration = Duration::from_secs(20);
 /// Long enough for the API watchers' backoff (0.2 s doubling every second error, 30 s at most) after an
 /// outage.
 const RECOVER: Duration = Duration::from_secs(45);
-
-/// A fake API server listening on 127.0.0.1 inside `ns` (rebinds there after an outage, too).
-fn fake_api_in(ns: &NetNs) -> FakeApi {
-    let name = ns.name().to_string();
-    FakeApi::start_with(Arc::new(move |a| {
-        NetNs::open_existing(&name)
-            .map_err(|e| std::io::Error::other(e.to_string()))?
-            .run(move || TcpListener::bind(a))?
-    }))
-}
 
 /// The examples' Services and EndpointSlices, plus this node's object.
 fn load_examples(api: &FakeApi) {
@@ -156,7 +145,7 @@ fn metrics(ns: &NetNs, at: SocketAddr) -> BTreeMap<String, f64> {
 #[test]
 fn api_source_syncs_and_follows_adds_updates_and_deletes() {
     let sb = sandbox("nk-kapi", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     let agent = start_agent(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
@@ -203,7 +192,7 @@ fn api_source_syncs_and_follows_adds_updates_and_deletes() {
 #[test]
 fn api_outage_keeps_the_rules_and_a_relist_after_410_converges() {
     let sb = sandbox("nk-kout", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     let agent = start_agent(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
@@ -281,7 +270,7 @@ fn api_outage_keeps_the_rules_and_a_relist_after_410_converges() {
 #[test]
 fn nothing_is_programmed_before_both_lists_and_an_unreachable_api_flushes_nothing() {
     let sb = sandbox("nk-kgate", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     let mut first = start_agent(sb.node(), &api, &[]);
     wait_backends(&sb, &first, ECHO_V4, &[1, 2, 3], SYNC);
@@ -317,7 +306,7 @@ fn nothing_is_programmed_before_both_lists_and_an_unreachable_api_flushes_nothin
 #[test]
 fn malformed_objects_are_skipped_with_a_logged_reason() {
     let sb = sandbox("nk-kbad", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     api.apply(service("broken", "10.96.0.300"));
     let mut unlabelled = slice("stray", "x", &[1], "node-1");
@@ -348,7 +337,7 @@ fn malformed_objects_are_skipped_with_a_logged_reason() {
 #[test]
 fn health_metrics_and_health_check_node_ports_are_served() {
     let sb = sandbox("nk-kadm", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     // A LoadBalancer service with externalTrafficPolicy Local and a healthCheckNodePort; endpoints on
     // this node.
@@ -450,7 +439,7 @@ fn health_metrics_and_health_check_node_ports_are_served() {
 #[test]
 fn config_file_and_flags_resolve_like_kube_proxy() {
     let sb = sandbox("nk-kcfg", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     let dir = std::env::temp_dir().join(nftkube::netns::unique_name("nftkube-cfg"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -593,7 +582,7 @@ fn only_net_admin(cmd: &mut std::process::Command) {
 #[test]
 fn cap_net_admin_is_the_only_capability_needed() {
     let sb = sandbox("nk-kcap", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     api.apply(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "lb", "namespace": "demo"},
         "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.50", "clusterIPs": ["10.96.0.50"],
@@ -781,7 +770,7 @@ fn changes_after_repeated_short_outages_come_within_the_first_backoff_delay() {
     const OUTAGE: Duration = Duration::from_millis(300);
     const AFTER: &str = "10.96.0.40";
     let sb = sandbox("nk-kbo", 3);
-    let api = fake_api_in(sb.node());
+    let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
     let agent = start_agent(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
