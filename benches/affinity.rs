@@ -25,7 +25,7 @@
 //! `NFTKUBE_BENCH_AFFINITY_PROBES` sets the timed probes per variant and E (default 1000).
 
 use nftkube::model::*;
-use nftkube::netns::{add_address, unique_name};
+use nftkube::netns::unique_name;
 use nftkube::nft::ir::{Element, ElementValue, Family};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
@@ -132,8 +132,8 @@ fn main() {
 
     let sb = Sandbox::build(&unique_name("nkbench-aff"), TRAP_POD).unwrap();
     sb.start_backends(BACKEND_PORT, 5353).unwrap();
-    let backends = add_addresses(&sb, BACKEND_POD, 0, *counts.iter().max().unwrap());
-    let clients = add_addresses(&sb, 0, 1, CLIENTS);
+    let backends = sb.add_pod_addresses(BACKEND_POD, 0, *counts.iter().max().unwrap());
+    let clients = sb.add_pod_addresses(0, 1, CLIENTS);
     let groups: Vec<Group> = counts
         .iter()
         .enumerate()
@@ -147,24 +147,6 @@ fn main() {
         .run(move || measure(&groups, &backends, &clients, node_nft, rounds))
         .unwrap();
     print_table(&results, probes);
-}
-
-/// Gives pod `pod` `count` addresses in its /24, starting `skip` after its own (skip 0: its own first).
-fn add_addresses(sb: &Sandbox, pod: usize, skip: usize, count: usize) -> Vec<Ipv4Addr> {
-    let own = sandbox::pod_ip_v4(pod);
-    let [a, b, c, d] = own.octets();
-    let addrs: Vec<Ipv4Addr> = (skip..skip + count)
-        .map(|k| Ipv4Addr::new(a, b, c, d + k as u8))
-        .collect();
-    let extra: Vec<Ipv4Addr> = addrs.iter().copied().filter(|&x| x != own).collect();
-    sb.pod(pod)
-        .run(move || {
-            for x in extra {
-                add_address(sandbox::POD_IFNAME, x.into(), 24).unwrap();
-            }
-        })
-        .unwrap();
-    addrs
 }
 
 fn endpoint(ip: Ipv4Addr) -> Endpoint {

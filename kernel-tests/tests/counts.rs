@@ -6,35 +6,17 @@
 use kernel_tests::sandbox::{self, parse_answer, tcp_requests};
 use kernel_tests::*;
 use nftkube::model::*;
-use nftkube::netns::add_address;
 use nftkube::nft::ir::{ElementValue, Family, Verdict};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::mpsc;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(2);
 const VIP: &str = "10.96.0.50";
 const PROBES: usize = 240;
-
-/// `count` addresses of pod `pod`, in its /24 after its own (the pod answers on all of them).
-fn addresses(sb: &sandbox::Sandbox, pod: usize, count: usize) -> Vec<Ipv4Addr> {
-    let [a, b, c, d] = sandbox::pod_ip_v4(pod).octets();
-    let addrs: Vec<Ipv4Addr> = (0..count)
-        .map(|k| Ipv4Addr::new(a, b, c, d + k as u8))
-        .collect();
-    let extra = addrs[1..].to_vec();
-    sb.pod(pod)
-        .run(move || {
-            for x in extra {
-                add_address(sandbox::POD_IFNAME, x.into(), 24).unwrap();
-            }
-        })
-        .unwrap();
-    addrs
-}
 
 fn service() -> (ServicePortName, ServicePort) {
     let spn = ServicePortName {
@@ -63,8 +45,8 @@ fn dispatch(sb: &sandbox::Sandbox) -> String {
 #[test]
 fn endpoint_counts_change_by_elements_and_every_backend_keeps_its_share() {
     let sb = sandbox("nk-cnt", 2);
-    let pool1 = addresses(&sb, 1, 20);
-    let pool2 = addresses(&sb, 2, 20);
+    let pool1 = sb.add_pod_addresses(1, 0, 20);
+    let pool2 = sb.add_pod_addresses(2, 0, 20);
     let (spn, sp) = service();
     let cfg = RenderConfig::default();
     // The engine lives on a thread in the node namespace, as in the agent; each message is one model.

@@ -303,6 +303,25 @@ impl Sandbox {
     pub fn pod(&self, i: usize) -> &NetNs {
         &self.pods[i]
     }
+
+    /// Gives pod `pod` `count` addresses in its /24, starting `skip` after its own (skip 0: its own first),
+    /// all answered by its servers; returns them in order.
+    pub fn add_pod_addresses(&self, pod: usize, skip: usize, count: usize) -> Vec<Ipv4Addr> {
+        let [a, b, c, d] = pod_ip_v4(pod).octets();
+        let addrs: Vec<Ipv4Addr> = (skip..skip + count)
+            .map(|k| Ipv4Addr::new(a, b, c, d + k as u8))
+            .collect();
+        let own = pod_ip_v4(pod);
+        let extra: Vec<Ipv4Addr> = addrs.iter().copied().filter(|&x| x != own).collect();
+        self.pod(pod)
+            .run(move || {
+                for x in extra {
+                    add_address(POD_IFNAME, x.into(), 24).expect("adding a pod address");
+                }
+            })
+            .expect("entering the pod's namespace");
+        addrs
+    }
     /// Every namespace of the sandbox: node, ext, pod0..=N.
     pub fn namespaces(&self) -> impl Iterator<Item = &NetNs> {
         [&self.node, &self.ext].into_iter().chain(self.pods.iter())
