@@ -211,11 +211,14 @@ fn start_monitor(
     // The port handle is kept current when the engine's socket is replaced after a broken exchange.
     let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone())
         .with_notify(notify);
+    // Opened here, in the agent's namespace; read on the monitor's thread.
+    let (sock, membership) = monitor::subscribe()?;
+    engine.set_event_subscriber(Box::new(watcher.pausable(membership)));
     let st = stop.clone();
     let thread = std::thread::Builder::new()
         .name("nft-monitor".into())
         .spawn(move || {
-            if let Err(e) = monitor::watch(watcher, st) {
+            if let Err(e) = monitor::watch(sock, watcher, st) {
                 // Without events, drift is still repaired by the periodic full sync.
                 tracing::error!("nf_tables event monitor stopped: {e}");
             }

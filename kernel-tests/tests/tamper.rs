@@ -43,8 +43,20 @@ fn repairs(agent: &Agent) -> usize {
 
 /// A sandbox with the examples programmed and the echo service answering; the ip table as programmed.
 fn steady(tag: &str, extra: &[&str]) -> (sandbox::Sandbox, Manifests, Agent, TableState) {
+    steady_with(tag, extra, &[])
+}
+
+/// `steady`, with more manifest files (name, content) beside the examples.
+fn steady_with(
+    tag: &str,
+    extra: &[&str],
+    files: &[(&str, String)],
+) -> (sandbox::Sandbox, Manifests, Agent, TableState) {
     let sb = sandbox(tag, 3);
     let m = Manifests::examples();
+    for (name, content) in files {
+        m.write(name, content);
+    }
     let agent = Agent::start(sb.node(), &m.dir, extra);
     agent.wait_syncs(1, SYNC);
     wait_until(SYNC, || {
@@ -61,7 +73,17 @@ fn steady(tag: &str, extra: &[&str]) -> (sandbox::Sandbox, Manifests, Agent, Tab
 /// Tampers with `script(sandbox)` and checks the repair: traffic back within `REPAIR` of the tamper, exactly
 /// one repair sync, and the table exactly as before.
 fn tamper_and_check_repair(tag: &str, what: &str, script: impl Fn(&sandbox::Sandbox) -> String) {
-    let (sb, _m, agent, before) = steady(tag, &[]);
+    tamper_and_check_repair_with(tag, what, &[], script)
+}
+
+/// `tamper_and_check_repair`, with more manifest files beside the examples.
+fn tamper_and_check_repair_with(
+    tag: &str,
+    what: &str,
+    files: &[(&str, String)],
+    script: impl Fn(&sandbox::Sandbox) -> String,
+) {
+    let (sb, _m, agent, before) = steady_with(tag, &[], files);
     let script = script(&sb);
     let tampered_at = Instant::now();
     nft_script(sb.node(), &script);
@@ -199,6 +221,34 @@ fn a_deleted_rule_of_ours_is_restored() {
             .unwrap_or_else(|| panic!("no handle in {line}"));
         format!("delete rule ip nftkube services handle {handle}")
     });
+}
+
+/// Services, each with its ClusterIP and the three pods as endpoints: five elements or more each, so the
+/// cold sync is committed with the event monitor paused (`sync::quiet`).
+const LARGE: usize = 300;
+
+fn large_manifest() -> String {
+    let pods: Vec<String> = (1..=3).map(|p| sandbox::pod_ip_v4(p).to_string()).collect();
+    (0..LARGE)
+        .map(|i| {
+            let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
+            format!(
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: large{i}, namespace: demo}}\nspec:\n  clusterIP: {ip}\n  ports: [{{name: tcp, port: 80, targetPort: {port}, protocol: TCP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: large{i}-a, namespace: demo, labels: {{kubernetes.io/service-name: large{i}}}}}\naddressType: IPv4\nports: [{{name: tcp, port: {port}, protocol: TCP}}]\nendpoints:\n- addresses: [{}, {}, {}]\n  conditions: {{ready: true}}\n",
+                pods[0], pods[1], pods[2], port = BACKEND_TCP_PORT,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn after_a_large_commit_the_monitor_listens_again() {
+    const { assert!(LARGE * 5 >= nftkube::sync::quiet::QUIET_COMMIT_ELEMENTS) };
+    tamper_and_check_repair_with(
+        "nk-tlarge",
+        "dispatch element deleted after a large commit",
+        &[("large.yaml", large_manifest())],
+        |_| "delete element ip nftkube service-ips { 10.96.0.10 . tcp . 80 }".into(),
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ mod tests;
 pub use attr::{AttrIter, Attrs, LengthError, MsgBuilder, NLA_F_NESTED};
 pub use error::{DumpFault, NetlinkError, Request};
 pub use exchange::{Exchange, Expect, Outcome, Progress};
-pub use socket::{Limits, NlSocket, SHUTDOWN};
+pub use socket::{Limits, Membership, NlSocket, SHUTDOWN};
 
 use std::sync::atomic::AtomicU64;
 

@@ -9,7 +9,7 @@ use super::error::{DumpFault, NetlinkError, Request};
 use super::exchange::{Exchange, Expect, Outcome, Progress};
 use netlink_sys::Socket;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -233,6 +233,18 @@ impl NlSocket {
         self.live()?.add_membership(group)
     }
 
+    /// A second handle on this socket's membership of `group`, for another thread to leave and rejoin the
+    /// group while this one blocks in reads (the sync engine silences the event monitor during its large
+    /// commits). It refers to the socket open now; a replaced socket would need a new handle (monitors never
+    /// replace theirs: they make no requests).
+    pub fn membership(&mut self, group: u32) -> io::Result<Membership> {
+        let fd = self.live()?.as_fd().try_clone_to_owned()?;
+        // SAFETY: `fd` is a new descriptor (a dup) of our open netlink socket that nothing else owns; the
+        // Socket takes it over and closes it when dropped.
+        let sock = unsafe { Socket::from_raw_fd(fd.into_raw_fd()) };
+        Ok(Membership { sock, group })
+    }
+
     /// Reads the next datagram of messages, blocking (monitors call `wait_readable` first). A datagram
     /// longer than `buf` is an error, never silently cut.
     pub fn recv_raw(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -452,6 +464,24 @@ pub fn oversized(n: usize, capacity: usize) -> io::Result<usize> {
         ));
     }
     Ok(n)
+}
+
+/// See [`NlSocket::membership`].
+pub struct Membership {
+    sock: Socket,
+    group: u32,
+}
+
+impl Membership {
+    /// Stops the socket's delivery of the group's messages (those already queued stay readable).
+    pub fn leave(&self) -> io::Result<()> {
+        self.sock.drop_membership(self.group)
+    }
+
+    /// Delivers the group's messages again, from now on.
+    pub fn join(&self) -> io::Result<()> {
+        self.sock.add_membership(self.group)
+    }
 }
 
 fn force_buffer(sock: &Socket, opt: i32, size: usize) {

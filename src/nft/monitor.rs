@@ -9,7 +9,8 @@
 use super::wire::consts::*;
 use crate::netlink::attr::{split, Attrs};
 use crate::netlink::socket::POLL_SLICE;
-use crate::netlink::NlSocket;
+use crate::netlink::{Membership, NlSocket};
+use crate::sync::quiet::EventSubscriber;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -82,9 +83,16 @@ impl Watcher {
     }
 
     fn raise(&self) {
-        self.drift.detected.store(true, Ordering::SeqCst);
-        if let Some(n) = &self.notify {
-            n();
+        raise(&self.drift, self.notify.as_ref());
+    }
+
+    /// The handle through which the sync engine pauses this watcher's socket (`membership`) during large
+    /// commits; what it missed is raised like what it sees.
+    pub fn pausable(&self, membership: Membership) -> Pausable {
+        Pausable {
+            membership,
+            drift: self.drift.clone(),
+            notify: self.notify.clone(),
         }
     }
 
@@ -141,11 +149,48 @@ impl Watcher {
     }
 }
 
-/// Runs on the calling thread (which must be in the agent's namespace) until `stop`, handing every read
-/// to `watcher`. Stops within `POLL_SLICE` of `stop`.
-pub fn watch(watcher: Watcher, stop: Arc<AtomicBool>) -> io::Result<()> {
+fn raise(drift: &Drift, notify: Option<&crate::source::Notify>) {
+    drift.detected.store(true, Ordering::SeqCst);
+    if let Some(n) = notify {
+        n();
+    }
+}
+
+/// The monitor as the sync engine's [`EventSubscriber`]: its socket leaves the nf_tables events group for
+/// the length of a large commit of ours (see `sync::quiet`).
+pub struct Pausable {
+    membership: Membership,
+    drift: Arc<Drift>,
+    notify: Option<crate::source::Notify>,
+}
+
+impl EventSubscriber for Pausable {
+    fn pause(&self) -> io::Result<()> {
+        self.membership.leave()
+    }
+
+    fn resume(&self) -> io::Result<()> {
+        self.membership.join()
+    }
+
+    fn missed_foreign_commit(&self) {
+        self.drift.events.fetch_add(1, Ordering::Relaxed);
+        raise(&self.drift, self.notify.as_ref());
+    }
+}
+
+/// Opens a socket subscribed to nf_tables events, in the calling thread's namespace, and the handle that
+/// pauses it.
+pub fn subscribe() -> io::Result<(NlSocket, Membership)> {
     let mut sock = NlSocket::open(libc::NETLINK_NETFILTER)?;
     sock.add_membership(NFNLGRP_NFTABLES)?;
+    let membership = sock.membership(NFNLGRP_NFTABLES)?;
+    Ok((sock, membership))
+}
+
+/// Reads `sock` (see [`subscribe`]) until `stop`, handing every read to `watcher`. Stops within
+/// `POLL_SLICE` of `stop`.
+pub fn watch(mut sock: NlSocket, watcher: Watcher, stop: Arc<AtomicBool>) -> io::Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     while !stop.load(Ordering::SeqCst) {
         if !sock.wait_readable(POLL_SLICE)? {

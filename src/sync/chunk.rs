@@ -142,6 +142,11 @@ impl<'a> Plan<'a> {
         self.changes.iter().map(count).sum()
     }
 
+    /// Its weight: element operations count their elements, other changes one each.
+    pub fn elements(&self) -> usize {
+        self.changes.iter().map(Planned::load).sum()
+    }
+
     /// No changes.
     pub fn is_empty(&self) -> bool {
         self.changes.is_empty()

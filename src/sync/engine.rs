@@ -5,6 +5,7 @@ use super::affinity;
 use super::chunk::{Plan, MAX_ELEMENTS_PER_TRANSACTION};
 use super::diff::diff_table;
 use super::index::{Delta, Index};
+use super::quiet::{self, EventSubscriber, QUIET_COMMIT_ELEMENTS};
 use crate::model::{NamespacedName, ServicePortName};
 use crate::nft::ir::{Element, Family, TableState};
 use crate::nft::netlink::{CommitError, DumpError};
@@ -67,6 +68,8 @@ pub struct SyncEngine<B: Backend> {
     longest_transaction: Duration,
     /// Element operations per transaction above which a plan is cut (`--max-transaction-elements`).
     max_transaction_elements: usize,
+    /// Paused during large commits (see `quiet.rs`).
+    subscriber: Option<Box<dyn EventSubscriber>>,
 }
 
 impl<B: Backend> SyncEngine<B> {
@@ -80,7 +83,13 @@ impl<B: Backend> SyncEngine<B> {
             transactions: 0,
             longest_transaction: Duration::ZERO,
             max_transaction_elements: MAX_ELEMENTS_PER_TRANSACTION,
+            subscriber: None,
         }
+    }
+
+    /// Pauses `subscriber` while committing plans of [`QUIET_COMMIT_ELEMENTS`] or more element operations.
+    pub fn set_event_subscriber(&mut self, subscriber: Box<dyn EventSubscriber>) {
+        self.subscriber = Some(subscriber);
     }
 
     /// Cuts plans into transactions of at most `n` elements (other objects count one; groups stay whole).
@@ -305,14 +314,67 @@ impl<B: Backend> SyncEngine<B> {
         }
     }
 
-    /// Commits `plan`, cut into several transactions when it is big (see chunk.rs). Returns the bytes sent
-    /// and the total time spent committing; the longest single transaction is recorded for the report.
+    /// Commits `plan`, cut into several transactions when it is big (see chunk.rs), with the event
+    /// subscriber paused if the plan is large (see quiet.rs). Returns the bytes sent and the total time
+    /// spent committing; the longest single transaction is recorded for the report.
     fn commit(&mut self, plan: Plan) -> Result<(usize, Duration), SyncError> {
         self.longest_transaction = Duration::ZERO;
         self.transactions = 0;
         if plan.is_empty() {
             return Ok((0, Duration::ZERO));
         }
+        let paused_at = match plan.elements() >= QUIET_COMMIT_ELEMENTS {
+            true => self.pause_subscriber(),
+            false => None,
+        };
+        let result = self.commit_parts(plan);
+        if let Some(generation) = paused_at {
+            self.resume_subscriber(generation);
+        }
+        result
+    }
+
+    /// Pauses the subscriber, if there is one and the generation it resumes against can be read: returns
+    /// that generation.
+    fn pause_subscriber(&mut self) -> Option<u32> {
+        let subscriber = self.subscriber.as_ref()?;
+        // Read before the pause: a foreign commit in between is then both seen and counted.
+        let generation = self.backend.generation().ok().flatten()?;
+        match subscriber.pause() {
+            Ok(()) => Some(generation),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not pause the event monitor; committing with it listening");
+                None
+            }
+        }
+    }
+
+    /// Resumes the subscriber paused at `generation`, and reports a foreign commit if the generation moved
+    /// by more than our own transactions (or cannot be read).
+    fn resume_subscriber(&mut self, generation: u32) {
+        let Some(subscriber) = self.subscriber.as_ref() else {
+            return;
+        };
+        if let Err(e) = subscriber.resume() {
+            tracing::error!(error = %e, "could not resume the event monitor: drift is seen only by reading back");
+        }
+        let expected = quiet::advanced(generation, self.transactions);
+        match self.backend.generation() {
+            Ok(Some(now)) if now == expected => {}
+            now => {
+                tracing::warn!(
+                    paused_at = generation,
+                    expected,
+                    now = ?now.ok().flatten(),
+                    "nf_tables committed by someone else during our commit; reading our tables back"
+                );
+                subscriber.missed_foreign_commit();
+            }
+        }
+    }
+
+    /// Commits the plan's parts one after another (see `commit`).
+    fn commit_parts(&mut self, plan: Plan) -> Result<(usize, Duration), SyncError> {
         if tracing::enabled!(tracing::Level::TRACE) {
             for c in plan.describe() {
                 tracing::trace!("{c}");

@@ -4,5 +4,6 @@ pub mod chunk;
 pub mod diff;
 pub mod engine;
 pub mod index;
+pub mod quiet;
 
 pub use engine::{delete_tables, SyncEngine, SyncError, SyncReport};
