@@ -341,9 +341,23 @@ impl FamilyPieces<'_> {
         }
     }
 
-    /// Every endpoint reaching itself through the service is masqueraded (`saddr . daddr`).
+    /// An endpoint reaching itself through the service is masqueraded (`saddr . daddr`). Usually only this
+    /// node's endpoints can: a pod's connection to a ClusterIP, an external or a load-balancer address is
+    /// NATed on the pod's own node, and NodePort traffic from other nodes is masqueraded on its way in. The
+    /// exception is a NodePort with externalTrafficPolicy Local, which sends pods of other nodes to every
+    /// endpoint unmasqueraded (their own included). Elsewhere, endpoints on other nodes get no element: at a
+    /// million endpoints that halved the kernel's elements. An endpoint whose node is unknown (no
+    /// `nodeName`, or no node name of ours) counts as this node's.
     fn hairpin(&mut self) {
-        let mut hairpin: Vec<&Endpoint> = self.all.iter().chain(self.local.iter()).collect();
+        let node = self.cfg.node_name.as_str();
+        let every = node.is_empty() || (self.svc.node_port.is_some() && self.etp_local());
+        let here = |e: &&Endpoint| every || e.node_name.as_deref().is_none_or(|n| n == node);
+        let mut hairpin: Vec<&Endpoint> = self
+            .all
+            .iter()
+            .filter(here)
+            .chain(self.local.iter())
+            .collect();
         hairpin.sort();
         hairpin.dedup();
         for ep in hairpin {
@@ -576,6 +590,50 @@ mod tests {
             "{text}"
         );
         assert_eq!(t.sets[MAP_SERVICE_IPS].elements.len(), 3);
+    }
+
+    /// Hairpin elements for the endpoints that can reach themselves through this node's rules: its own and
+    /// those of unknown node; every endpoint for a NodePort with externalTrafficPolicy Local (pods of other
+    /// nodes reach every endpoint through it, unmasqueraded), or when the node's name is not known.
+    #[test]
+    fn hairpin_elements_only_where_an_endpoint_can_reach_itself() {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        let endpoint = |ip: &str, node: Option<&str>| {
+            let mut e = ep(ip, 8080, true);
+            e.node_name = node.map(Into::into);
+            e
+        };
+        let eps: EndpointsMap = [(
+            spn.clone(),
+            vec![
+                endpoint("10.0.0.1", Some("n1")),
+                endpoint("10.0.0.2", Some("n2")),
+                endpoint("10.0.0.3", None),
+            ],
+        )]
+        .into();
+        let hairpin = |sp: &ServicePort, node: &str| -> Vec<u8> {
+            let cfg = RenderConfig {
+                node_name: node.into(),
+                ..RenderConfig::default()
+            };
+            let services: ServiceMap = [(spn.clone(), sp.clone())].into();
+            render(&services, &eps, &cfg)[0].sets[SET_HAIRPIN]
+                .elements
+                .iter()
+                .map(|e| e.key[3])
+                .collect()
+        };
+        assert_eq!(
+            hairpin(&sp, "n1"),
+            [1, 3],
+            "ClusterIP: this node's and unknown"
+        );
+        assert_eq!(hairpin(&sp, ""), [1, 2, 3], "no node name: every endpoint");
+        sp.node_port = Some(30080);
+        assert_eq!(hairpin(&sp, "n1"), [1, 3], "NodePort, policy Cluster");
+        sp.external_traffic_policy = TrafficPolicy::Local;
+        assert_eq!(hairpin(&sp, "n1"), [1, 2, 3], "NodePort, policy Local");
     }
 
     #[test]
