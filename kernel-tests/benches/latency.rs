@@ -1,7 +1,8 @@
 //! The agent binary as a user meets it: cold sync and change → traffic latency, from manifests and from the
 //! Kubernetes API, every number beside an anchor measured in the same run.
 //!
-//! 1. Cold sync at each N (ClusterIP services × E endpoints): the library's render + commit in a fresh
+//! 1. Cold sync at each N (ClusterIP services × E endpoints, spread over 1000 nodes by `nodeName` as in a
+//!    real cluster, the agent being one of them): the library's render + commit in a fresh
 //!    namespace (the anchor); the binary from YAML manifests of the same objects, and from JSON ones (the
 //!    YAML parser's share of the time); the binary from a fake API
 //!    server that serves them as paged lists (500 per page, as kube-rs asks and kube-apiserver answers) and
@@ -42,6 +43,8 @@ const COLD_CLUSTER_CIDR: &str = "10.240.0.0/12";
 /// The latency runs' sync runner period: quiet changes come after a token is back, churn coalesces into
 /// one sync per period (the goal under churn: this + 20 ms).
 const MIN_SYNC_PERIOD: Duration = Duration::from_millis(100);
+/// Nodes the cold runs' endpoints are spread over (the agent is one of them, `node-1`).
+const NODES: usize = 1000;
 /// Background endpoint changes per second during the churn runs.
 const CHURN_RATE: u32 = 100;
 /// Services whose endpoints the churn rewrites (their slices live in a file of their own).
@@ -111,6 +114,11 @@ impl Cluster {
     fn cluster_ip(i: usize) -> Ipv4Addr {
         add(Ipv4Addr::new(10, 96, 0, 0), 1 + i as u32)
     }
+    /// The node endpoint `j` of service `i` runs on: the endpoints are spread over `NODES` nodes, as the
+    /// EndpointSlice controller names them (`nodeName`); the agent is `node-1`.
+    fn node_of(&self, i: usize, j: usize) -> String {
+        format!("node-{}", (i * self.endpoints + j) % NODES)
+    }
     /// Endpoint `j` of service `i`, with version `v` of its first endpoint (the churn bumps it).
     fn endpoint_ip(&self, i: usize, j: usize, v: u32) -> Ipv4Addr {
         let base = add(
@@ -138,7 +146,10 @@ impl Cluster {
                 80,
             );
             let list = (0..self.endpoints)
-                .map(|j| Endpoint::ready(IpAddr::V4(self.endpoint_ip(i, j, 0)), 8080))
+                .map(|j| Endpoint {
+                    node_name: Some(self.node_of(i, j)),
+                    ..Endpoint::ready(IpAddr::V4(self.endpoint_ip(i, j, 0)), 8080)
+                })
                 .collect();
             eps.insert(sp.name.clone(), list);
             services.insert(sp.name.clone(), sp);
@@ -159,8 +170,9 @@ impl Cluster {
         let addrs: String = (0..self.endpoints)
             .map(|j| {
                 format!(
-                    "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n",
-                    self.endpoint_ip(i, j, v)
+                    "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n    nodeName: {}\n",
+                    self.endpoint_ip(i, j, v),
+                    self.node_of(i, j)
                 )
             })
             .collect();
@@ -202,7 +214,8 @@ impl Cluster {
 
     fn slice_json(&self, i: usize, v: u32) -> Value {
         let eps: Vec<Value> = (0..self.endpoints)
-            .map(|j| json!({"addresses": [self.endpoint_ip(i, j, v).to_string()], "conditions": {"ready": true}}))
+            .map(|j| json!({"addresses": [self.endpoint_ip(i, j, v).to_string()], "conditions": {"ready": true},
+                            "nodeName": self.node_of(i, j)}))
             .collect();
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                "metadata": {"name": format!("{}-x", Self::name(i)), "namespace": Self::namespace(i),
@@ -419,8 +432,10 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
 /// The library's cold full sync in a fresh namespace: render + one commit (chunked as the agent's).
 fn library_cold(cluster: &Cluster) -> Duration {
     let (services, endpoints) = cluster.model();
+    // As the agent runs (`--hostname-override node-1`).
     let cfg = RenderConfig {
         cluster_cidrs: vec![COLD_CLUSTER_CIDR.parse().unwrap()],
+        node_name: "node-1".into(),
         ..RenderConfig::default()
     };
     let ns = NetNs::create(&unique_name("nklat")).unwrap();
