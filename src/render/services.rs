@@ -195,15 +195,32 @@ impl FamilyPieces<'_> {
     /// `chains::Counts`).
     fn slots(&mut self, set: &'static str, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
         let first = region(eps.len() as u32, local);
+        // `concat_key(key . slot)` and `concat_key(ip . port)`, built in two buffers reused for every
+        // endpoint: a million endpoints made ten million small allocations here.
+        let mut full = Vec::with_capacity(64);
+        for part in key {
+            push_padded(&mut full, part);
+        }
+        let frontend = full.len();
+        let mut endpoint = Vec::with_capacity(20);
+        let set = PieceSet::named(set);
         for (k, ep) in eps.iter().enumerate() {
-            let mut full = key.to_vec();
-            full.push((first + k as u32).to_ne_bytes().to_vec());
-            let endpoint = concat_key(&[ip_bytes(&ep.ip), ep.port.to_be_bytes().to_vec()]);
-            self.element(
+            full.truncate(frontend);
+            push_padded(&mut full, &(first + k as u32).to_ne_bytes());
+            endpoint.clear();
+            match ep.ip {
+                IpAddr::V4(ip) => push_padded(&mut endpoint, &ip.octets()),
+                IpAddr::V6(ip) => push_padded(&mut endpoint, &ip.octets()),
+            }
+            push_padded(&mut endpoint, &ep.port.to_be_bytes());
+            self.pieces.push(Piece::Element {
+                family: self.family,
                 set,
-                concat_key(&full),
-                Some(ElementValue::Data(endpoint.into())),
-            );
+                element: Element {
+                    key: full.as_slice().into(),
+                    value: Some(ElementValue::Data(endpoint.as_slice().into())),
+                },
+            });
         }
     }
 
@@ -365,6 +382,12 @@ impl FamilyPieces<'_> {
             self.element(SET_HAIRPIN, key, None);
         }
     }
+}
+
+/// Appends one field of a concatenation, padded to 4 bytes as nft lays concatenations out (`concat_key`).
+fn push_padded(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(field);
+    out.resize(crate::netlink::align4(out.len()), 0);
 }
 
 #[cfg(test)]
