@@ -104,8 +104,9 @@ impl Watcher {
                 self.on_events(datagram);
                 Ok(())
             }
-            // Our own big commits can flood the socket; whatever the cause, the full sync it triggers
-            // finds nothing to do if nothing was touched.
+            // Someone's big commit can flood the socket (ours are committed with it out of the group, see
+            // `sync::quiet`); whatever the cause, the full sync it triggers finds nothing to do if nothing
+            // was touched.
             Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                 self.lost("the event socket overflowed (ENOBUFS)");
                 Ok(())
