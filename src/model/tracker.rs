@@ -145,8 +145,9 @@ impl SliceInfo {
         }
     }
 
-    /// Points every repeated value at the store's copy and drops spare capacity.
-    fn share_values(&mut self, shared: &mut SharedValues) {
+    /// Points every repeated value (namespace, port names, topologies) at `shared`'s copy and drops spare
+    /// capacity.
+    pub fn share_values(&mut self, shared: &mut SharedValues) {
         self.namespace = shared.strings.share(&self.namespace);
         for p in &mut self.ports {
             p.name = shared.strings.share(&p.name);

@@ -39,7 +39,9 @@ use kube::runtime::WatchStreamExt;
 use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::{Event, NodeInfo};
-use crate::model::{Cidr, Interner, NameKey, NamespacedName, ServicePort, SharedName, SliceInfo};
+use crate::model::{
+    Cidr, Interner, NameKey, NamespacedName, ServicePort, SharedName, SharedValues, SliceInfo,
+};
 
 /// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -247,6 +249,10 @@ fn fingerprint(m: &Model) -> u64 {
 struct Relist {
     seen: HashSet<SharedName>,
     changed: BTreeMap<NamespacedName, (u64, Model, Option<SystemTime>)>,
+    /// One copy of each namespace, port name and endpoint topology among the slices held in `changed`
+    /// until the list completes: a first list of a million endpoints held a topology per endpoint
+    /// (111 MB) where the store keeps one per node.
+    shared: SharedValues,
 }
 
 /// Per-kind memory: a fingerprint of what was emitted for each object.
@@ -368,7 +374,10 @@ impl Coordinator {
                 let seen = tracker.shared_key(&key, None);
                 let relist = tracker.relist.get_or_insert_with(Relist::default);
                 match obj.model {
-                    Ok(Some(model)) => {
+                    Ok(Some(mut model)) => {
+                        if let Model::Slice(slice) = &mut model {
+                            slice.share_values(&mut relist.shared);
+                        }
                         let print = fingerprint(&model);
                         relist.seen.insert(seen);
                         if emitted != Some(print) {
@@ -842,6 +851,29 @@ mod tests {
         );
         assert_eq!(names(&out), ["slice- ns/a-1"]);
         assert_eq!(c.slices.emitted.len(), 1);
+    }
+
+    /// The slices a list holds back until it completes share one copy of each topology (a million endpoints
+    /// on a thousand nodes: a thousand copies, not a million).
+    #[test]
+    fn a_lists_slices_share_topologies_while_held_back() {
+        let on_node = |name: &str, ip: &str| -> EndpointSlice {
+            let mut s = slice(name, name, &[ip], None);
+            s.endpoints[0].node_name = Some("node-7".into());
+            s
+        };
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        for (name, ip) in [("a-1", "10.244.1.2"), ("b-1", "10.244.1.3")] {
+            c.handle(Kind::EndpointSlice, e(W::InitApply(on_node(name, ip))));
+        }
+        let held: Vec<_> = c.slices.relist.as_ref().unwrap().changed.values().collect();
+        let topology = |i: usize| match &held[i].1 {
+            Model::Slice(s) => s.endpoints[0].topology.clone().expect("a topology"),
+            _ => panic!("not a slice"),
+        };
+        assert_eq!(topology(0).node_name.as_deref(), Some("node-7"));
+        assert!(Arc::ptr_eq(&topology(0), &topology(1)));
     }
 
     #[test]
