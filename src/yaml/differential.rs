@@ -80,6 +80,19 @@ fn shapes_outside_the_subset_decline() {
     }
 }
 
+/// serde-saphyr refuses more than 96 comments in a row where it looks ahead (found by the fuzz target).
+#[test]
+fn long_runs_of_comments_decline() {
+    let crash =
+        "# \n-  #Z \n-  #\n#\n#\n\n#\n#a\n#a\n #Z \n-  #\n".to_owned() + &"#\n#a\n".repeat(60);
+    assert!(parse_document_full(&crash).is_err());
+    assert!(fast::parse(&crash).is_none());
+    // Where serde-saphyr does not look ahead, long runs are fine for it; the fast path declines them all.
+    let run = |n: usize| format!("- a #x\n{}- b\n", "# c\n\n".repeat(n));
+    assert!(fast::parse(&run(200)).is_none());
+    assert!(agrees(&run(40)), "a run of 40 comments is taken");
+}
+
 #[test]
 fn nesting_past_the_cap_declines_and_hostile_depth_stays_linear() {
     let mut deep = String::new();

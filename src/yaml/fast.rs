@@ -11,8 +11,8 @@
 //!
 //! It declines: anchors, aliases, tags, block scalars (`|`, `>`), multi-line scalars and flow
 //! collections, explicit keys (`?`), merge keys, duplicate keys, non-string keys, directives, tabs, carriage
-//! returns, anything non-ASCII or non-printable, nesting deeper than [`MAX_DEPTH`], and numbers other than
-//! plain decimal integers. Every line is looked at once (a few constant passes), and containers are built
+//! returns, anything non-ASCII or non-printable, nesting deeper than [`MAX_DEPTH`], long runs of comments
+//! ([`MAX_COMMENT_RUN`]), and numbers other than plain decimal integers. Every line is looked at once (a few constant passes), and containers are built
 //! on an explicit stack, so the work is linear in the text and the fallback at most doubles it.
 
 use serde_json::{Map, Value};
@@ -23,6 +23,10 @@ use super::{flow, scalar};
 /// so that a document it would reject for depth is never accepted here.
 pub const MAX_DEPTH: usize = 32;
 
+/// Comments in a row (comment lines, and the one that may end the line before them) accepted. Past 96,
+/// serde-saphyr's parser stops at some places where it looks ahead ("too many buffered comments").
+const MAX_COMMENT_RUN: usize = 48;
+
 /// The value of `text` (one document), or `None` if it is outside the subset.
 pub fn parse(text: &str) -> Option<Value> {
     if !text
@@ -32,11 +36,21 @@ pub fn parse(text: &str) -> Option<Value> {
         return None;
     }
     let mut parser = Parser::default();
+    let mut comments = 0;
     for line in text.split('\n') {
         let content = line.trim_start_matches(' ');
-        if content.is_empty() || content.starts_with('#') {
+        if content.is_empty() {
             continue;
         }
+        if content.starts_with('#') {
+            comments += 1;
+            if comments > MAX_COMMENT_RUN {
+                return None;
+            }
+            continue;
+        }
+        // A `#` may start a comment that opens the next run.
+        comments = usize::from(content.contains('#'));
         let indent = line.len() - content.len();
         if indent == 0 && (line.starts_with("---") || line.starts_with("...")) {
             return None;
