@@ -23,9 +23,10 @@ use super::{flow, scalar};
 /// so that a document it would reject for depth is never accepted here.
 pub const MAX_DEPTH: usize = 32;
 
-/// Comments in a row (comment lines, and the one that may end the line before them) accepted. Past 96,
-/// serde-saphyr's parser stops at some places where it looks ahead ("too many buffered comments").
-const MAX_COMMENT_RUN: usize = 48;
+/// Comments in a row (comment lines, and the one that may end the line before them) accepted. Past 32 (its
+/// budget's default) or 96 (its parser's), serde-saphyr stops at some places where it looks ahead ("too many
+/// buffered comments").
+const MAX_COMMENT_RUN: usize = 24;
 
 /// The value of `text` (one document), or `None` if it is outside the subset.
 pub fn parse(text: &str) -> Option<Value> {
@@ -281,7 +282,7 @@ fn split_key(content: &str) -> Option<Option<(String, &str)>> {
         return Some(None);
     }
     let (key, after) = if content.starts_with(['\'', '"']) {
-        let (key, after) = scalar::quoted(content)?;
+        let (key, after) = scalar::quoted_key(content)?;
         if !(after == ":" || after.starts_with(": ")) {
             return Some(None);
         }
@@ -290,6 +291,9 @@ fn split_key(content: &str) -> Option<Option<(String, &str)>> {
         let Some(colon) = key_colon(content) else {
             return Some(None);
         };
+        if colon > scalar::MAX_KEY {
+            return None;
+        }
         let text = content[..colon].trim_end_matches(' ');
         if !scalar::may_start_plain(text) {
             return None;

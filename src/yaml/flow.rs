@@ -116,10 +116,13 @@ fn attach(stack: &mut [Frame], value: Value) -> Option<()> {
 /// A mapping key at the start of `s`, then `: ` and the spaces after it: the key and what follows.
 fn flow_key(s: &str) -> Option<(String, &str)> {
     let (key, rest) = if s.starts_with(['\'', '"']) {
-        scalar::quoted(s)?
+        scalar::quoted_key(s)?
     } else {
         let b = s.as_bytes();
         let len = b.iter().position(|&c| c == b':')?;
+        if len > scalar::MAX_KEY {
+            return None;
+        }
         let text = &s[..len];
         if text.bytes().any(|c| b",[]{}#".contains(&c)) {
             return None;

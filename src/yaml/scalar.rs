@@ -41,8 +41,15 @@ pub fn plain_key(text: &str) -> Option<String> {
     }
 }
 
-/// YAML forbids implicit keys longer than 1024 characters; stay well below.
-const MAX_KEY: usize = 1000;
+/// YAML forbids implicit keys longer than 1024 characters (serde-saphyr's scanner looks that far ahead for
+/// the colon); stay well below, counting from the key's first character to its colon.
+pub const MAX_KEY: usize = 1000;
+
+/// A quoted mapping key at the start of `s` (see [`quoted`]), no longer than a plain one may be.
+pub fn quoted_key(s: &str) -> Option<(String, &str)> {
+    let (key, rest) = quoted(s)?;
+    (s.len() - rest.len() <= MAX_KEY).then_some((key, rest))
+}
 
 fn yaml11_bool(t: &str) -> Option<bool> {
     let is = |w: &str| t.eq_ignore_ascii_case(w);
