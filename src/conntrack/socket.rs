@@ -247,32 +247,28 @@ impl Features {
 pub fn probe() -> Result<Features, ProbeError> {
     start_probe(|| Ok(()))?
         .join()
-        .unwrap_or(Err(ProbeError::Panicked))
+        .map_or(Err(ProbeError::Panicked), |(result, _)| result)
 }
 
+/// What a probe's thread ends with: its result, and how long it took.
+pub type Probed = (Result<Features, ProbeError>, std::time::Duration);
+
 /// [`probe`] left running on its thread: `entered` runs on that thread as soon as it is in its scratch
-/// namespace (or failed to get there), and this returns once it has; joining the handle gives the result.
+/// namespace (or failed to get there), and this returns once it has; joining the handle gives the result
+/// and the probe's own duration.
 /// The agent drops the probe thread's capabilities in `entered`, so that only the unshare runs with
 /// CAP_SYS_ADMIN and the rest of the probe (mostly the kernel's dumps) can overlap its start-up. An error
 /// from `entered` ends the probe before this returns.
 pub fn start_probe(
     entered: impl FnOnce() -> Result<(), String> + Send + 'static,
-) -> Result<JoinHandle<Result<Features, ProbeError>>, ProbeError> {
+) -> Result<JoinHandle<Probed>, ProbeError> {
     let (moved_tx, moved_rx) = std::sync::mpsc::channel::<bool>();
+    let start = std::time::Instant::now();
     let handle = std::thread::Builder::new()
         .name("ct-probe".into())
         .spawn(move || {
-            // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
-            let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
-                0 => Ok(()),
-                _ => Err(ProbeError::Namespace(io::Error::last_os_error())),
-            };
-            // Always, even without a namespace: the caller counts on this thread being reduced.
-            let entered = entered().map_err(ProbeError::Entered);
-            let _ = moved_tx.send(entered.is_ok());
-            unshared?;
-            entered?;
-            probe_here()
+            let result = probe_thread(entered, moved_tx);
+            (result, start.elapsed())
         })
         .map_err(ProbeError::Spawn)?;
     if moved_rx.recv() != Ok(true) {
@@ -282,6 +278,24 @@ pub fn start_probe(
         }
     }
     Ok(handle)
+}
+
+/// The probe's thread: into a scratch namespace, `entered`, then the probe (see [`start_probe`]).
+fn probe_thread(
+    entered: impl FnOnce() -> Result<(), String>,
+    moved: std::sync::mpsc::Sender<bool>,
+) -> Result<Features, ProbeError> {
+    // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
+    let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
+        0 => Ok(()),
+        _ => Err(ProbeError::Namespace(io::Error::last_os_error())),
+    };
+    // Always, even without a namespace: the caller counts on this thread being reduced.
+    let entered = entered().map_err(ProbeError::Entered);
+    let _ = moved.send(entered.is_ok());
+    unshared?;
+    entered?;
+    probe_here()
 }
 
 /// The probe itself, in the calling thread's (scratch) namespace.

@@ -4,7 +4,7 @@
 
 use super::cleaner::{CleanerOptions, CleanupError, CleanupReport};
 use super::filter::StaleFilter;
-use super::socket::{probe, start_probe, CtSocket, Features, ProbeError};
+use super::socket::{probe, start_probe, CtSocket, Features, ProbeError, Probed};
 use super::unnated::Frontends;
 use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
 use super::Metrics;
@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Stale entries logged one by one (debug level) per cleanup.
 const LOGGED_ENTRIES: usize = 16;
@@ -22,14 +22,15 @@ const LOGGED_ENTRIES: usize = 16;
 /// without them (or on failure), per-family dumps.
 pub fn probe_features() -> Features {
     let start = Instant::now();
-    logged(probe(), start)
+    let probed = probe();
+    logged(probed, start.elapsed())
 }
 
-fn logged(probed: Result<Features, ProbeError>, start: Instant) -> Features {
+fn logged(probed: Result<Features, ProbeError>, elapsed: Duration) -> Features {
     match probed {
         Ok(f) => {
             tracing::info!(
-                elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
+                elapsed_ms = elapsed.as_secs_f64() * 1000.0,
                 dump_proto_v4 = f.dump_proto_v4,
                 dump_proto_v6 = f.dump_proto_v6,
                 dump_addr_v4 = f.dump_addr_v4,
@@ -55,8 +56,7 @@ fn logged(probed: Result<Features, ProbeError>, start: Instant) -> Features {
 /// when the caller drops its own. The rest of the probe (about 65 ms, mostly the kernel's dumps) overlaps the
 /// first read of the source and the first sync; the first walk waits for what is left of it.
 pub struct PendingFeatures {
-    started: Instant,
-    thread: Mutex<Option<JoinHandle<Result<Features, ProbeError>>>>,
+    thread: Mutex<Option<JoinHandle<Probed>>>,
     features: OnceLock<Features>,
 }
 
@@ -65,16 +65,17 @@ impl PendingFeatures {
     pub fn start(
         entered: impl FnOnce() -> Result<(), String> + Send + 'static,
     ) -> Arc<PendingFeatures> {
-        let started = Instant::now();
         let pending = PendingFeatures {
-            started,
             thread: Mutex::new(None),
             features: OnceLock::new(),
         };
+        // The probe takes only the CPU the start-up leaves idle (its dumps walk the host's whole
+        // conntrack hash table: ~9 ms of CPU each).
+        let entered = move || entered().map(|()| lowest_priority());
         match start_probe(entered) {
             Ok(thread) => *pending.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread),
             Err(e) => {
-                let _ = pending.features.set(logged(Err(e), started));
+                let _ = pending.features.set(logged(Err(e), Duration::ZERO));
             }
         }
         Arc::new(pending)
@@ -84,12 +85,21 @@ impl PendingFeatures {
     pub fn wait(&self) -> Features {
         *self.features.get_or_init(|| {
             let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let probed = match thread.map(JoinHandle::join) {
-                Some(Ok(result)) => result,
-                Some(Err(_)) | None => Err(ProbeError::Panicked),
-            };
-            logged(probed, self.started)
+            match thread.map(JoinHandle::join) {
+                Some(Ok((result, elapsed))) => logged(result, elapsed),
+                Some(Err(_)) | None => logged(Err(ProbeError::Panicked), Duration::ZERO),
+            }
         })
+    }
+}
+
+/// Lowers the calling thread (only it: on Linux a thread is a task of its own) to nice 19; a failure only
+/// leaves it where it was.
+fn lowest_priority() {
+    // SAFETY: plain syscall without pointers; who = 0 is the calling thread.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) } != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::debug!("conntrack probe: cannot lower its priority ({e})");
     }
 }
 
