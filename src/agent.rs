@@ -149,8 +149,8 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
     engine.set_max_transaction_elements(opts.max_transaction_elements);
-    // The nf_tables event monitor starts after the first successful sync (see `ProxyLoop::start_monitor`).
-    let drift = Arc::new(Drift::default());
+    // Stopped and joined when dropped, whichever way this function returns.
+    let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
     // NodePorts on loopback, when asked for, through the relay (after each sync).
     let localhost = crate::relay::LocalhostNodePorts::start(&opts.nodeport_cidrs, &opts.relay)?;
     // Userspace mode: the relay serves the services, nf_tables only redirects to it.
@@ -178,21 +178,22 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
         None => None,
     };
     let observer = Observer::new(health, admin, opts.render.node_name.clone());
+    let drift = monitor.drift.clone();
     let mut proxy = ProxyLoop::new(opts, source, engine, conntrack, observer, drift);
-    proxy.monitor_notify = Some(bell.notifier(Wake::Drift));
     proxy.relay = Relays {
         localhost,
         userspace,
     };
     let result = proxy.run(&inbox);
-    // The monitor (in the loop) is stopped and joined here too.
     proxy.finish();
+    drop(monitor);
     tracing::info!("stopping; rules stay in place");
     result
 }
 
 /// The nf_tables event monitor's thread; stopped and joined when dropped.
-pub(crate) struct Monitor {
+struct Monitor {
+    drift: Arc<Drift>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -206,29 +207,28 @@ impl Drop for Monitor {
     }
 }
 
-/// Watches nf_tables events on a thread of its own, raising `drift` (and calling `notify`) on a foreign
-/// change. The socket is subscribed before this returns, on the calling thread (so in its network
-/// namespace): every commit after that is seen.
-pub(crate) fn start_monitor(
+/// Watches nf_tables events on a thread of its own, in this thread's network namespace (a new thread
+/// inherits it); `notify` is called whenever drift is raised.
+fn start_monitor(
     engine: &mut SyncEngine<NftSocket>,
-    drift: Arc<Drift>,
     notify: crate::source::Notify,
 ) -> anyhow::Result<Monitor> {
+    let drift = Arc::new(Drift::default());
     let stop = Arc::new(AtomicBool::new(false));
-    let socket = monitor::subscribe()?;
     // The port handle is kept current when the engine's socket is replaced after a broken exchange.
-    let watcher =
-        monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift).with_notify(notify);
+    let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone())
+        .with_notify(notify);
     let st = stop.clone();
     let thread = std::thread::Builder::new()
         .name("nft-monitor".into())
         .spawn(move || {
-            if let Err(e) = monitor::watch_on(socket, watcher, st) {
+            if let Err(e) = monitor::watch(watcher, st) {
                 // Without events, drift is still repaired by the periodic full sync.
                 tracing::error!("nf_tables event monitor stopped: {e}");
             }
         })?;
     Ok(Monitor {
+        drift,
         stop,
         thread: Some(thread),
     })

@@ -75,10 +75,6 @@ pub(super) struct ProxyLoop<'a> {
     /// need not read them again.
     pub addresses_fresh: bool,
     pub relay: Relays,
-    /// Wakes the loop on drift; taken when the event monitor starts, after the first successful sync.
-    pub monitor_notify: Option<crate::source::Notify>,
-    /// The nf_tables event monitor, once started.
-    pub monitor: Option<super::Monitor>,
 }
 
 impl ProxyLoop<'_> {
@@ -111,37 +107,12 @@ impl ProxyLoop<'_> {
             next_full_read: now + opts.full_read_period,
             addresses_fresh: false,
             relay: Relays::default(),
-            monitor_notify: None,
-            monitor: None,
         }
     }
 
-    /// Ends the conntrack worker (its queued walks finish, within a bound) and the event monitor.
+    /// Ends the conntrack worker (its queued walks finish, within a bound).
     pub fn finish(self) {
         self.conntrack.stop();
-        drop(self.monitor);
-    }
-
-    /// Starts the nf_tables event monitor, once, after the first successful sync. Subscribed during that
-    /// sync, it made the kernel build an event for every element of the cold batch (the commit took twice
-    /// as long at 10 000 services) and overflowed, which asked for a second full sync. A foreign commit
-    /// between ours and the subscription still shows: the generation is then not the one ours left.
-    fn start_monitor(&mut self) {
-        let Some(notify) = self.monitor_notify.take() else {
-            return;
-        };
-        match super::start_monitor(&mut self.engine, self.drift.clone(), notify) {
-            Ok(m) => self.monitor = Some(m),
-            Err(e) => tracing::error!(
-                "cannot start the nf_tables event monitor (drift is still repaired by the periodic full sync): {e}"
-            ),
-        }
-        if !self.engine.kernel_unchanged() {
-            tracing::warn!(
-                "our table was changed by someone else before the event monitor started; repairing"
-            );
-            self.on_drift();
-        }
     }
 
     /// Runs until a stop is asked. An error only for what kube-proxy also exits on (podCIDRs changed).
@@ -356,7 +327,6 @@ impl ProxyLoop<'_> {
                 if repair {
                     metrics::REPAIRS.inc();
                 }
-                self.start_monitor();
                 metrics::record_sync(report.full, report.elapsed);
                 metrics::PENDING_CHANGES.set(0);
                 tracing::info!(

@@ -144,19 +144,8 @@ impl Watcher {
 /// Runs on the calling thread (which must be in the agent's namespace) until `stop`, handing every read
 /// to `watcher`. Stops within `POLL_SLICE` of `stop`.
 pub fn watch(watcher: Watcher, stop: Arc<AtomicBool>) -> io::Result<()> {
-    watch_on(subscribe()?, watcher, stop)
-}
-
-/// A socket subscribed to nf_tables events in the calling thread's namespace: every commit from now on is
-/// seen by whoever reads it ([`watch_on`]).
-pub fn subscribe() -> io::Result<NlSocket> {
     let mut sock = NlSocket::open(libc::NETLINK_NETFILTER)?;
     sock.add_membership(NFNLGRP_NFTABLES)?;
-    Ok(sock)
-}
-
-/// [`watch`] on a socket [`subscribe`] opened (possibly on another thread, in the same namespace).
-pub fn watch_on(mut sock: NlSocket, watcher: Watcher, stop: Arc<AtomicBool>) -> io::Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     while !stop.load(Ordering::SeqCst) {
         if !sock.wait_readable(POLL_SLICE)? {
