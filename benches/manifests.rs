@@ -6,9 +6,10 @@
 //! `ROUNDS` runs, so a noisy neighbour hurts every shape alike. Rejecting input must cost time linear in its
 //! size: a ratio stays flat as the size grows (a quadratic shape would grow tenfold per step).
 //!
-//! A second table compares the YAML parsers on ordinary documents: serde-saphyr with our budget (the
-//! parser in use, `nftkube::yaml`) against serde_yaml 0.9 (deprecated upstream, the parser before it), each
-//! document parsed into a JSON value as the source does.
+//! A second table compares the YAML parsers on ordinary documents, each document parsed into a JSON value
+//! as the source does: the fast path for the block subset (`nftkube::yaml::fast`, what ordinary manifests
+//! go through), serde-saphyr with our budget (the fallback for everything else), and serde_yaml 0.9
+//! (deprecated upstream, the parser before them).
 //!
 //! `cargo bench --bench manifests -- [SIZES_IN_KB]` (default 100,1000). No root needed.
 
@@ -112,32 +113,43 @@ fn time_docs(docs: &[&str], parse: impl Fn(&str) -> bool) -> Duration {
     start.elapsed()
 }
 
-/// Ordinary documents through both parsers, interleaved, medians.
+/// Ordinary documents through the three parsers, interleaved, medians: the fast path (which must take every
+/// one of them), serde-saphyr with our budget (its fallback), serde_yaml 0.9 (the former parser).
 fn compare_parsers(size: usize) {
     let text = fill(size, ordinary_pair);
     let docs: Vec<&str> = text
         .split("---\n")
         .filter(|d| !d.trim().is_empty())
         .collect();
-    let (mut ours, mut former) = (Vec::new(), Vec::new());
+    let (mut fast, mut full, mut former) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        ours.push(time_docs(&docs, |d| {
-            nftkube::yaml::parse_document(d).is_ok()
+        fast.push(time_docs(&docs, |d| {
+            nftkube::yaml::fast::parse(d).is_some()
+        }));
+        full.push(time_docs(&docs, |d| {
+            nftkube::yaml::parse_document_full(d).is_ok()
         }));
         former.push(time_docs(&docs, |d| {
             serde_yaml::from_str::<serde_json::Value>(d).is_ok()
         }));
     }
-    let (ours, former) = (median(ours), median(former));
-    println!(
-        "{:<30} {:>8}K {:>9.2}ms {:>7.2}x   ({} documents; serde_yaml 0.9: {:.2}ms)",
-        "serde-saphyr vs serde_yaml",
-        text.len() / 1000,
-        ours.as_secs_f64() * 1e3,
-        ours.as_secs_f64() / former.as_secs_f64(),
-        docs.len(),
-        former.as_secs_f64() * 1e3
-    );
+    let mb_s = |t: Duration| text.len() as f64 / t.as_secs_f64() / 1e6;
+    let (fast, full, former) = (median(fast), median(full), median(former));
+    for (name, t) in [
+        ("YAML: fast path", fast),
+        ("YAML: serde-saphyr", full),
+        ("YAML: serde_yaml 0.9", former),
+    ] {
+        println!(
+            "{:<30} {:>8}K {:>9.2}ms {:>7.2}x   ({} documents, {:.0} MB/s; ratio to serde-saphyr)",
+            name,
+            text.len() / 1000,
+            t.as_secs_f64() * 1e3,
+            t.as_secs_f64() / full.as_secs_f64(),
+            docs.len(),
+            mb_s(t)
+        );
+    }
 }
 
 fn main() {

@@ -50,6 +50,9 @@ pub struct ProxyOptions {
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
     /// at the first cleanup).
     pub conntrack_features: Option<crate::conntrack::Features>,
+    /// The conntrack features from a probe started before the capabilities were dropped and still running
+    /// (used when `conntrack_features` is None).
+    pub conntrack_probe: Option<Arc<crate::conntrack::PendingFeatures>>,
     /// The userspace relay (localhost NodePorts, userspace mode).
     pub relay: crate::relay::RelayOptions,
     /// `--proxy-mode userspace`: services relayed in user space, nf_tables only redirects to the relay.
@@ -70,6 +73,7 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
+            conntrack_probe: None,
             relay: Default::default(),
             userspace: false,
         }
@@ -94,6 +98,7 @@ impl ProxyOptions {
             max_transaction_elements: crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
             conntrack_features: None,
+            conntrack_probe: None,
             relay: Default::default(),
             userspace: r.userspace,
         }
@@ -161,6 +166,8 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     });
     if let Some(f) = opts.conntrack_features {
         cleaner.set_features(f);
+    } else if let Some(pending) = &opts.conntrack_probe {
+        cleaner.set_pending_features(pending.clone());
     }
     // Its thread inherits this one's network namespace, whose conntrack table it cleans.
     let conntrack = crate::conntrack::CleanupQueue::start(cleaner)?;

@@ -61,25 +61,35 @@ fn forward_stop_signals(
 
 /// Probes what needs more than CAP_NET_ADMIN, drops every other capability, then runs the proxy loop.
 ///
-/// The drop happens here, on the main thread while it is the only one (the conntrack probe's thread has
-/// ended; the signal thread is started after it, the source, monitor and admin threads by `run_proxy`), so
-/// every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
+/// The drop happens here, on the main thread while every other thread is reduced already (the conntrack
+/// probe's thread drops its own first; the signal thread is started after it, the source, monitor and admin
+/// threads by `run_proxy`), so every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
 /// privileges.
 fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
 ) -> anyhow::Result<()> {
     single_heap();
-    // The probe creates a scratch network namespace (CAP_SYS_ADMIN): before the drop, never again after.
-    opts.conntrack_features = Some(nftkube::conntrack::probe_features());
     let ports = opts
         .admin
         .iter()
         .flat_map(|a| [a.healthz, a.metrics])
         .flatten()
         .map(|a| a.port());
-    let dropped = nftkube::privs::drop_to(nftkube::privs::needed(ports))
-        .map_err(|e| anyhow::anyhow!("dropping capabilities: {e}"))?;
+    let keep = nftkube::privs::needed(ports);
+    // The conntrack probe creates a scratch network namespace (CAP_SYS_ADMIN): its thread does that, then
+    // drops to `keep` itself before this returns, so every thread is reduced after the drop below; the rest
+    // of the probe overlaps the source's first read and the first sync.
+    let drop_probe_thread = move || {
+        nftkube::privs::drop_to(keep)
+            .map(drop)
+            .map_err(|e| format!("dropping capabilities: {e}"))
+    };
+    opts.conntrack_probe = Some(nftkube::conntrack::PendingFeatures::start(
+        drop_probe_thread,
+    ));
+    let dropped =
+        nftkube::privs::drop_to(keep).map_err(|e| anyhow::anyhow!("dropping capabilities: {e}"))?;
     tracing::info!(
         kept = format!("{:#x}", dropped.kept),
         bounding = format!("{:#x}", dropped.bounding),

@@ -76,10 +76,27 @@ struct Entry {
     object: Value,
 }
 
+/// An object and its JSON text, serialized once when it is applied: a list page is the texts of its objects
+/// put together, so serving a page costs the server little beside the client it serves.
+#[derive(Debug)]
+struct Stored {
+    value: Value,
+    json: String,
+}
+
+impl Stored {
+    fn new(value: Value) -> Stored {
+        Stored {
+            json: value.to_string(),
+            value,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     rv: u64,
-    objects: BTreeMap<Key, Value>,
+    objects: BTreeMap<Key, Stored>,
     log: Vec<Entry>,
     /// Watches from before this resourceVersion get 410 Gone.
     compacted: u64,
@@ -172,9 +189,7 @@ impl FakeApi {
                             let _ = handle(&s, stream, generation);
                         });
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_readable(&listener, 5),
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             })
@@ -208,7 +223,7 @@ impl FakeApi {
             let mut obj = obj;
             obj["metadata"]["resourceVersion"] = json!(rv.to_string());
             let key = key_of(resource, &obj);
-            let kind = if st.objects.insert(key, obj.clone()).is_some() {
+            let kind = if st.objects.insert(key, Stored::new(obj.clone())).is_some() {
                 "MODIFIED"
             } else {
                 "ADDED"
@@ -227,7 +242,7 @@ impl FakeApi {
     pub fn delete(&self, resource: Resource, namespace: &str, name: &str) -> bool {
         let mut found = false;
         self.change(|st| {
-            if let Some(mut obj) =
+            if let Some(Stored { value: mut obj, .. }) =
                 st.objects
                     .remove(&(resource, namespace.to_string(), name.to_string()))
             {
@@ -252,7 +267,7 @@ impl FakeApi {
         st.objects
             .iter()
             .filter(|(k, _)| k.0 == resource)
-            .map(|(_, v)| v.clone())
+            .map(|(_, v)| v.value.clone())
             .collect()
     }
 
@@ -409,6 +424,19 @@ fn fields_match(selector: &str, obj: &Value) -> bool {
         })
 }
 
+/// Waits until `listener` has a connection to accept, at most `ms` milliseconds: a connection is taken at
+/// once, and the stop and down flags are still looked at every few milliseconds.
+fn wait_readable(listener: &TcpListener, ms: i32) {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for a socket this thread owns; poll only writes its revents.
+    unsafe { libc::poll(&mut fd, 1, ms) };
+}
+
 fn write_response(stream: &mut TcpStream, status: u16, body: &str) -> io::Result<()> {
     let reason = match status {
         200 => "OK",
@@ -510,11 +538,11 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
         .unwrap_or(usize::MAX);
-    let mut page: Vec<(&Key, &Value)> = st
+    let mut page: Vec<(&Key, &Stored)> = st
         .objects
         .range((after, Bound::Unbounded))
         .take_while(|(k, _)| k.0 == resource)
-        .filter(|(_, v)| selected(v))
+        .filter(|(_, v)| selected(&v.value))
         .take(limit.saturating_add(1))
         .collect();
     let more = page.len() > limit;
@@ -522,15 +550,21 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
     let last = page
         .last()
         .map(|(k, _)| format!("{list_rv}/{}/{}", k.1, k.2));
-    let page: Vec<Value> = page.into_iter().map(|(_, v)| v.clone()).collect();
     let mut meta = json!({"resourceVersion": list_rv.to_string()});
     if let Some(token) = last.filter(|_| more) {
         meta["continue"] = json!(token);
     }
-    let body =
+    let head =
         json!({"kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version(),
-                      "metadata": meta, "items": page})
+                      "metadata": meta})
         .to_string();
+    let items: Vec<&str> = page.iter().map(|(_, v)| v.json.as_str()).collect();
+    // `{...head fields..., "items": [texts]}`: the head without its closing brace, then the items.
+    let body = format!(
+        "{},\"items\":[{}]}}",
+        head.strip_suffix('}').expect("a JSON object"),
+        items.join(",")
+    );
     drop(st);
     write_response(&mut stream, 200, &body)
 }
@@ -579,8 +613,8 @@ fn watch(
         let initial: Vec<Value> = st
             .objects
             .iter()
-            .filter(|(k, v)| k.0 == resource && selected(v))
-            .map(|(_, v)| json!({"type": "ADDED", "object": v}))
+            .filter(|(k, v)| k.0 == resource && selected(&v.value))
+            .map(|(_, v)| json!({"type": "ADDED", "object": v.value}))
             .collect();
         sent = st.rv;
         drop(st);
@@ -595,11 +629,9 @@ fn watch(
             return Ok(()); // cut: no terminating chunk, like a dropped connection
         }
         let mut out = Vec::new();
-        for e in st
-            .log
-            .iter()
-            .filter(|e| e.rv > sent && e.resource == resource)
-        {
+        // The log is in resourceVersion order: a wake-up costs what is new, not the whole history.
+        let first = st.log.partition_point(|e| e.rv <= sent);
+        for e in st.log[first..].iter().filter(|e| e.resource == resource) {
             let kind = if e.kind != "DELETED" && !selected(&e.object) {
                 "DELETED"
             } else if e.kind == "DELETED" && !selected(&e.object) {

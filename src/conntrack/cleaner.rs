@@ -273,6 +273,14 @@ impl Cleaner {
         self.walker.set_features(f);
     }
 
+    /// Takes the features from a probe already running (see [`super::walker::PendingFeatures`]).
+    pub fn set_pending_features(
+        &mut self,
+        pending: std::sync::Arc<super::walker::PendingFeatures>,
+    ) {
+        self.walker.set_pending_features(pending);
+    }
+
     /// A sync failed: its changes wait for the next successful one.
     pub fn sync_failed(&mut self, changes: &Changes) {
         self.planner.sync_failed(changes);

@@ -28,9 +28,9 @@ pub mod worker;
 pub use cleaner::{Cleaner, CleanerOptions, CleanupError, CleanupReport, Planner, Round};
 pub use filter::{Frontend, NodePort, Reason, StaleFilter};
 pub use plan::{build_filter, FrontendIndex, FrontendKinds, Pending, Targets};
-pub use socket::{probe, CtSocket, DeleteOutcome, Features};
+pub use socket::{probe, start_probe, CtSocket, DeleteOutcome, Features};
 pub use unnated::Frontends;
-pub use walker::{plan_dumps, probe_features, Walker};
+pub use walker::{plan_dumps, probe_features, PendingFeatures, Walker};
 pub use wire::{DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, ZoneScope};
 pub use worker::{CleanupQueue, Walk};
 

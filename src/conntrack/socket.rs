@@ -11,6 +11,7 @@ use crate::netlink::{Expect, NetlinkError, NlSocket, Request};
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
+use std::thread::JoinHandle;
 
 /// Messages per `sendmsg` when deleting or creating many entries.
 const CHUNK: usize = 2048;
@@ -244,46 +245,90 @@ impl Features {
 /// create a namespace, leaves the feature off; the portable path (dump by family, filter in user space,
 /// delete by exact tuple) needs none of them.
 pub fn probe() -> Result<Features, ProbeError> {
-    std::thread::Builder::new()
-        .name("ct-probe".into())
-        .spawn(|| {
-            // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
-            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                return Err(ProbeError::Namespace(io::Error::last_os_error()));
-            }
-            let mut s = CtSocket::open().map_err(ProbeError::Socket)?;
-            let v4 = probe_family(
-                &mut s,
-                "192.0.2.1".parse().unwrap(),
-                "192.0.2.2".parse().unwrap(),
-                "192.0.2.100".parse().unwrap(),
-            )
-            .map_err(|detail| ProbeError::Family {
-                family: "IPv4",
-                detail,
-            })?;
-            let v6 = probe_family(
-                &mut s,
-                "2001:db8::1".parse().unwrap(),
-                "2001:db8::2".parse().unwrap(),
-                "2001:db8::100".parse().unwrap(),
-            )
-            .map_err(|detail| ProbeError::Family {
-                family: "IPv6",
-                detail,
-            })?;
-            Ok(Features {
-                dump_proto_v4: v4.proto,
-                dump_addr_v4: v4.addr,
-                filtered_delete_v4: v4.delete,
-                dump_proto_v6: v6.proto,
-                dump_addr_v6: v6.addr,
-                filtered_delete_v6: v6.delete,
-            })
-        })
-        .map_err(ProbeError::Spawn)?
+    start_probe(|| Ok(()))?
         .join()
-        .unwrap_or(Err(ProbeError::Panicked))
+        .map_or(Err(ProbeError::Panicked), |(result, _)| result)
+}
+
+/// What a probe's thread ends with: its result, and how long it took.
+pub type Probed = (Result<Features, ProbeError>, std::time::Duration);
+
+/// [`probe`] left running on its thread: `entered` runs on that thread as soon as it is in its scratch
+/// namespace (or failed to get there), and this returns once it has; joining the handle gives the result
+/// and the probe's own duration.
+/// The agent drops the probe thread's capabilities in `entered`, so that only the unshare runs with
+/// CAP_SYS_ADMIN and the rest of the probe (mostly the kernel's dumps) can overlap its start-up. An error
+/// from `entered` ends the probe before this returns.
+pub fn start_probe(
+    entered: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Result<JoinHandle<Probed>, ProbeError> {
+    let (moved_tx, moved_rx) = std::sync::mpsc::channel::<bool>();
+    let start = std::time::Instant::now();
+    let handle = std::thread::Builder::new()
+        .name("ct-probe".into())
+        .spawn(move || {
+            let result = probe_thread(entered, moved_tx);
+            (result, start.elapsed())
+        })
+        .map_err(ProbeError::Spawn)?;
+    if moved_rx.recv() != Ok(true) {
+        // The thread did not get past `entered`: it ends now, before the caller goes on.
+        while !handle.is_finished() {
+            std::thread::yield_now();
+        }
+    }
+    Ok(handle)
+}
+
+/// The probe's thread: into a scratch namespace, `entered`, then the probe (see [`start_probe`]).
+fn probe_thread(
+    entered: impl FnOnce() -> Result<(), String>,
+    moved: std::sync::mpsc::Sender<bool>,
+) -> Result<Features, ProbeError> {
+    // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
+    let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
+        0 => Ok(()),
+        _ => Err(ProbeError::Namespace(io::Error::last_os_error())),
+    };
+    // Always, even without a namespace: the caller counts on this thread being reduced.
+    let entered = entered().map_err(ProbeError::Entered);
+    let _ = moved.send(entered.is_ok());
+    unshared?;
+    entered?;
+    probe_here()
+}
+
+/// The probe itself, in the calling thread's (scratch) namespace.
+fn probe_here() -> Result<Features, ProbeError> {
+    let mut s = CtSocket::open().map_err(ProbeError::Socket)?;
+    let v4 = probe_family(
+        &mut s,
+        "192.0.2.1".parse().unwrap(),
+        "192.0.2.2".parse().unwrap(),
+        "192.0.2.100".parse().unwrap(),
+    )
+    .map_err(|detail| ProbeError::Family {
+        family: "IPv4",
+        detail,
+    })?;
+    let v6 = probe_family(
+        &mut s,
+        "2001:db8::1".parse().unwrap(),
+        "2001:db8::2".parse().unwrap(),
+        "2001:db8::100".parse().unwrap(),
+    )
+    .map_err(|detail| ProbeError::Family {
+        family: "IPv6",
+        detail,
+    })?;
+    Ok(Features {
+        dump_proto_v4: v4.proto,
+        dump_addr_v4: v4.addr,
+        filtered_delete_v4: v4.delete,
+        dump_proto_v6: v6.proto,
+        dump_addr_v6: v6.addr,
+        filtered_delete_v6: v6.delete,
+    })
 }
 
 /// Why the conntrack filter probe gave up (every filter feature then stays off).
@@ -303,6 +348,9 @@ pub enum ProbeError {
         /// The step and its error.
         detail: String,
     },
+    /// What the caller ran once the probe was in its namespace failed.
+    #[error("after entering the scratch namespace: {0}")]
+    Entered(String),
     /// The probe's thread could not start.
     #[error("spawning the probe thread: {0}")]
     Spawn(io::Error),

@@ -4,27 +4,33 @@
 
 use super::cleaner::{CleanerOptions, CleanupError, CleanupReport};
 use super::filter::StaleFilter;
-use super::socket::{probe, CtSocket, Features};
+use super::socket::{probe, start_probe, CtSocket, Features, ProbeError, Probed};
 use super::unnated::Frontends;
 use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
 use super::Metrics;
 use crate::model::Protocol;
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Stale entries logged one by one (debug level) per cleanup.
 const LOGGED_ENTRIES: usize = 16;
 
-/// Probes the kernel's ctnetlink filters in a scratch namespace (needs CAP_SYS_ADMIN: `nftkube proxy` does
-/// it before dropping that), logging what it found; without them (or on failure), per-family dumps.
+/// Probes the kernel's ctnetlink filters in a scratch namespace (needs CAP_SYS_ADMIN), logging what it found;
+/// without them (or on failure), per-family dumps.
 pub fn probe_features() -> Features {
     let start = Instant::now();
-    match probe() {
+    let probed = probe();
+    logged(probed, start.elapsed())
+}
+
+fn logged(probed: Result<Features, ProbeError>, elapsed: Duration) -> Features {
+    match probed {
         Ok(f) => {
             tracing::info!(
-                elapsed_ms = start.elapsed().as_secs_f64() * 1000.0,
+                elapsed_ms = elapsed.as_secs_f64() * 1000.0,
                 dump_proto_v4 = f.dump_proto_v4,
                 dump_proto_v6 = f.dump_proto_v6,
                 dump_addr_v4 = f.dump_addr_v4,
@@ -44,12 +50,75 @@ pub fn probe_features() -> Features {
     }
 }
 
+/// The feature probe running beside the agent's start-up. `nftkube proxy` starts it before it drops its
+/// capabilities: the probe's thread enters its scratch namespace (the one step that needs CAP_SYS_ADMIN),
+/// drops its own capabilities (`entered`), and only then does `start` return, so every thread is reduced
+/// when the caller drops its own. The rest of the probe (about 65 ms, mostly the kernel's dumps) overlaps the
+/// first read of the source and the first sync; the first walk waits for what is left of it.
+pub struct PendingFeatures {
+    thread: Mutex<Option<JoinHandle<Probed>>>,
+    features: OnceLock<Features>,
+}
+
+impl PendingFeatures {
+    /// Starts the probe; returns once its thread has run `entered` in its namespace.
+    pub fn start(
+        entered: impl FnOnce() -> Result<(), String> + Send + 'static,
+    ) -> Arc<PendingFeatures> {
+        let pending = PendingFeatures {
+            thread: Mutex::new(None),
+            features: OnceLock::new(),
+        };
+        // The probe takes only the CPU the start-up leaves idle (its dumps walk the host's whole
+        // conntrack hash table: ~9 ms of CPU each).
+        let entered = move || entered().map(|()| lowest_priority());
+        match start_probe(entered) {
+            Ok(thread) => *pending.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread),
+            Err(e) => {
+                let _ = pending.features.set(logged(Err(e), Duration::ZERO));
+            }
+        }
+        Arc::new(pending)
+    }
+
+    /// The features, once the probe has finished.
+    pub fn wait(&self) -> Features {
+        *self.features.get_or_init(|| {
+            let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+            match thread.map(JoinHandle::join) {
+                Some(Ok((result, elapsed))) => logged(result, elapsed),
+                Some(Err(_)) | None => logged(Err(ProbeError::Panicked), Duration::ZERO),
+            }
+        })
+    }
+}
+
+/// Lowers the calling thread (only it: on Linux a thread is a task of its own) to nice 19; a failure only
+/// leaves it where it was.
+fn lowest_priority() {
+    // SAFETY: plain syscall without pointers; who = 0 is the calling thread.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) } != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::debug!("conntrack probe: cannot lower its priority ({e})");
+    }
+}
+
+impl std::fmt::Debug for PendingFeatures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingFeatures")
+            .field("features", &self.features.get())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Walks the conntrack table and deletes what a filter finds stale, in the namespace of the thread that first
 /// uses it (its socket is opened there, on first use).
 pub struct Walker {
     opts: CleanerOptions,
     socket: Option<CtSocket>,
     features: Option<Features>,
+    /// A probe started elsewhere, waited for at the first walk.
+    pending: Option<Arc<PendingFeatures>>,
     metrics: Arc<Metrics>,
 }
 
@@ -60,6 +129,7 @@ impl Walker {
             opts,
             socket: None,
             features: None,
+            pending: None,
             metrics: Arc::new(Metrics::default()),
         }
     }
@@ -74,7 +144,9 @@ impl Walker {
         if let Some(f) = self.features {
             return f;
         }
-        let f = if self.opts.probe {
+        let f = if let Some(pending) = self.pending.take() {
+            pending.wait()
+        } else if self.opts.probe {
             probe_features()
         } else {
             Features::default()
@@ -86,6 +158,11 @@ impl Walker {
     /// Sets the features instead of probing (tests, and kernels known in advance).
     pub fn set_features(&mut self, f: Features) {
         self.features = Some(f);
+    }
+
+    /// Takes the features from a probe already running, instead of probing.
+    pub fn set_pending_features(&mut self, pending: Arc<PendingFeatures>) {
+        self.pending = Some(pending);
     }
 
     /// After a repair: deletes the TCP, UDP and SCTP flows to `frontends` that were never DNATed (see

@@ -103,6 +103,8 @@ enum Object {
 struct Origin {
     path: Arc<PathBuf>,
     document: usize,
+    /// The item of a `List` document (named in errors as `items[i]`).
+    item: Option<usize>,
 }
 
 /// What was emitted for one object: a fingerprint of it, and the file it came from (a failure in that file
@@ -510,21 +512,7 @@ fn documents_of<'a>(path: &'a Arc<PathBuf>, text: &'a str) -> Vec<Document<'a>> 
 /// Parses `documents` on up to one thread per CPU, each a contiguous run of about the same number of bytes;
 /// the snapshots come back in the documents' order.
 fn parse_parallel(documents: &[Document]) -> Vec<Snapshot> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let total: usize = documents.iter().map(|d| d.text.len()).sum();
-    // Below this, a thread costs more than it saves.
-    const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
-    let runs = threads.min(total / MIN_BYTES_PER_THREAD).max(1);
-    let mut chunks = Vec::with_capacity(runs);
-    let (mut start, mut bytes) = (0, 0);
-    for (i, d) in documents.iter().enumerate() {
-        bytes += d.text.len();
-        if bytes * runs >= total * (chunks.len() + 1) && chunks.len() + 1 < runs {
-            chunks.push(&documents[start..=i]);
-            start = i + 1;
-        }
-    }
-    chunks.push(&documents[start..]);
+    let chunks = split_runs(documents, |d| d.text.len());
     if chunks.len() == 1 {
         return vec![parse_documents(chunks[0])];
     }
@@ -539,6 +527,28 @@ fn parse_parallel(documents: &[Document]) -> Vec<Snapshot> {
             .collect()
     })
 }
+
+/// Splits `items` into contiguous runs of about the same number of bytes (`len` of each), one per CPU, but
+/// none under [`MIN_BYTES_PER_THREAD`]: a single run when threads would cost more than they save.
+fn split_runs<T>(items: &[T], len: impl Fn(&T) -> usize) -> Vec<&[T]> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let total: usize = items.iter().map(&len).sum();
+    let runs = threads.min(total / MIN_BYTES_PER_THREAD).max(1);
+    let mut chunks = Vec::with_capacity(runs);
+    let (mut start, mut bytes) = (0, 0);
+    for (i, item) in items.iter().enumerate() {
+        bytes += len(item);
+        if bytes * runs >= total * (chunks.len() + 1) && chunks.len() + 1 < runs {
+            chunks.push(&items[start..=i]);
+            start = i + 1;
+        }
+    }
+    chunks.push(&items[start..]);
+    chunks
+}
+
+/// Below this many bytes of text, a thread costs more than it saves.
+const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
 
 fn parse_documents(documents: &[Document]) -> Snapshot {
     let mut snap = Snapshot::default();
@@ -561,7 +571,7 @@ fn merge(into: &mut Snapshot, part: Snapshot) {
                     path: origin.path.to_path_buf(),
                     document: Some(origin.document),
                     object: Some(format!("{}/{}", key.namespace, key.name)),
-                    reason: duplicate_reason(key.kind, first),
+                    reason: with_item(origin.item, duplicate_reason(key.kind, first)),
                 };
                 into.keep.insert(key);
                 report(into, err);
@@ -754,12 +764,47 @@ impl DocContext<'_> {
         self.error(None, with_item(item, reason));
     }
 
-    /// The items of a JSON List, one at a time (see [`RawList`]).
+    /// The items of a JSON List (see [`RawList`]): one at a time, or, for a big list, in contiguous runs on
+    /// one thread per CPU, merged in the items' order (the first definition of an object still wins).
     fn raw_list(&mut self, list: RawList) {
         let element_kind = list.kind.strip_suffix("List").filter(|k| !k.is_empty());
         let default_kind = element_kind.map(|k| (k, list.api_version.as_str()));
-        for (i, raw) in list.items.into_iter().enumerate() {
-            match serde_json::from_str::<Value>(raw.get()) {
+        let items: Vec<(usize, &str)> = list.items.iter().map(|r| r.get()).enumerate().collect();
+        let runs = split_runs(&items, |(_, text)| text.len());
+        if runs.len() == 1 {
+            return self.raw_items(&items, default_kind);
+        }
+        let (path, document) = (self.path, self.document);
+        let parts: Vec<Snapshot> = std::thread::scope(|scope| {
+            let handles: Vec<_> = runs
+                .into_iter()
+                .map(|run| {
+                    scope.spawn(move || {
+                        let mut snap = Snapshot::default();
+                        let mut ctx = DocContext {
+                            path,
+                            document,
+                            snap: &mut snap,
+                        };
+                        ctx.raw_items(run, default_kind);
+                        snap
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a List parser thread panicked"))
+                .collect()
+        });
+        for part in parts {
+            merge(self.snap, part);
+        }
+    }
+
+    /// Items of a JSON List, each with its index in the list.
+    fn raw_items(&mut self, items: &[(usize, &str)], default_kind: Option<(&str, &str)>) {
+        for &(i, raw) in items {
+            match serde_json::from_str::<Value>(raw) {
                 Ok(value) => self.value(value, Some(i), default_kind),
                 Err(e) => self.unidentified(Some(i), format!("invalid JSON: {e}")),
             }
@@ -856,6 +901,7 @@ impl DocContext<'_> {
                 let origin = Origin {
                     path: self.path.clone(),
                     document: self.document,
+                    item,
                 };
                 self.snap.objects.insert(key, (object, origin));
             }
@@ -1606,6 +1652,47 @@ mod tests {
         let parallel = ManifestSource::new(dir.0.clone()).read();
         assert_eq!(one.objects.len(), parallel.objects.len());
         assert!(one.objects.keys().eq(parallel.objects.keys()));
+    }
+
+    /// A List big enough for several threads: the same objects and errors as one thread reading its items
+    /// in order, and a duplicate in a later run still loses to the first definition, named by its item.
+    #[test]
+    fn a_big_json_list_is_read_in_parallel_in_item_order() {
+        let n = 4000;
+        let item = |i: usize, ip: String| {
+            format!(
+                r#"{{"metadata": {{"name": "s{i}", "namespace": "demo"}}, "spec": {{"clusterIP": "{ip}", "ports": [{{"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": 8080}}]}}}}"#
+            )
+        };
+        let mut items: Vec<String> = (0..n)
+            .map(|i| item(i, format!("10.96.{}.{}", i / 250, i % 250 + 1)))
+            .collect();
+        items[n / 2] = item(n / 2, "10.96.0.300".into());
+        items.push(item(1, "10.99.0.1".into()));
+        let text = format!(
+            r#"{{"apiVersion": "v1", "kind": "ServiceList", "items": [{}]}}"#,
+            items.join(",\n")
+        );
+        assert!(
+            text.len() > 2 * MIN_BYTES_PER_THREAD,
+            "test bug: too small for two threads ({} bytes)",
+            text.len()
+        );
+        let (events, errors) = parse_file(Path::new("list.json"), text.as_bytes());
+        assert_eq!(events.len(), n - 1, "every valid service once");
+        let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(errors.len(), 2, "{reasons:?}");
+        assert!(reasons[0].starts_with(&format!("items[{}]: invalid clusterIP", n / 2)));
+        assert!(reasons[1].starts_with(&format!("items[{n}]: duplicate Service")));
+        assert_eq!(errors[1].object.as_deref(), Some("demo/s1"));
+        let s1 = events
+            .iter()
+            .find_map(|e| match e {
+                Event::ServiceApplied { key, ports } if &*key.name == "s1" => Some(ports),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(s1[0].cluster_ips[0].to_string(), "10.96.0.2");
     }
 
     #[test]

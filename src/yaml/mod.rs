@@ -7,8 +7,18 @@
 //! can never make the parser produce more nodes, replay more alias events or copy more scalar bytes than it
 //! has bytes (plus a small constant), which bounds alias and merge-key expansion ("billion laughs") to a
 //! linear amount of work; nesting is capped at a constant depth no Kubernetes object comes near.
+//!
+//! Ordinary manifests first go through a hand-written parser of the block subset they use (`fast`), which
+//! returns exactly what serde-saphyr would or declines; serde-saphyr parses whatever it declines, and words
+//! every error.
 
 use serde_json::Value;
+
+#[cfg(test)]
+mod differential;
+pub mod fast;
+mod flow;
+mod scalar;
 
 /// Deepest nesting accepted, block and flow alike. A Service or EndpointSlice nests about ten levels.
 pub const MAX_DEPTH: usize = 64;
@@ -24,6 +34,15 @@ pub struct YamlError(#[from] serde_saphyr::Error);
 
 /// Parses one YAML document (no `---` separators: split the stream first) into a JSON value.
 pub fn parse_document(text: &str) -> Result<Value, YamlError> {
+    match fast::parse(text) {
+        Some(value) => Ok(value),
+        None => parse_document_full(text),
+    }
+}
+
+/// [`parse_document`] by serde-saphyr alone, whatever the document: the reference the fast path is
+/// checked against, and its fallback.
+pub fn parse_document_full(text: &str) -> Result<Value, YamlError> {
     Ok(serde_saphyr::from_str_with_options(
         text,
         options(text.len()),
