@@ -63,8 +63,8 @@ fn forward_stop_signals(
 ///
 /// The drop happens here, on the main thread while every other thread is reduced already (the conntrack
 /// probe's thread drops its own first; the signal thread is started after it, the source, monitor and admin
-/// threads by `run_proxy`), so every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo` and tests run that inside a process that keeps its
-/// privileges.
+/// threads by `run_proxy`), so every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo`
+/// and tests run that inside a process that keeps its privileges.
 fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
