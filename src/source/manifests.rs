@@ -1629,14 +1629,10 @@ mod tests {
             errors[0]
         );
         assert!(errors[0].path.ends_with("3.yaml"), "{}", errors[0]);
-        let s1 = events
-            .iter()
-            .find_map(|e| match e {
-                Event::ServiceApplied { key, ports } if &*key.name == "s1" => Some(ports),
-                _ => None,
-            })
-            .unwrap();
-        assert_eq!(s1[0].cluster_ips[0].to_string(), "10.96.0.2");
+        assert_eq!(
+            service_ports(&events, "s1")[0].cluster_ips[0].to_string(),
+            "10.96.0.2"
+        );
         // The same as one thread reading the documents in order.
         let texts: Vec<(Arc<PathBuf>, String)> = ["1.yaml", "2.yaml", "3.yaml"]
             .iter()
@@ -1652,6 +1648,19 @@ mod tests {
         let parallel = ManifestSource::new(dir.0.clone()).read();
         assert_eq!(one.objects.len(), parallel.objects.len());
         assert!(one.objects.keys().eq(parallel.objects.keys()));
+    }
+
+    /// The ports an event applies to the service named `name`.
+    fn service_ports<'a>(events: &'a [Event], name: &str) -> &'a [ServicePort] {
+        events
+            .iter()
+            .find_map(|e| match e {
+                Event::ServiceApplied { key, ports } if &*key.name == name => {
+                    Some(ports.as_slice())
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no service {name} applied"))
     }
 
     /// A List big enough for several threads: the same objects and errors as one thread reading its items
@@ -1685,14 +1694,10 @@ mod tests {
         assert!(reasons[0].starts_with(&format!("items[{}]: invalid clusterIP", n / 2)));
         assert!(reasons[1].starts_with(&format!("items[{n}]: duplicate Service")));
         assert_eq!(errors[1].object.as_deref(), Some("demo/s1"));
-        let s1 = events
-            .iter()
-            .find_map(|e| match e {
-                Event::ServiceApplied { key, ports } if &*key.name == "s1" => Some(ports),
-                _ => None,
-            })
-            .unwrap();
-        assert_eq!(s1[0].cluster_ips[0].to_string(), "10.96.0.2");
+        assert_eq!(
+            service_ports(&events, "s1")[0].cluster_ips[0].to_string(),
+            "10.96.0.2"
+        );
     }
 
     #[test]
