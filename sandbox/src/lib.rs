@@ -527,13 +527,29 @@ pub fn udp_request_here(
         SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, src_port.unwrap_or(0)).into(),
         SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, src_port.unwrap_or(0)).into(),
     };
-    let s = UdpSocket::bind(local)?;
-    s.connect(dst)?;
+    let s = bind_and_connect(local, dst)?;
     s.set_read_timeout(Some(timeout))?;
     s.send(b"hi")?;
     let mut buf = [0u8; 2048];
     let n = s.recv(&mut buf).map_err(timeout_kind)?;
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// A UDP socket from `local` connected to `dst`. A fixed source port reused at once by the next request can
+/// still be taken for a moment (seen once under load in CI: EADDRINUSE right after the previous socket of that
+/// port was closed), so that error is retried for up to 200 ms.
+fn bind_and_connect(local: SocketAddr, dst: SocketAddr) -> io::Result<UdpSocket> {
+    let mut tries = 0;
+    loop {
+        let attempt = UdpSocket::bind(local).and_then(|s| s.connect(dst).map(|()| s));
+        match attempt {
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && local.port() != 0 && tries < 20 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
 }
 
 fn flatten<T>(r: io::Result<io::Result<T>>) -> io::Result<T> {
