@@ -219,7 +219,19 @@ fn start_monitor(
     let watcher = monitor::Watcher::new(engine.backend().port_handle(), TABLE, drift.clone())
         .with_notify(notify);
     // Opened here, in the agent's namespace; read on the monitor's thread.
-    let (sock, membership) = monitor::subscribe()?;
+    let (sock, membership) = match monitor::subscribe() {
+        Ok(subscribed) => subscribed,
+        Err(e) => {
+            // Without CAP_NET_ADMIN, say: the agent keeps retrying its syncs (and logging why they fail),
+            // and without events drift is still repaired by the periodic full sync.
+            tracing::error!("nf_tables event monitor not started: {e}");
+            return Ok(Monitor {
+                drift,
+                stop,
+                thread: None,
+            });
+        }
+    };
     engine.set_event_subscriber(Box::new(watcher.pausable(membership)));
     let st = stop.clone();
     let thread = std::thread::Builder::new()
