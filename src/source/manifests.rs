@@ -862,8 +862,9 @@ impl DocContext<'_> {
     }
 
     /// A List item read straight into its type, without a `Value` in between (a million endpoints as JSON,
-    /// spawn to first sync: 7.7–8.0 s → 5.7–6.1 s). Only when that works: anything else (malformed JSON, another kind, a field of the wrong
-    /// type, a key given twice, no name) is read the `Value` way, which words the errors. False: not read.
+    /// spawn to first sync: 7.7–8.0 s → 5.7–6.1 s). Only when that works: anything else (malformed JSON,
+    /// another kind, a field of the wrong type, a key given twice, no name) is read the `Value` way, which
+    /// words the errors. False: not read.
     fn typed_item(&mut self, item: usize, raw: &str, default_kind: Option<(&str, &str)>) -> bool {
         let Ok(header) = serde_json::from_str::<ItemHeader>(raw) else {
             return false;
