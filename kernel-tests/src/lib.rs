@@ -554,3 +554,30 @@ pub fn many_services(n: usize) -> String {
     }
     out
 }
+
+/// `n` ClusterIP services `demo/svc<i>` (port `tcp`, 80/TCP) at [`pod_backed_service`]`(i)`, each with the
+/// sandbox's three pods as endpoints, so that any of them can be probed with real packets.
+pub fn pod_backed_services(n: u32) -> (nftkube::model::ServiceMap, nftkube::model::EndpointsMap) {
+    use nftkube::model::*;
+    let (mut services, mut endpoints) = (ServiceMap::new(), EndpointsMap::new());
+    for i in 0..n {
+        let name = ServicePortName {
+            service: NamespacedName::new("demo", format!("svc{i}")),
+            port: "tcp".into(),
+            protocol: Protocol::Tcp,
+        };
+        let sp = ServicePort::cluster_ip(name.clone(), vec![pod_backed_service(i).ip()], 80);
+        let eps = (1..=3)
+            .map(|p| Endpoint::ready(sandbox::pod_ip_v4(p).into(), BACKEND_TCP_PORT))
+            .collect();
+        endpoints.insert(name.clone(), eps);
+        services.insert(name, sp);
+    }
+    (services, endpoints)
+}
+
+/// The ClusterIP and port of service `i` of [`pod_backed_services`]: 10.100.0.0 + i, port 80.
+pub fn pod_backed_service(i: u32) -> SocketAddr {
+    let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i);
+    SocketAddr::new(ip.into(), 80)
+}

@@ -14,7 +14,6 @@ use nftkube::nft::tx::{Op, Transaction};
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::quiet::{EventSubscriber, QUIET_COMMIT_ELEMENTS};
 use nftkube::sync::SyncEngine;
-use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,35 +51,14 @@ impl EventSubscriber for Probe {
     }
 }
 
-/// `SERVICES` ClusterIP services, each with the sandbox's three pods as endpoints.
+/// `SERVICES` services backed by the sandbox's pods, and the render configuration.
 fn model() -> (ServiceMap, EndpointsMap, RenderConfig) {
-    let (mut services, mut endpoints) = (ServiceMap::new(), EndpointsMap::new());
-    for i in 0..SERVICES {
-        let name = ServicePortName {
-            service: NamespacedName::new("demo", format!("svc{i}")),
-            port: "tcp".into(),
-            protocol: Protocol::Tcp,
-        };
-        let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i);
-        let sp = ServicePort::cluster_ip(name.clone(), vec![ip.into()], 80);
-        let eps = (1..=3)
-            .map(|p| Endpoint::ready(sandbox::pod_ip_v4(p).into(), BACKEND_TCP_PORT))
-            .collect();
-        endpoints.insert(name.clone(), eps);
-        services.insert(name, sp);
-    }
+    let (services, endpoints) = pod_backed_services(SERVICES);
     let cfg = RenderConfig {
         cluster_cidrs: vec![sandbox::CLUSTER_CIDR_V4.parse().unwrap()],
         ..RenderConfig::default()
     };
     (services, endpoints, cfg)
-}
-
-fn service_ip(i: u32) -> SocketAddr {
-    SocketAddr::new(
-        Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i).into(),
-        80,
-    )
 }
 
 /// An engine whose subscriber is a `Probe` on a freshly subscribed monitor socket (returned, to count what
@@ -170,7 +148,12 @@ fn a_large_commit_reaches_no_subscriber_and_a_small_one_does() {
     );
     // The rules the paused commit made carry traffic.
     for i in [0, SERVICES / 2, SERVICES - 1] {
-        let answers = tcp_requests(sb.client(), service_ip(i), 5, Duration::from_secs(2));
+        let answers = tcp_requests(
+            sb.client(),
+            pod_backed_service(i),
+            5,
+            Duration::from_secs(2),
+        );
         assert!(
             answers.iter().all(|a| a.is_ok()),
             "service {i}: {answers:?}"

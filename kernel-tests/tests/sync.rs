@@ -204,25 +204,11 @@ fn engine_elements(engine: &mut SyncEngine<NftSocket>, set: &str) -> Vec<Element
 #[test]
 fn a_big_first_sync_is_committed_in_chunks_and_is_complete() {
     let sb = sandbox("nk-big", 3);
-    let (mut services, mut endpoints, cfg) = model();
-    let template = services.values().next().unwrap().clone();
-    let real = endpoints.values().next().unwrap().clone();
-    services.clear();
-    endpoints.clear();
+    let (_, _, cfg) = model();
     let n = 6000u32;
-    let mut probes = Vec::new();
-    for i in 0..n {
-        let mut sp = template.clone();
-        sp.name.service.name = format!("svc{i}").into();
-        let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i);
-        sp.cluster_ips = vec![ip.into()];
-        // Every service gets the three real backends, so any of them can be probed.
-        endpoints.insert(sp.name.clone(), real.clone());
-        if i == 0 || i == n / 2 || i == n - 1 {
-            probes.push(SocketAddr::new(ip.into(), 80));
-        }
-        services.insert(sp.name.clone(), sp);
-    }
+    // Every service gets the three real backends, so any of them can be probed.
+    let (services, endpoints) = pod_backed_services(n);
+    let probes: Vec<SocketAddr> = [0, n / 2, n - 1].map(pod_backed_service).into();
     let desired = render::render(&services, &endpoints, &cfg);
     let (report, dumped) = sb
         .node()
