@@ -301,26 +301,14 @@ fn probe_thread(
 /// The probe itself, in the calling thread's (scratch) namespace.
 fn probe_here() -> Result<Features, ProbeError> {
     let mut s = CtSocket::open().map_err(ProbeError::Socket)?;
-    let v4 = probe_family(
-        &mut s,
-        "192.0.2.1".parse().unwrap(),
-        "192.0.2.2".parse().unwrap(),
-        "192.0.2.100".parse().unwrap(),
-    )
-    .map_err(|detail| ProbeError::Family {
-        family: "IPv4",
-        detail,
-    })?;
-    let v6 = probe_family(
-        &mut s,
-        "2001:db8::1".parse().unwrap(),
-        "2001:db8::2".parse().unwrap(),
-        "2001:db8::100".parse().unwrap(),
-    )
-    .map_err(|detail| ProbeError::Family {
-        family: "IPv6",
-        detail,
-    })?;
+    // Documentation addresses (RFC 5737, RFC 3849): the target, another one, the client (see probe_family).
+    let mut family = |family: &'static str, [a, b, client]: [&str; 3]| {
+        let ip = |t: &str| t.parse().expect("a literal address");
+        probe_family(&mut s, ip(a), ip(b), ip(client))
+            .map_err(|detail| ProbeError::Family { family, detail })
+    };
+    let v4 = family("IPv4", ["192.0.2.1", "192.0.2.2", "192.0.2.100"])?;
+    let v6 = family("IPv6", ["2001:db8::1", "2001:db8::2", "2001:db8::100"])?;
     Ok(Features {
         dump_proto_v4: v4.proto,
         dump_addr_v4: v4.addr,
