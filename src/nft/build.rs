@@ -136,10 +136,16 @@ pub fn concat_key(parts: &[Vec<u8>]) -> Vec<u8> {
     }
     let mut out = Vec::new();
     for p in parts {
-        out.extend_from_slice(p);
-        out.resize(crate::netlink::align4(out.len()), 0);
+        push_field(&mut out, p);
     }
     out
+}
+
+/// Appends one field of a concatenation, padded to 4 bytes as nft lays concatenations out (see
+/// [`concat_key`]; for keys built field by field into a reused buffer).
+pub fn push_field(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(field);
+    out.resize(crate::netlink::align4(out.len()), 0);
 }
 
 fn family_of(ip: &IpAddr) -> Family {

@@ -30,7 +30,7 @@ use super::names::*;
 use super::{Piece, RenderConfig};
 use crate::model::NodePortAddresses;
 use crate::model::{Cidr, Endpoint, IpFamily, ServicePort, TrafficPolicy};
-use crate::nft::build::{concat_key, ip_bytes};
+use crate::nft::build::{concat_key, ip_bytes, push_field};
 use crate::nft::ir::*;
 use std::net::IpAddr;
 
@@ -199,20 +199,20 @@ impl FamilyPieces<'_> {
         // endpoint: a million endpoints made ten million small allocations here.
         let mut full = Vec::with_capacity(64);
         for part in key {
-            push_padded(&mut full, part);
+            push_field(&mut full, part);
         }
         let frontend = full.len();
         let mut endpoint = Vec::with_capacity(20);
         let set = PieceSet::named(set);
         for (k, ep) in eps.iter().enumerate() {
             full.truncate(frontend);
-            push_padded(&mut full, &(first + k as u32).to_ne_bytes());
+            push_field(&mut full, &(first + k as u32).to_ne_bytes());
             endpoint.clear();
             match ep.ip {
-                IpAddr::V4(ip) => push_padded(&mut endpoint, &ip.octets()),
-                IpAddr::V6(ip) => push_padded(&mut endpoint, &ip.octets()),
+                IpAddr::V4(ip) => push_field(&mut endpoint, &ip.octets()),
+                IpAddr::V6(ip) => push_field(&mut endpoint, &ip.octets()),
             }
-            push_padded(&mut endpoint, &ep.port.to_be_bytes());
+            push_field(&mut endpoint, &ep.port.to_be_bytes());
             self.pieces.push(Piece::Element {
                 family: self.family,
                 set,
@@ -382,12 +382,6 @@ impl FamilyPieces<'_> {
             self.element(SET_HAIRPIN, key, None);
         }
     }
-}
-
-/// Appends one field of a concatenation, padded to 4 bytes as nft lays concatenations out (`concat_key`).
-fn push_padded(out: &mut Vec<u8>, field: &[u8]) {
-    out.extend_from_slice(field);
-    out.resize(crate::netlink::align4(out.len()), 0);
 }
 
 #[cfg(test)]
