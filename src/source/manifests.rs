@@ -688,6 +688,16 @@ fn parse_document(d: &Document, snap: &mut Snapshot) {
             }
         }
     }
+    if d.json {
+        let mut ctx = DocContext {
+            path: d.path,
+            document: d.index,
+            snap,
+        };
+        if ctx.typed_item(None, d.text, None) {
+            return;
+        }
+    }
     let parsed: Result<Value, String> = if d.json {
         serde_json::from_str(d.text).map_err(|e| format!("invalid JSON: {e}"))
     } else {
@@ -804,7 +814,7 @@ impl DocContext<'_> {
     /// Items of a JSON List, each with its index in the list.
     fn raw_items(&mut self, items: &[(usize, &str)], default_kind: Option<(&str, &str)>) {
         for &(i, raw) in items {
-            if self.typed_item(i, raw, default_kind) {
+            if self.typed_item(Some(i), raw, default_kind) {
                 continue;
             }
             match serde_json::from_str::<Value>(raw) {
@@ -861,11 +871,16 @@ impl DocContext<'_> {
         }
     }
 
-    /// A List item read straight into its type, without a `Value` in between (a million endpoints as JSON,
-    /// spawn to first sync: 7.7–8.0 s → 5.7–6.1 s). Only when that works: anything else (malformed JSON,
-    /// another kind, a field of the wrong type, a key given twice, no name) is read the `Value` way, which
-    /// words the errors. False: not read.
-    fn typed_item(&mut self, item: usize, raw: &str, default_kind: Option<(&str, &str)>) -> bool {
+    /// A JSON document or List item read straight into its type, without a `Value` in between (a million
+    /// endpoints as JSON, spawn to first sync: 7.7–8.0 s → 5.7–6.1 s). Only when that works: anything else
+    /// (malformed JSON, another kind, a field of the wrong type, a key given twice, no name) is read the
+    /// `Value` way, which words the errors. False: not read.
+    fn typed_item(
+        &mut self,
+        item: Option<usize>,
+        raw: &str,
+        default_kind: Option<(&str, &str)>,
+    ) -> bool {
         let Ok(header) = serde_json::from_str::<ItemHeader>(raw) else {
             return false;
         };
@@ -901,7 +916,7 @@ impl DocContext<'_> {
         let api_version = api_version.unwrap_or_default();
         let name = meta.name.as_deref().unwrap_or_default();
         let namespace = meta.namespace.as_deref().filter(|n| !n.is_empty());
-        self.named_object(kind, name, namespace, Some(item), |shared| {
+        self.named_object(kind, name, namespace, item, |shared| {
             check_api_version(kind, &api_version)?;
             convert_typed(typed, shared)
         });
@@ -1295,6 +1310,22 @@ mod tests {
             reasons[2]
         );
         assert!(reasons[3].starts_with("items[5]: unsupported apiVersion \"v1\" for EndpointSlice"));
+        // A document that is one object: the same, without an item.
+        let doc = svc("a", r#", "kind": "Service", "apiVersion": "v1""#);
+        let (events, errors) = parse_file(Path::new("a.json"), doc.as_bytes());
+        assert_eq!(
+            (names(&events), errors.len()),
+            (vec!["svc+ demo/a (1 ports)".to_string()], 0)
+        );
+        let bad = doc.replace(r#""port": 80"#, r#""port": "80""#);
+        let (_, errors) = parse_file(Path::new("a.json"), bad.as_bytes());
+        assert!(
+            errors[0]
+                .reason
+                .starts_with("invalid Service: invalid type: string \"80\""),
+            "{}",
+            errors[0].reason
+        );
     }
 
     #[test]
