@@ -272,10 +272,11 @@ pub fn start_probe(
         })
         .map_err(ProbeError::Spawn)?;
     if moved_rx.recv() != Ok(true) {
-        // The thread did not get past `entered`: it ends now, before the caller goes on.
-        while !handle.is_finished() {
-            std::thread::yield_now();
-        }
+        // The thread did not get past `entered` and ends now: joined before the caller goes on.
+        return match handle.join() {
+            Ok((Err(e), _)) => Err(e),
+            Ok((Ok(_), _)) | Err(_) => Err(ProbeError::Panicked),
+        };
     }
     Ok(handle)
 }
