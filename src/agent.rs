@@ -11,14 +11,14 @@ use run::{ProxyLoop, Relays};
 
 use crate::admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
 use crate::config::{Resolved, SourceSpec};
-use crate::model::{Cidr, ClusterState, DetectLocal, NamespacedName};
+use crate::model::{Cidr, ClusterState, DetectLocal, NamespacedName, ServicePortName};
 use crate::nft::ir::{Family, TableState};
 use crate::nft::monitor::{self, Drift};
 use crate::nft::netlink::NftSocket;
-use crate::render::{self, names::TABLE, RenderConfig};
+use crate::render::{self, names::TABLE, Piece, RenderConfig};
 use crate::source::{apply_event, KubeSource, ManifestSource, ManifestWatcher, ProxySource};
 use crate::sync::{delete_tables, SyncEngine, SyncError, SyncReport};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -258,17 +258,7 @@ pub fn sync_once<B: crate::nft::Backend>(
     cfg: &RenderConfig,
 ) -> Result<SyncReport, SyncError> {
     if engine.needs_full_sync() {
-        // Service by service, so the endpoints of the whole cluster are never materialised at once.
-        let mut pieces = std::collections::BTreeMap::new();
-        for name in state.service_names() {
-            let endpoints = state.service_endpoints(&name);
-            for sp in state.service_ports(&name) {
-                pieces.insert(
-                    sp.name.clone(),
-                    render::service_pieces(sp, endpoints.get(&sp.name), cfg),
-                );
-            }
-        }
+        let pieces = render_all(state, cfg);
         let report = engine.sync_full(render::skeleton(cfg), pieces);
         release_free_memory();
         return report;
@@ -291,6 +281,38 @@ pub fn sync_once<B: crate::nft::Backend>(
     }
     engine.sync_partial(updates)
 }
+
+/// Every service's pieces, for a full sync. Service by service, so the endpoints of the whole cluster are
+/// never materialised at once, and on every CPU: contiguous runs of services rendered apart and joined in
+/// name order (below [`SERVICES_PER_THREAD`] services a thread costs more than it saves).
+fn render_all(state: &ClusterState, cfg: &RenderConfig) -> BTreeMap<ServicePortName, Vec<Piece>> {
+    let names: Vec<NamespacedName> = state.service_names().into_iter().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = names.len().div_ceil(threads).max(SERVICES_PER_THREAD);
+    let render_run = |run: &[NamespacedName]| {
+        let mut pieces = Vec::new();
+        for name in run {
+            let endpoints = state.service_endpoints(name);
+            for sp in state.service_ports(name) {
+                let rendered = render::service_pieces(sp, endpoints.get(&sp.name), cfg);
+                pieces.push((sp.name.clone(), rendered));
+            }
+        }
+        pieces
+    };
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = names
+            .chunks(per_thread)
+            .map(|run| scope.spawn(move || render_run(run)))
+            .collect();
+        runs.into_iter()
+            .flat_map(|run| run.join().expect("a render thread panicked"))
+            .collect()
+    })
+}
+
+/// Below this many services per thread, rendering them on another thread costs more than it saves.
+const SERVICES_PER_THREAD: usize = 2000;
 
 /// A full sync builds and drops large transient structures; hand the freed pages back to the system so the
 /// agent's resident size reflects what it keeps, not its peak.

@@ -79,7 +79,7 @@ fn start_proxy(
     let keep = nftkube::privs::needed(ports);
     // The conntrack probe creates a scratch network namespace (CAP_SYS_ADMIN): its thread does that, then
     // drops to `keep` itself before this returns, so every thread is reduced after the drop below; the rest
-    // of the probe overlaps the source's first read and the first sync.
+    // of the probe waits for the source's first snapshot and overlaps the first sync.
     let drop_probe_thread = move || {
         nftkube::privs::drop_to(keep)
             .map(drop)

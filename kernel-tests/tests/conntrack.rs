@@ -539,6 +539,35 @@ fn tcp_unrelated_and_healthy_flows_survive_restarts() {
     assert!(lines.iter().any(|l| l.contains("deleted=1")), "{lines:#?}");
 }
 
+/// The agent starts the probe early (its namespace needs CAP_SYS_ADMIN) but its dumps wait for their gate:
+/// nothing of the probe runs before, its duration counts from the gate, and a waiter opens it itself.
+#[test]
+fn a_started_probe_dumps_only_once_its_gate_opens() {
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    let probe = start_probe(
+        || Ok(()),
+        move || {
+            let _ = gate.recv();
+        },
+    )
+    .expect("probe thread");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!probe.is_finished(), "the probe ran before its gate opened");
+    let opened = Instant::now();
+    drop(open);
+    let (features, took) = probe.join().expect("probe thread");
+    let features = features.expect("the probe");
+    // Its socket round trips and dumps came after the gate: they take well over half a millisecond.
+    assert!(
+        took <= opened.elapsed() && took >= Duration::from_micros(500),
+        "timed from the gate: {took:?}"
+    );
+
+    // Nobody releases this one: the first walk's wait does, instead of waiting for ever.
+    let pending = PendingFeatures::start(|| Ok(()));
+    assert_eq!(pending.wait(), features);
+}
+
 /// The library against the kernel: create, dump, exact delete, the probe, and the `conntrack` tool as oracle.
 #[test]
 fn ctnetlink_create_dump_delete_and_probe() {

@@ -186,6 +186,10 @@ impl ProxyLoop<'_> {
                     services = self.state.service_map().len(),
                     "source synced: complete snapshot received"
                 );
+                // The parse is over: the probe's dumps may have a core now.
+                if let Some(probe) = &self.opts.conntrack_probe {
+                    probe.release();
+                }
             }
             apply_event(&mut self.state, ev);
         }

@@ -245,7 +245,7 @@ impl Features {
 /// create a namespace, leaves the feature off; the portable path (dump by family, filter in user space,
 /// delete by exact tuple) needs none of them.
 pub fn probe() -> Result<Features, ProbeError> {
-    start_probe(|| Ok(()))?
+    start_probe(|| Ok(()), || ())?
         .join()
         .map_or(Err(ProbeError::Panicked), |(result, _)| result)
 }
@@ -254,20 +254,24 @@ pub fn probe() -> Result<Features, ProbeError> {
 pub type Probed = (Result<Features, ProbeError>, std::time::Duration);
 
 /// [`probe`] left running on its thread: `entered` runs on that thread as soon as it is in its scratch
-/// namespace (or failed to get there), and this returns once it has; joining the handle gives the result
-/// and the probe's own duration.
+/// namespace (or failed to get there), and this returns once it has; the probe itself starts when `gate`
+/// returns. Joining the handle gives the result and the probe's own duration (from the gate's opening).
 /// The agent drops the probe thread's capabilities in `entered`, so that only the unshare runs with
 /// CAP_SYS_ADMIN and the rest of the probe (mostly the kernel's dumps) can overlap its start-up. An error
 /// from `entered` ends the probe before this returns.
 pub fn start_probe(
     entered: impl FnOnce() -> Result<(), String> + Send + 'static,
+    gate: impl FnOnce() + Send + 'static,
 ) -> Result<JoinHandle<Probed>, ProbeError> {
     let (moved_tx, moved_rx) = std::sync::mpsc::channel::<bool>();
-    let start = std::time::Instant::now();
     let handle = std::thread::Builder::new()
         .name("ct-probe".into())
         .spawn(move || {
-            let result = probe_thread(entered, moved_tx);
+            let mut start = std::time::Instant::now();
+            let result = probe_thread(entered, moved_tx, || {
+                gate();
+                start = std::time::Instant::now();
+            });
             (result, start.elapsed())
         })
         .map_err(ProbeError::Spawn)?;
@@ -281,10 +285,11 @@ pub fn start_probe(
     Ok(handle)
 }
 
-/// The probe's thread: into a scratch namespace, `entered`, then the probe (see [`start_probe`]).
+/// The probe's thread: into a scratch namespace, `entered`, `gate`, then the probe (see [`start_probe`]).
 fn probe_thread(
     entered: impl FnOnce() -> Result<(), String>,
     moved: std::sync::mpsc::Sender<bool>,
+    gate: impl FnOnce(),
 ) -> Result<Features, ProbeError> {
     // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
     let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
@@ -296,6 +301,7 @@ fn probe_thread(
     let _ = moved.send(entered.is_ok());
     unshared?;
     entered?;
+    gate();
     probe_here()
 }
 

@@ -11,7 +11,7 @@ use super::Metrics;
 use crate::model::Protocol;
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,10 +53,17 @@ fn logged(probed: Result<Features, ProbeError>, elapsed: Duration) -> Features {
 /// The feature probe running beside the agent's start-up. `nftkube proxy` starts it before it drops its
 /// capabilities: the probe's thread enters its scratch namespace (the one step that needs CAP_SYS_ADMIN),
 /// drops its own capabilities (`entered`), and only then does `start` return, so every thread is reduced
-/// when the caller drops its own. The rest of the probe (about 65 ms, mostly the kernel's dumps) overlaps the
-/// first read of the source and the first sync; the first walk waits for what is left of it.
+/// when the caller drops its own.
+///
+/// The rest of the probe (about 70 ms, mostly the kernel's dumps) waits for [`Self::release`]: each dump
+/// walks the host's whole conntrack hash table inside one system call, where the scheduler cannot take the
+/// core back whatever the thread's priority, and at start-up that core is wanted by the source's parallel
+/// parse. The agent releases it once the source's first snapshot is in, so it overlaps the first sync,
+/// which runs on one core; the first walk waits for what is left of it.
 pub struct PendingFeatures {
     thread: Mutex<Option<JoinHandle<Probed>>>,
+    /// Dropped (or sent to) to let the probe start.
+    go: Mutex<Option<mpsc::Sender<()>>>,
     features: OnceLock<Features>,
 }
 
@@ -65,14 +72,19 @@ impl PendingFeatures {
     pub fn start(
         entered: impl FnOnce() -> Result<(), String> + Send + 'static,
     ) -> Arc<PendingFeatures> {
+        let (go, gate) = mpsc::channel::<()>();
         let pending = PendingFeatures {
             thread: Mutex::new(None),
+            go: Mutex::new(Some(go)),
             features: OnceLock::new(),
         };
-        // The probe takes only the CPU the start-up leaves idle (its dumps walk the host's whole
-        // conntrack hash table: ~9 ms of CPU each).
+        // Between its dumps' system calls, the probe takes only the CPU the agent leaves idle.
         let entered = move || entered().map(|()| lowest_priority());
-        match start_probe(entered) {
+        // A message or a dropped sender alike open the gate.
+        let gate = move || {
+            let _ = gate.recv();
+        };
+        match start_probe(entered, gate) {
             Ok(thread) => *pending.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread),
             Err(e) => {
                 let _ = pending.features.set(logged(Err(e), Duration::ZERO));
@@ -81,8 +93,14 @@ impl PendingFeatures {
         Arc::new(pending)
     }
 
-    /// The features, once the probe has finished.
+    /// Lets the probe run its dumps (it waits for this after entering its namespace). Idempotent.
+    pub fn release(&self) {
+        drop(self.go.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+
+    /// The features, once the probe has finished (releasing it first if nobody has).
     pub fn wait(&self) -> Features {
+        self.release();
         *self.features.get_or_init(|| {
             let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
             match thread.map(JoinHandle::join) {

@@ -389,6 +389,14 @@ impl ClusterState {
         let mut changed = Vec::new();
         let mut newly_active = Vec::new();
         for (key, before) in pending {
+            if before == Snapshot::default() {
+                // New since the last take (every service at a cold start): nothing to compare, no endpoint
+                // to call stale, and no snapshot to build.
+                if self.appeared(&key, &mut newly_active) {
+                    changed.push(key);
+                }
+                continue;
+            }
             let after = self.snapshot(&key);
             if before == after {
                 continue;
@@ -403,6 +411,20 @@ impl ClusterState {
         changes.changed_services = changed.into_iter().collect();
         changes.newly_active_services = newly_active.into_iter().collect();
         changes
+    }
+
+    /// For a service that had no ports before: whether it has any now (then it changed), and its ports
+    /// with a serving endpoint (all newly active), found as [`Self::take_changes`] would find them.
+    fn appeared(&self, key: &NamespacedName, newly_active: &mut Vec<ServicePortName>) -> bool {
+        let slices = self.slices.get::<dyn NameKey>(key);
+        let mut any = false;
+        for sp in self.ports_of(key) {
+            any = true;
+            if slices.is_some_and(|slices| port_serves(slices, sp)) {
+                newly_active.push(sp.name.clone());
+            }
+        }
+        any
     }
 
     /// Cluster IPs of the UDP ports a service no longer has on that IP that no UDP port uses any more.
@@ -519,6 +541,41 @@ fn find_slice(group: &[SliceInfo], name: &str) -> Result<usize, usize> {
     group.binary_search_by(|s| (*s.name).cmp(name))
 }
 
+/// The slices that carry a service port, each with its port.
+fn slices_of_port<'a>(
+    slices: &'a [SliceInfo],
+    sp: &'a ServicePort,
+) -> impl Iterator<Item = (&'a SliceInfo, &'a SlicePort)> + 'a {
+    slices.iter().filter_map(|slice| {
+        let port = slice
+            .ports
+            .iter()
+            .find(|p| p.name == sp.name.port && p.protocol == sp.protocol)?;
+        Some((slice, port))
+    })
+}
+
+/// Whether [`merge_port_endpoints`] gives the port a serving endpoint, mostly without building the merge.
+/// A candidate both ready and serving wins its address, so it settles the question; if no candidate is
+/// ready but not serving, every address's winner serves as soon as one of its candidates does. Only a
+/// ready endpoint that is not serving (which the API does not produce) leaves it to the merge.
+fn port_serves(slices: &[SliceInfo], sp: &ServicePort) -> bool {
+    let (mut serving, mut ready_not_serving) = (false, false);
+    for (slice, _) in slices_of_port(slices, sp) {
+        for ep in &slice.endpoints {
+            if ep.ready && ep.serving {
+                return true;
+            }
+            serving |= ep.serving;
+            ready_not_serving |= ep.ready;
+        }
+    }
+    if !ready_not_serving {
+        return serving;
+    }
+    merge_port_endpoints(slices, sp).values().any(|e| e.serving)
+}
+
 /// The endpoints of one service port from the slices of its service, deduplicated by (ip, port): a ready
 /// one wins, then a serving one, then the first in slice name order.
 fn merge_port_endpoints(
@@ -526,14 +583,7 @@ fn merge_port_endpoints(
     sp: &ServicePort,
 ) -> BTreeMap<(IpAddr, u16), Endpoint> {
     let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
-    for slice in slices {
-        let Some(port) = slice
-            .ports
-            .iter()
-            .find(|p| p.name == sp.name.port && p.protocol == sp.protocol)
-        else {
-            continue;
-        };
+    for (slice, port) in slices_of_port(slices, sp) {
         for ep in &slice.endpoints {
             match best.entry((ep.address, port.port)) {
                 std::collections::btree_map::Entry::Vacant(v) => {
@@ -918,6 +968,45 @@ mod tests {
             "empty group removed"
         );
         assert_eq!(st.slice_owners.len(), 3);
+    }
+
+    #[test]
+    fn a_new_service_is_newly_active_exactly_where_its_merged_endpoints_serve() {
+        let flags = [(false, false), (false, true), (true, false), (true, true)];
+        for (a, b) in flags
+            .iter()
+            .flat_map(|a| flags.iter().map(move |b| (*a, *b)))
+        {
+            for second_ip in ["10.244.1.2", "10.244.2.2"] {
+                let mut st = ClusterState::new();
+                // The same address in two slices competes in the merge; two addresses do not.
+                st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", a.0, a.1)]));
+                st.apply_slice(echo_slice("echo-b", vec![ep(second_ip, b.0, b.1)]));
+                st.apply_service(key("echo"), echo_ports());
+                let merged = st.service_endpoints(&key("echo"));
+                let expected: BTreeSet<ServicePortName> = merged
+                    .into_iter()
+                    .filter(|(_, eps)| eps.iter().any(|e| e.serving))
+                    .map(|(name, _)| name)
+                    .collect();
+                let ch = st.take_changes();
+                assert_eq!(ch.changed_services, [key("echo")].into_iter().collect());
+                assert_eq!(
+                    ch.newly_active_services, expected,
+                    "{a:?} {b:?} {second_ip}"
+                );
+                assert!(ch.stale_endpoints.is_empty());
+            }
+        }
+        // Ready and not serving beats not ready and serving at the same address: not active.
+        let mut st = ClusterState::new();
+        st.apply_slice(echo_slice("echo-a", vec![ep("10.244.1.2", true, false)]));
+        st.apply_slice(echo_slice("echo-b", vec![ep("10.244.1.2", false, true)]));
+        st.apply_service(key("echo"), echo_ports());
+        assert!(st.take_changes().newly_active_services.is_empty());
+        // A service with no ports that comes and goes within one take is no change.
+        st.apply_service(key("other"), Vec::new());
+        assert!(st.take_changes().changed_services.is_empty());
     }
 
     #[test]
