@@ -69,7 +69,11 @@ fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
 ) -> anyhow::Result<()> {
-    single_heap();
+    let arenas = match opts.source {
+        nftkube::config::SourceSpec::Manifests(_) => nftkube::heap::Arenas::PerCpu,
+        nftkube::config::SourceSpec::Kube(_) => nftkube::heap::Arenas::One,
+    };
+    nftkube::heap::configure(arenas);
     let ports = opts
         .admin
         .iter()
@@ -98,18 +102,6 @@ fn start_proxy(
     let (stop, inbox) = nftkube::agent::Inbox::new();
     forward_stop_signals(signals, stop)?;
     nftkube::agent::run_proxy(&opts, inbox)
-}
-
-/// One malloc arena for every thread. The manifest source parses on threads of its own and hands what it
-/// parsed to the proxy loop; with an arena per thread, the memory the parse freed could not be reused by the
-/// loop's render and index, which then took fresh pages: peak RSS 51 MiB instead of 42 at 10k services,
-/// 184 instead of 152 at 50k. The parse was no slower with one arena (its allocations are a small part of
-/// its time).
-fn single_heap() {
-    // SAFETY: mallopt only sets a glibc allocator parameter; called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
 }
 
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
