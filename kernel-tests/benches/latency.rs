@@ -20,6 +20,8 @@
 //! `cargo bench -p kernel-tests --bench latency -- 100000 10 0`. Arguments: COLD_SIZES (comma-separated; 0 or
 //! empty skips part 1), ENDPOINTS per service, CHANGES (0 skips part 2), CHURN_SECONDS. Root (namespaces);
 //! the release binary must be built (`cargo build --release --bins`), or named by `NFTKUBE_BIN`.
+//! `NFTKUBE_BENCH_COLD_SOURCES` (comma-separated, of `yaml`, `json`, `api`; default all three) picks the cold
+//! runs' sources; the library's anchor always runs.
 
 use kernel_tests::fake_api::FakeApi;
 use kernel_tests::sandbox::{self, parse_answer, tcp_request_here, Sandbox};
@@ -365,54 +367,61 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
         let cluster = Cluster { n, endpoints };
         let library = library_cold(&cluster);
         push("library: render + commit (s)", col, secs(library));
+        let sources = cold_sources();
 
-        let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
-        cluster.write_manifests(&dir);
-        let (wall, rss) = binary_cold(bin, Source::Manifests(&dir));
-        let _ = std::fs::remove_dir_all(&dir);
-        push(
-            "binary from YAML manifests: first sync (s)",
-            col,
-            secs(wall),
-        );
-        push(
-            "  ratio: binary (manifests) / library",
-            col,
-            ratio(wall, library),
-        );
-        push("  peak RSS (MiB)", col, mib(rss));
+        if sources.contains(&"yaml") {
+            let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
+            cluster.write_manifests(&dir);
+            let (wall, rss) = binary_cold(bin, Source::Manifests(&dir));
+            let _ = std::fs::remove_dir_all(&dir);
+            push(
+                "binary from YAML manifests: first sync (s)",
+                col,
+                secs(wall),
+            );
+            push(
+                "  ratio: binary (manifests) / library",
+                col,
+                ratio(wall, library),
+            );
+            push("  peak RSS (MiB)", col, mib(rss));
+        }
 
-        let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
-        cluster.write_json_manifests(&dir);
-        let (wall, rss) = binary_cold(bin, Source::Manifests(&dir));
-        let _ = std::fs::remove_dir_all(&dir);
-        push(
-            "binary from JSON manifests (a List per file): first sync (s)",
-            col,
-            secs(wall),
-        );
-        push(
-            "  ratio: binary (JSON) / library",
-            col,
-            ratio(wall, library),
-        );
-        push("  peak RSS (MiB)  ", col, mib(rss));
+        if sources.contains(&"json") {
+            let dir = std::env::temp_dir().join(unique_name("nftkube-latency"));
+            cluster.write_json_manifests(&dir);
+            let (wall, rss) = binary_cold(bin, Source::Manifests(&dir));
+            let _ = std::fs::remove_dir_all(&dir);
+            push(
+                "binary from JSON manifests (a List per file): first sync (s)",
+                col,
+                secs(wall),
+            );
+            push(
+                "  ratio: binary (JSON) / library",
+                col,
+                ratio(wall, library),
+            );
+            push("  peak RSS (MiB)  ", col, mib(rss));
+        }
 
-        let ns = NetNs::create(&unique_name("nklat")).unwrap();
-        // The API is served on the namespace's loopback.
-        ns.run(|| nftkube::netns::set_link_up("lo"))
-            .unwrap()
-            .expect("loopback up");
-        let api = FakeApi::in_namespace(&ns);
-        cluster.load_api(&api);
-        let (wall, rss) = binary_cold_in(bin, &ns, Source::Api(&api));
-        push(
-            "binary from the API (paged lists): first sync (s)",
-            col,
-            secs(wall),
-        );
-        push("  ratio: binary (API) / library", col, ratio(wall, library));
-        push("  peak RSS (MiB) ", col, mib(rss));
+        if sources.contains(&"api") {
+            let ns = NetNs::create(&unique_name("nklat")).unwrap();
+            // The API is served on the namespace's loopback.
+            ns.run(|| nftkube::netns::set_link_up("lo"))
+                .unwrap()
+                .expect("loopback up");
+            let api = FakeApi::in_namespace(&ns);
+            cluster.load_api(&api);
+            let (wall, rss) = binary_cold_in(bin, &ns, Source::Api(&api));
+            push(
+                "binary from the API (paged lists): first sync (s)",
+                col,
+                secs(wall),
+            );
+            push("  ratio: binary (API) / library", col, ratio(wall, library));
+            push("  peak RSS (MiB) ", col, mib(rss));
+        }
     }
     println!();
     println!(
@@ -427,6 +436,22 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
     for (name, cells) in rows {
         println!("| {name} | {} |", cells.join(" | "));
     }
+}
+
+/// The cold runs' sources, from `NFTKUBE_BENCH_COLD_SOURCES` (all three by default).
+fn cold_sources() -> Vec<&'static str> {
+    let all = ["yaml", "json", "api"];
+    let Ok(chosen) = std::env::var("NFTKUBE_BENCH_COLD_SOURCES") else {
+        return all.to_vec();
+    };
+    let chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
+    for c in &chosen {
+        assert!(
+            all.contains(c),
+            "NFTKUBE_BENCH_COLD_SOURCES: {c:?} is none of {all:?}"
+        );
+    }
+    all.into_iter().filter(|s| chosen.contains(s)).collect()
 }
 
 /// The library's cold full sync in a fresh namespace: render + one commit (chunked as the agent's).
