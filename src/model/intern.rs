@@ -36,9 +36,15 @@ impl Topology {
 ///
 /// Values nobody else holds any more are dropped when the set has doubled since the last sweep, so the
 /// set stays within twice the live values (plus a small floor) at amortised O(1) per insertion.
+///
+/// Hashed with foldhash, not the std hasher's SipHash: every endpoint's topology is looked up here at
+/// least once on its way into the store (three times from the API: the watcher's conversion, its held-back
+/// list, the store). From the API at a million endpoints the cold sync took 0.25–0.3 s less (two
+/// interleaved pairs of runs). A hash here only finds candidates, which are compared whole, so its
+/// strength decides no result; foldhash is seeded per process, like the std hasher.
 #[derive(Debug)]
 pub struct Interner<T: ?Sized + Eq + Hash> {
-    set: HashSet<Arc<T>>,
+    set: HashSet<Arc<T>, foldhash::fast::RandomState>,
     /// Size after the last sweep: the next sweep runs at twice this.
     swept_len: usize,
 }
@@ -46,7 +52,7 @@ pub struct Interner<T: ?Sized + Eq + Hash> {
 impl<T: ?Sized + Eq + Hash> Default for Interner<T> {
     fn default() -> Self {
         Interner {
-            set: HashSet::new(),
+            set: HashSet::default(),
             swept_len: 0,
         }
     }
