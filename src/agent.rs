@@ -302,6 +302,9 @@ fn render_all(state: &ClusterState, cfg: &RenderConfig) -> BTreeMap<ServicePortN
         }
         pieces
     };
+    if names.len() <= per_thread {
+        return render_run(&names).into_iter().collect();
+    }
     std::thread::scope(|scope| {
         let runs: Vec<_> = names
             .chunks(per_thread)
@@ -407,6 +410,61 @@ mod tests {
 
     fn served_on(ip: &str) -> NodePortAddresses {
         NodePortAddresses::Only(vec![ip.parse().unwrap()])
+    }
+
+    /// Enough services for several render threads: the same pieces as one service after another.
+    #[test]
+    fn a_full_render_on_every_cpu_gives_the_pieces_of_a_render_service_by_service() {
+        use crate::model::{IpFamily, Protocol, ServicePort, SliceEndpoint, SliceInfo, SlicePort};
+        let mut state = ClusterState::new();
+        let services = 3 * SERVICES_PER_THREAD + 7;
+        for i in 0..services {
+            let (a, b) = (i / 250, i % 250);
+            let name = ServicePortName {
+                service: NamespacedName::new("ns", format!("svc{i}")),
+                port: "http".into(),
+                protocol: Protocol::Tcp,
+            };
+            let ip = format!("10.96.{a}.{b}").parse().unwrap();
+            state.apply_service(
+                name.service.clone(),
+                vec![ServicePort::cluster_ip(name, vec![ip], 80)],
+            );
+            state.apply_slice(SliceInfo {
+                namespace: "ns".into(),
+                name: format!("svc{i}-x").into(),
+                service: format!("svc{i}").into(),
+                address_type: IpFamily::V4,
+                ports: vec![SlicePort {
+                    name: "http".into(),
+                    port: 8080,
+                    protocol: Protocol::Tcp,
+                }],
+                endpoints: (1..=2)
+                    .map(|e| {
+                        SliceEndpoint::new(
+                            format!("10.{e}.{a}.{b}").parse().unwrap(),
+                            true,
+                            true,
+                            false,
+                        )
+                    })
+                    .collect(),
+            });
+        }
+        let cfg = RenderConfig::default();
+        let mut one_by_one = BTreeMap::new();
+        for name in state.service_names() {
+            let endpoints = state.service_endpoints(&name);
+            for sp in state.service_ports(&name) {
+                one_by_one.insert(
+                    sp.name.clone(),
+                    render::service_pieces(sp, endpoints.get(&sp.name), &cfg),
+                );
+            }
+        }
+        assert_eq!(one_by_one.len(), services);
+        assert_eq!(render_all(&state, &cfg), one_by_one);
     }
 
     #[test]
