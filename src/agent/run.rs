@@ -177,11 +177,14 @@ impl ProxyLoop<'_> {
         if events.is_empty() {
             return;
         }
-        let large = events.len() >= LARGE_BATCH;
+        // A large batch frees much (the objects it replaces): hand that back, but not page by page while
+        // the API source streams its first list (see `source::kube`), only once at its end.
+        let mut trim = events.len() >= LARGE_BATCH && self.synced;
         for ev in events {
             self.observer.on_event(&ev);
             if ev == Event::Synced && !self.synced {
                 self.synced = true;
+                trim = true;
                 tracing::info!(
                     services = self.state.service_map().len(),
                     "source synced: complete snapshot received"
@@ -193,7 +196,7 @@ impl ProxyLoop<'_> {
             }
             apply_event(&mut self.state, ev);
         }
-        if large {
+        if trim {
             crate::agent::release_free_memory();
         }
         self.request_sync();

@@ -13,10 +13,13 @@
 //!   EndpointSlices completed their first list. The proxy loop does not touch the kernel before it.
 //! - **An unreachable API flushes nothing.** Errors only delay events; nothing is deleted because a
 //!   list failed.
-//! - **A relist is applied whole.** The objects of a relist (the first list, or one after `410 Gone`) are
+//! - **A relist is applied whole.** The objects of a relist (one after `410 Gone` or a failed watch) are
 //!   compared with what was emitted as they arrive and only the differences are buffered; when the list
 //!   is complete, the differences (changes, then deletions of whatever the list no longer has) go out as
-//!   one batch, so the proxy loop never syncs half of it.
+//!   one batch, so the proxy loop never syncs half of it. A kind's first list goes out as it arrives
+//!   instead, a page at a time: nothing is synced before `Synced` anyway, and the proxy loop stores one page
+//!   while the next is read (a first list interrupted and started again deletes, when it completes, what
+//!   the earlier attempt emitted and it no longer has).
 //! - **Small memory.** Objects are converted to model types as they arrive and dropped; per object only
 //!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model).
 //! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
@@ -302,6 +305,40 @@ impl Tracker {
         self.emitted.insert(shared, print);
     }
 
+    /// An object of this kind's first list (see the module documentation): emitted at once if it differs
+    /// from what an interrupted earlier attempt emitted, and marked seen so that `InitDone` keeps it.
+    fn first_list_apply(
+        &mut self,
+        key: NamespacedName,
+        obj: Converted,
+        started: SystemTime,
+        skipped: &mut u64,
+        out: &mut Vec<Event>,
+    ) {
+        let emitted = self.emitted_print(&key);
+        let seen = self.shared_key(&key, None);
+        let relist = self.relist.get_or_insert_with(Relist::default);
+        match obj.model {
+            Ok(Some(model)) => {
+                relist.seen.insert(seen);
+                let print = fingerprint(&model);
+                if emitted != Some(print) {
+                    self.remember(&key, &model, print);
+                    emit_applied(out, &key, model, obj.trigger, started);
+                }
+            }
+            // Ignored by the proxy: not seen, so deleted at InitDone if an earlier attempt emitted it.
+            Ok(None) => {
+                relist.seen.remove(&seen);
+            }
+            Err(reason) => {
+                *skipped += 1;
+                warn_malformed(self.kind, &key, &reason);
+                relist.seen.insert(seen);
+            }
+        }
+    }
+
     /// Forgets `key`; whether it had been emitted.
     fn forget(&mut self, key: &NamespacedName) -> bool {
         self.emitted.remove::<dyn NameKey>(key).is_some()
@@ -370,6 +407,10 @@ impl Coordinator {
                     );
                     return out;
                 };
+                if !tracker.listed {
+                    tracker.first_list_apply(key, obj, started, skipped, &mut out);
+                    return self.with_synced(out);
+                }
                 let emitted = tracker.emitted_print(&key);
                 let seen = tracker.shared_key(&key, None);
                 let relist = tracker.relist.get_or_insert_with(Relist::default);
@@ -464,6 +505,11 @@ impl Coordinator {
                 }
             }
         }
+        self.with_synced(out)
+    }
+
+    /// `out`, and `Synced` after it once both Services and EndpointSlices have completed their first list.
+    fn with_synced(&mut self, mut out: Vec<Event>) -> Vec<Event> {
         if !self.synced && self.services.listed && self.slices.listed {
             self.synced = true;
             out.push(Event::Synced);
@@ -731,26 +777,32 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
                 .boxed(),
         );
     }
-    let mut all = futures::stream::select_all(streams);
+    // What is ready at once goes out as one batch: a first list's page (it is emitted as it arrives, see
+    // the module documentation) wakes the proxy loop once, not once per object.
+    let mut all = futures::stream::select_all(streams).ready_chunks(READY_ITEMS);
     let mut coordinator = Coordinator::default();
-    while let Some((kind, item)) = all.next().await {
-        match item {
-            Ok(ev) => {
-                let batch = coordinator.handle(kind, ev);
-                if !batch.is_empty() && tx.send(batch).is_err() {
-                    return;
+    while let Some(items) = all.next().await {
+        let mut batch = Vec::new();
+        for (kind, item) in items {
+            match item {
+                Ok(ev) => batch.extend(coordinator.handle(kind, ev)),
+                Err(e) => {
+                    WATCH_ERRORS[kind as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        kind = kind.as_str(),
+                        "API watch failed (retrying with backoff; the programmed rules stay): {e}"
+                    );
                 }
             }
-            Err(e) => {
-                WATCH_ERRORS[kind as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(
-                    kind = kind.as_str(),
-                    "API watch failed (retrying with backoff; the programmed rules stay): {e}"
-                );
-            }
+        }
+        if !batch.is_empty() && tx.send(batch).is_err() {
+            return;
         }
     }
 }
+
+/// At most this many watcher items in one batch (two list pages of 500).
+const READY_ITEMS: usize = 1000;
 
 #[cfg(test)]
 mod tests {
@@ -824,11 +876,11 @@ mod tests {
         };
         // From a list and from a watch event: the key is the emitted slice's name.
         c.handle(Kind::EndpointSlice, e(W::Init));
-        c.handle(
+        let listed = slice_name(&c.handle(
             Kind::EndpointSlice,
             e(W::InitApply(slice("a-1", "a", &["10.244.1.2"], None))),
-        );
-        let listed = slice_name(&c.handle(Kind::EndpointSlice, e(W::InitDone)));
+        ));
+        c.handle(Kind::EndpointSlice, e(W::InitDone));
         assert!(Arc::ptr_eq(&key(&c, "a-1").name, &listed));
         let out = c.handle(
             Kind::EndpointSlice,
@@ -853,7 +905,7 @@ mod tests {
         assert_eq!(c.slices.emitted.len(), 1);
     }
 
-    /// The slices a list holds back until it completes share one copy of each topology (a million endpoints
+    /// The slices a relist holds back until it completes share one copy of each topology (a million endpoints
     /// on a thousand nodes: a thousand copies, not a million).
     #[test]
     fn a_lists_slices_share_topologies_while_held_back() {
@@ -863,6 +915,9 @@ mod tests {
             s
         };
         let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        // A relist (the first list is not held back).
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        c.handle(Kind::EndpointSlice, e(W::InitDone));
         c.handle(Kind::EndpointSlice, e(W::Init));
         for (name, ip) in [("a-1", "10.244.1.2"), ("b-1", "10.244.1.3")] {
             c.handle(Kind::EndpointSlice, e(W::InitApply(on_node(name, ip))));
@@ -880,12 +935,10 @@ mod tests {
     fn synced_only_after_both_lists() {
         let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
         assert!(c.handle(Kind::Service, s(W::Init)).is_empty());
-        // Listed objects are held back until the list is complete.
-        assert!(c
-            .handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))))
-            .is_empty());
-        let out = c.handle(Kind::Service, s(W::InitDone));
+        // A first list's objects go out as they arrive; Synced waits for both lists.
+        let out = c.handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))));
         assert_eq!(names(&out), ["svc+ ns/a 1"]);
+        assert!(c.handle(Kind::Service, s(W::InitDone)).is_empty());
         assert!(!c.synced());
         // The node's list does not gate the sync.
         c.handle(Kind::Node, map_event(W::<Node>::Init, Converted::node));
@@ -894,17 +947,49 @@ mod tests {
                 .contains(&"synced".to_string())
         );
         c.handle(Kind::EndpointSlice, e(W::Init));
-        c.handle(
+        let out = c.handle(
             Kind::EndpointSlice,
             e(W::InitApply(slice("a-1", "a", &["10.244.1.2"], None))),
         );
+        assert_eq!(names(&out), ["slice+ ns/a-1 1"]);
         let out = c.handle(Kind::EndpointSlice, e(W::InitDone));
-        assert_eq!(names(&out), ["slice+ ns/a-1 1", "synced"]);
+        assert_eq!(names(&out), ["synced"]);
         assert!(c.synced());
         // Synced is sent once.
         c.handle(Kind::Service, s(W::Init));
         c.handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))));
         assert!(c.handle(Kind::Service, s(W::InitDone)).is_empty());
+    }
+
+    /// A first list streams; one interrupted and started again ends with the deletion of what the earlier
+    /// attempt emitted and the new one does not have, and nothing it emitted twice.
+    #[test]
+    fn a_first_list_goes_out_as_it_arrives_and_a_restarted_one_deletes_what_it_lost() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        c.handle(Kind::Service, s(W::Init));
+        let mut out = c.handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))));
+        out.extend(c.handle(Kind::Service, s(W::InitApply(svc("b", "10.96.0.2")))));
+        assert_eq!(names(&out), ["svc+ ns/a 1", "svc+ ns/b 1"]);
+        // The list fails and starts again: a unchanged, b gone, c new, d malformed (skipped).
+        assert!(c.handle(Kind::Service, s(W::Init)).is_empty());
+        assert!(c
+            .handle(Kind::Service, s(W::InitApply(svc("a", "10.96.0.1"))))
+            .is_empty());
+        let out = c.handle(Kind::Service, s(W::InitApply(svc("c", "10.96.0.3"))));
+        assert_eq!(names(&out), ["svc+ ns/c 1"]);
+        let mut bad = svc("d", "10.96.0.4");
+        bad.spec.as_mut().unwrap().cluster_ip = Some("not an address".into());
+        assert!(c.handle(Kind::Service, s(W::InitApply(bad))).is_empty());
+        assert_eq!(c.skipped, 1);
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(names(&out), ["svc- ns/b"]);
+        // Later relists are held back again.
+        c.handle(Kind::Service, s(W::Init));
+        assert!(c
+            .handle(Kind::Service, s(W::InitApply(svc("e", "10.96.0.5"))))
+            .is_empty());
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(names(&out), ["svc+ ns/e 1", "svc- ns/a", "svc- ns/c"]);
     }
 
     #[test]
@@ -913,10 +998,11 @@ mod tests {
         c.handle(Kind::EndpointSlice, e(W::Init));
         c.handle(Kind::EndpointSlice, e(W::InitDone));
         c.handle(Kind::Service, s(W::Init));
+        let mut out = Vec::new();
         for (n, ip) in [("a", "10.96.0.1"), ("b", "10.96.0.2"), ("c", "10.96.0.3")] {
-            c.handle(Kind::Service, s(W::InitApply(svc(n, ip))));
+            out.extend(c.handle(Kind::Service, s(W::InitApply(svc(n, ip)))));
         }
-        let out = c.handle(Kind::Service, s(W::InitDone));
+        out.extend(c.handle(Kind::Service, s(W::InitDone)));
         assert_eq!(out.len(), 4, "{:?}", names(&out));
         let mut state = ClusterState::new();
         for ev in out {
@@ -1024,7 +1110,7 @@ mod tests {
         c.handle(Kind::Service, s(W::InitDone));
         c.handle(Kind::EndpointSlice, e(W::Init));
         // A trigger time from before the start is not measured.
-        c.handle(
+        let out = c.handle(
             Kind::EndpointSlice,
             e(W::InitApply(slice(
                 "web-1",
@@ -1033,8 +1119,9 @@ mod tests {
                 Some("2024-05-01T09:59:00Z"),
             ))),
         );
+        assert_eq!(names(&out), ["slice+ ns/web-1 1"]);
         let out = c.handle(Kind::EndpointSlice, e(W::InitDone));
-        assert_eq!(names(&out), ["slice+ ns/web-1 1", "synced"]);
+        assert_eq!(names(&out), ["synced"]);
         let out = c.handle(
             Kind::EndpointSlice,
             e(W::Apply(slice(
