@@ -283,14 +283,12 @@ pub fn sync_once<B: crate::nft::Backend>(
 }
 
 /// Every service's pieces, for a full sync. Service by service, so the endpoints of the whole cluster are
-/// never materialised at once, and on every CPU (see [`crate::heap`]): contiguous runs of services rendered
-/// apart and joined in name order (below [`SERVICES_PER_THREAD`] services a thread costs more than it saves).
+/// never materialised at once, and on every CPU: contiguous runs of services rendered apart and joined in
+/// name order (below [`SERVICES_PER_THREAD`] services a thread costs more than it saves).
 fn render_all(state: &ClusterState, cfg: &RenderConfig) -> BTreeMap<ServicePortName, Vec<Piece>> {
     let names: Vec<NamespacedName> = state.service_names().into_iter().collect();
-    let per_thread = names
-        .len()
-        .div_ceil(crate::heap::parallelism())
-        .max(SERVICES_PER_THREAD);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = names.len().div_ceil(threads).max(SERVICES_PER_THREAD);
     let render_run = |run: &[NamespacedName]| {
         let mut pieces = Vec::new();
         for name in run {

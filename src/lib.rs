@@ -5,7 +5,6 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod conntrack;
-pub mod heap;
 pub mod metrics;
 pub mod model;
 pub mod netlink;

@@ -528,11 +528,10 @@ fn parse_parallel(documents: &[Document]) -> Vec<Snapshot> {
     })
 }
 
-/// Splits `items` into contiguous runs of about the same number of bytes (`len` of each), one per CPU
-/// ([`crate::heap::parallelism`]), but none under [`MIN_BYTES_PER_THREAD`]: a single run when threads would
-/// cost more than they save.
+/// Splits `items` into contiguous runs of about the same number of bytes (`len` of each), one per CPU, but
+/// none under [`MIN_BYTES_PER_THREAD`]: a single run when threads would cost more than they save.
 fn split_runs<T>(items: &[T], len: impl Fn(&T) -> usize) -> Vec<&[T]> {
-    let threads = crate::heap::parallelism();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let total: usize = items.iter().map(&len).sum();
     let runs = threads.min(total / MIN_BYTES_PER_THREAD).max(1);
     let mut chunks = Vec::with_capacity(runs);
