@@ -305,40 +305,6 @@ impl Tracker {
         self.emitted.insert(shared, print);
     }
 
-    /// An object of this kind's first list (see the module documentation): emitted at once if it differs
-    /// from what an interrupted earlier attempt emitted, and marked seen so that `InitDone` keeps it.
-    fn first_list_apply(
-        &mut self,
-        key: NamespacedName,
-        obj: Converted,
-        started: SystemTime,
-        skipped: &mut u64,
-        out: &mut Vec<Event>,
-    ) {
-        let emitted = self.emitted_print(&key);
-        let seen = self.shared_key(&key, None);
-        let relist = self.relist.get_or_insert_with(Relist::default);
-        match obj.model {
-            Ok(Some(model)) => {
-                relist.seen.insert(seen);
-                let print = fingerprint(&model);
-                if emitted != Some(print) {
-                    self.remember(&key, &model, print);
-                    emit_applied(out, &key, model, obj.trigger, started);
-                }
-            }
-            // Ignored by the proxy: not seen, so deleted at InitDone if an earlier attempt emitted it.
-            Ok(None) => {
-                relist.seen.remove(&seen);
-            }
-            Err(reason) => {
-                *skipped += 1;
-                warn_malformed(self.kind, &key, &reason);
-                relist.seen.insert(seen);
-            }
-        }
-    }
-
     /// Forgets `key`; whether it had been emitted.
     fn forget(&mut self, key: &NamespacedName) -> bool {
         self.emitted.remove::<dyn NameKey>(key).is_some()
@@ -407,14 +373,20 @@ impl Coordinator {
                     );
                     return out;
                 };
-                if !tracker.listed {
-                    tracker.first_list_apply(key, obj, started, skipped, &mut out);
-                    return self.with_synced(out);
-                }
+                // A kind's first list goes out as it arrives; later ones are held back (module docs).
+                let first_list = !tracker.listed;
                 let emitted = tracker.emitted_print(&key);
                 let seen = tracker.shared_key(&key, None);
                 let relist = tracker.relist.get_or_insert_with(Relist::default);
                 match obj.model {
+                    Ok(Some(model)) if first_list => {
+                        relist.seen.insert(seen);
+                        let print = fingerprint(&model);
+                        if emitted != Some(print) {
+                            tracker.remember(&key, &model, print);
+                            emit_applied(&mut out, &key, model, obj.trigger, started);
+                        }
+                    }
                     Ok(Some(mut model)) => {
                         if let Model::Slice(slice) = &mut model {
                             slice.share_values(&mut relist.shared);
@@ -505,11 +477,6 @@ impl Coordinator {
                 }
             }
         }
-        self.with_synced(out)
-    }
-
-    /// `out`, and `Synced` after it once both Services and EndpointSlices have completed their first list.
-    fn with_synced(&mut self, mut out: Vec<Event>) -> Vec<Event> {
         if !self.synced && self.services.listed && self.slices.listed {
             self.synced = true;
             out.push(Event::Synced);
