@@ -265,21 +265,30 @@ pub fn sync_once<B: crate::nft::Backend>(
     }
     let mut updates = Vec::new();
     for name in changed {
-        let endpoints = state.service_endpoints(name);
-        let current = state.service_ports(name);
-        for sp in &current {
-            updates.push((
-                sp.name.clone(),
-                render::service_pieces(sp, endpoints.get(&sp.name), cfg),
-            ));
-        }
+        let from = updates.len();
+        render_service(state, name, cfg, &mut updates);
+        let current = updates.len();
         for old in engine.committed_ports(name) {
-            if !current.iter().any(|sp| sp.name == old) {
+            if !updates[from..current].iter().any(|(port, _)| *port == old) {
                 updates.push((old, Vec::new()));
             }
         }
     }
     engine.sync_partial(updates)
+}
+
+/// The pieces of each of one service's ports, appended to `out` in port name order.
+fn render_service(
+    state: &ClusterState,
+    name: &NamespacedName,
+    cfg: &RenderConfig,
+    out: &mut Vec<(ServicePortName, Vec<Piece>)>,
+) {
+    let endpoints = state.service_endpoints(name);
+    for sp in state.service_ports(name) {
+        let pieces = render::service_pieces(sp, endpoints.get(&sp.name), cfg);
+        out.push((sp.name.clone(), pieces));
+    }
 }
 
 /// Every service's pieces, for a full sync. Service by service, so the endpoints of the whole cluster are
@@ -292,11 +301,7 @@ fn render_all(state: &ClusterState, cfg: &RenderConfig) -> BTreeMap<ServicePortN
     let render_run = |run: &[NamespacedName]| {
         let mut pieces = Vec::new();
         for name in run {
-            let endpoints = state.service_endpoints(name);
-            for sp in state.service_ports(name) {
-                let rendered = render::service_pieces(sp, endpoints.get(&sp.name), cfg);
-                pieces.push((sp.name.clone(), rendered));
-            }
+            render_service(state, name, cfg, &mut pieces);
         }
         pieces
     };
@@ -451,17 +456,12 @@ mod tests {
             });
         }
         let cfg = RenderConfig::default();
-        let mut one_by_one = BTreeMap::new();
+        let mut one_by_one = Vec::new();
         for name in state.service_names() {
-            let endpoints = state.service_endpoints(&name);
-            for sp in state.service_ports(&name) {
-                one_by_one.insert(
-                    sp.name.clone(),
-                    render::service_pieces(sp, endpoints.get(&sp.name), &cfg),
-                );
-            }
+            render_service(&state, &name, &cfg, &mut one_by_one);
         }
         assert_eq!(one_by_one.len(), services);
+        let one_by_one: BTreeMap<_, _> = one_by_one.into_iter().collect();
         assert_eq!(render_all(&state, &cfg), one_by_one);
     }
 
