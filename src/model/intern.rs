@@ -38,8 +38,8 @@ impl Topology {
 /// set stays within twice the live values (plus a small floor) at amortised O(1) per insertion.
 ///
 /// Hashed with foldhash, not the std hasher's SipHash: every endpoint's topology is looked up here at
-/// least once on its way into the store (three times from the API: the watcher's conversion, its held-back
-/// list, the store). From the API at a million endpoints the cold sync took 0.25–0.3 s less (two
+/// least once on its way into the store (from the API twice, the watcher's conversion and the store, and a
+/// third time in a held-back relist). From the API at a million endpoints the cold sync took 0.25–0.3 s less (two
 /// interleaved pairs of runs). A hash here only finds candidates, which are compared whole, so its
 /// strength decides no result; foldhash is seeded per process, like the std hasher.
 #[derive(Debug)]

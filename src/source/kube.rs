@@ -253,8 +253,8 @@ struct Relist {
     seen: HashSet<SharedName>,
     changed: BTreeMap<NamespacedName, (u64, Model, Option<SystemTime>)>,
     /// One copy of each namespace, port name and endpoint topology among the slices held in `changed`
-    /// until the list completes: a first list of a million endpoints held a topology per endpoint
-    /// (111 MB) where the store keeps one per node.
+    /// until the list completes: a million endpoints held back would keep a topology per endpoint
+    /// (111 MB, measured when the first list was held back too) where the store keeps one per node.
     shared: SharedValues,
 }
 
