@@ -247,21 +247,28 @@ impl ManifestSource {
         self.fingerprint.is_some()
     }
 
-    /// A complete snapshot (Applied for every object) followed by `Event::Synced`. Forgets anything
-    /// emitted before.
+    /// A complete snapshot (Applied for every object, in key order) followed by `Event::Synced`. Forgets
+    /// anything emitted before.
     pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
+        let mut events = Vec::new();
+        let errors = self.initial_streamed(&mut |batch| events.extend(batch));
+        // Synced stays last: it has no key, and the sort is stable.
+        events.sort_by(|a, b| event_key(a).cmp(&event_key(b)));
+        (events, errors)
+    }
+
+    /// What [`ManifestSource::initial`] gives, handed to `send` a batch at a time while the files are
+    /// parsed, in the files' order, so that the consumer can start on the first objects before the last
+    /// are parsed; the last batch is `Event::Synced`. Returns the errors.
+    pub fn initial_streamed(&mut self, send: &mut dyn FnMut(Vec<Event>)) -> Vec<SourceError> {
         self.fingerprint = Some(self.fingerprint());
-        let snap = self.read();
-        let mut events = Vec::with_capacity(snap.objects.len() + 1);
-        let mut emitted = Vec::with_capacity(snap.objects.len());
-        for (key, (object, origin)) in snap.objects {
-            emitted.push((key.clone(), Emitted::of(&object, origin)));
-            events.push(applied(key, object));
-        }
+        let mut first = FirstRead::default();
+        self.read_into(&mut |part| send(first.take(part)));
+        let (emitted, errors) = first.finish();
         self.emitted = emitted;
-        self.clean = snap.errors.is_empty();
-        events.push(Event::Synced);
-        (events, snap.errors)
+        self.clean = errors.is_empty();
+        send(vec![Event::Synced]);
+        errors
     }
 
     /// If any file changed (mtime, ctime, size, inode, or the set of files), re-reads and returns the
@@ -293,7 +300,7 @@ impl ManifestSource {
             return None;
         };
         let present = changed.iter().filter(|p| listed.contains_key(*p)).cloned();
-        let mut snap = self.read_files(present.collect());
+        let mut snap = self.read_merged(present.collect());
         if !snap.errors.is_empty() {
             return None;
         }
@@ -377,12 +384,19 @@ impl ManifestSource {
         Ok(out)
     }
 
-    /// Reads every file: the documents are parsed in parallel, in contiguous runs of the files' order, and
-    /// merged in that order, so the first definition of an object still wins.
+    /// Reads every file: the documents are parsed in parallel, in units of the files' order, and merged in
+    /// that order, so the first definition of an object still wins.
     fn read(&mut self) -> Snapshot {
+        let mut snap = Snapshot::default();
+        self.read_into(&mut |part| merge(&mut snap, part));
+        snap
+    }
+
+    /// Reads every file, handing the parts of the snapshot to `part` in the files' order.
+    fn read_into(&mut self, part: &mut dyn FnMut(Snapshot)) {
         self.files_read = 0;
         match self.files() {
-            Ok(files) => self.read_files(files),
+            Ok(files) => self.read_files(files, part),
             Err(reason) => {
                 let mut snap = Snapshot {
                     unreadable: true,
@@ -390,15 +404,22 @@ impl ManifestSource {
                 };
                 let path = self.path.clone();
                 report(&mut snap, SourceError::of_file(path, reason));
-                snap
+                part(snap);
             }
         }
     }
 
-    /// Reads `files`, in their order (see [`ManifestSource::read`]).
-    fn read_files(&mut self, files: Vec<PathBuf>) -> Snapshot {
-        self.files_read = files.len();
+    /// Reads `files`, in their order, merged into one snapshot.
+    fn read_merged(&mut self, files: Vec<PathBuf>) -> Snapshot {
         let mut snap = Snapshot::default();
+        self.read_files(files, &mut |part| merge(&mut snap, part));
+        snap
+    }
+
+    /// Reads `files`, handing the parts of their snapshot to `part` in the files' order (see
+    /// [`parse_in_order`]).
+    fn read_files(&mut self, files: Vec<PathBuf>, part: &mut dyn FnMut(Snapshot)) {
+        self.files_read = files.len();
         // In batches of files, so that the texts held at once stay bounded whatever the directory holds.
         let mut batch: Vec<(Arc<PathBuf>, String)> = Vec::new();
         let mut batch_bytes = 0;
@@ -410,8 +431,10 @@ impl ManifestSource {
                     batch.push((Arc::new(path), text));
                 }
                 Err(reason) => {
-                    snap.tainted.insert(path.clone());
-                    report(&mut snap, SourceError::of_file(path, reason));
+                    let mut failed = Snapshot::default();
+                    failed.tainted.insert(path.clone());
+                    report(&mut failed, SourceError::of_file(path, reason));
+                    part(failed);
                 }
             }
             if batch_bytes >= READ_BATCH_BYTES || files.peek().is_none() {
@@ -419,14 +442,63 @@ impl ManifestSource {
                     .iter()
                     .flat_map(|(path, text)| documents_of(path, text))
                     .collect();
-                for part in parse_parallel(&documents) {
-                    merge(&mut snap, part);
-                }
+                parse_in_order(&documents, part);
                 batch.clear();
                 batch_bytes = 0;
             }
         }
-        snap
+    }
+}
+
+/// The first read, emitted while it is parsed: of each part, the objects no earlier part defined (the first
+/// definition wins, as in `merge`), and what `emitted` keeps of them.
+#[derive(Default)]
+struct FirstRead {
+    seen: BTreeMap<ObjectKey, (u64, Origin)>,
+    errors: Vec<SourceError>,
+}
+
+impl FirstRead {
+    /// The Applied events of `part`'s new objects.
+    fn take(&mut self, part: Snapshot) -> Vec<Event> {
+        self.errors.extend(part.errors);
+        let mut events = Vec::with_capacity(part.objects.len());
+        for (key, (object, origin)) in part.objects {
+            if let Some((_, first)) = self.seen.get(&key) {
+                let err = duplicate_error(&key, &origin, first);
+                tracing::warn!("{err}");
+                self.errors.push(err);
+                continue;
+            }
+            self.seen
+                .insert(key.clone(), (fingerprint_of(&object), origin));
+            events.push(applied(key, object));
+        }
+        events
+    }
+
+    /// What was emitted, in key order, and every error.
+    fn finish(self) -> (Vec<(ObjectKey, Emitted)>, Vec<SourceError>) {
+        let emitted = self
+            .seen
+            .into_iter()
+            .map(|(key, (print, origin))| {
+                let path = origin.path;
+                (key, Emitted { print, path })
+            })
+            .collect();
+        (emitted, self.errors)
+    }
+}
+
+/// An event's object, for [`ManifestSource::initial`]'s order (None for `Synced`, last).
+fn event_key(ev: &Event) -> (bool, ObjectKind, &str, &str) {
+    match ev {
+        Event::ServiceApplied { key, .. } => {
+            (false, ObjectKind::Service, &key.namespace, &key.name)
+        }
+        Event::SliceApplied(s) => (false, ObjectKind::Slice, &s.namespace, &s.name),
+        _ => (true, ObjectKind::Slice, "", ""),
     }
 }
 
@@ -509,46 +581,118 @@ fn documents_of<'a>(path: &'a Arc<PathBuf>, text: &'a str) -> Vec<Document<'a>> 
         .collect()
 }
 
-/// Parses `documents` on up to one thread per CPU, each a contiguous run of about the same number of bytes;
-/// the snapshots come back in the documents' order.
-fn parse_parallel(documents: &[Document]) -> Vec<Snapshot> {
-    let chunks = split_runs(documents, |d| d.text.len());
-    if chunks.len() == 1 {
-        return vec![parse_documents(chunks[0])];
+/// Parses `documents` on every CPU, in units of about [`UNIT_BYTES`], and hands each unit's snapshot to
+/// `part` in the documents' order, as soon as it and the units before it are parsed.
+fn parse_in_order(documents: &[Document], part: &mut dyn FnMut(Snapshot)) {
+    let lists: Vec<Option<BigList>> = documents.iter().map(BigList::of).collect();
+    let mut units = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (d, list)) in documents.iter().zip(&lists).enumerate() {
+        let Some(list) = list else {
+            bytes += d.text.len();
+            if bytes >= UNIT_BYTES {
+                units.push(Unit::Documents(&documents[start..=i]));
+                (start, bytes) = (i + 1, 0);
+            }
+            continue;
+        };
+        if start < i {
+            units.push(Unit::Documents(&documents[start..i]));
+        }
+        (start, bytes) = (i + 1, 0);
+        for items in runs_of(&list.items, |(_, text)| text.len()) {
+            units.push(Unit::Items {
+                document: d,
+                list,
+                items,
+            });
+        }
     }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = chunks
-            .iter()
-            .map(|chunk| scope.spawn(move || parse_documents(chunk)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a manifest parser thread panicked"))
-            .collect()
-    })
+    if start < documents.len() {
+        units.push(Unit::Documents(&documents[start..]));
+    }
+    super::in_order::map_in_order(&units, Unit::parse, part);
 }
 
-/// Splits `items` into contiguous runs of about the same number of bytes (`len` of each), one per CPU, but
-/// none under [`MIN_BYTES_PER_THREAD`]: a single run when threads would cost more than they save.
-fn split_runs<T>(items: &[T], len: impl Fn(&T) -> usize) -> Vec<&[T]> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let total: usize = items.iter().map(&len).sum();
-    let runs = threads.min(total / MIN_BYTES_PER_THREAD).max(1);
-    let mut chunks = Vec::with_capacity(runs);
+/// What a parser thread takes at a time: a run of whole documents, or a run of one big List's items.
+enum Unit<'a> {
+    Documents(&'a [Document<'a>]),
+    Items {
+        document: &'a Document<'a>,
+        list: &'a BigList<'a>,
+        items: &'a [(usize, &'a str)],
+    },
+}
+
+impl Unit<'_> {
+    fn parse(&self) -> Snapshot {
+        match self {
+            Unit::Documents(documents) => parse_documents(documents),
+            Unit::Items {
+                document,
+                list,
+                items,
+            } => {
+                let mut snap = Snapshot::default();
+                let mut ctx = DocContext {
+                    path: document.path,
+                    document: document.index,
+                    snap: &mut snap,
+                };
+                ctx.raw_items(items, list.default_kind());
+                snap
+            }
+        }
+    }
+}
+
+/// A JSON List document of at least [`UNIT_BYTES`], its items found by one scan of the text, so that they are
+/// parsed a unit at a time (see [`RawList`]); smaller Lists are parsed whole, as any document.
+struct BigList<'a> {
+    kind: String,
+    api_version: String,
+    items: Vec<(usize, &'a str)>,
+}
+
+impl<'a> BigList<'a> {
+    fn of(d: &Document<'a>) -> Option<BigList<'a>> {
+        if !d.json || d.text.len() < UNIT_BYTES {
+            return None;
+        }
+        let list: RawList<'a> = serde_json::from_str(d.text).ok()?;
+        is_list_kind(&list.kind).then(|| BigList {
+            items: list.items.iter().map(|r| r.get()).enumerate().collect(),
+            kind: list.kind,
+            api_version: list.api_version,
+        })
+    }
+
+    /// The kind a typed list (`ServiceList`) gives items that name none.
+    fn default_kind(&self) -> Option<(&str, &str)> {
+        list_item_kind(&self.kind, &self.api_version)
+    }
+}
+
+/// `items` cut into contiguous runs of about [`UNIT_BYTES`] (by `len` of each).
+fn runs_of<T>(items: &[T], len: impl Fn(&T) -> usize) -> Vec<&[T]> {
+    let mut runs = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (i, item) in items.iter().enumerate() {
         bytes += len(item);
-        if bytes * runs >= total * (chunks.len() + 1) && chunks.len() + 1 < runs {
-            chunks.push(&items[start..=i]);
-            start = i + 1;
+        if bytes >= UNIT_BYTES {
+            runs.push(&items[start..=i]);
+            (start, bytes) = (i + 1, 0);
         }
     }
-    chunks.push(&items[start..]);
-    chunks
+    if start < items.len() {
+        runs.push(&items[start..]);
+    }
+    runs
 }
 
-/// Below this many bytes of text, a thread costs more than it saves.
-const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
+/// The text a parser thread takes at a time: small enough that a big file's objects come out in many steps
+/// (a consumer starts on them meanwhile), big enough that a unit costs far more than handing it over.
+const UNIT_BYTES: usize = 1024 * 1024;
 
 fn parse_documents(documents: &[Document]) -> Snapshot {
     let mut snap = Snapshot::default();
@@ -561,18 +705,14 @@ fn parse_documents(documents: &[Document]) -> Snapshot {
 /// Adds `part` (the next documents in order) to `into`: an object `into` already has is a duplicate, and
 /// the first definition wins.
 fn merge(into: &mut Snapshot, part: Snapshot) {
+    into.unreadable |= part.unreadable;
     into.errors.extend(part.errors);
     into.keep.extend(part.keep);
     into.tainted.extend(part.tainted);
     for (key, (object, origin)) in part.objects {
         match into.objects.get(&key) {
             Some((_, first)) => {
-                let err = SourceError {
-                    path: origin.path.to_path_buf(),
-                    document: Some(origin.document),
-                    object: Some(format!("{}/{}", key.namespace, key.name)),
-                    reason: with_item(origin.item, duplicate_reason(key.kind, first)),
-                };
+                let err = duplicate_error(&key, &origin, first);
                 into.keep.insert(key);
                 report(into, err);
             }
@@ -580,6 +720,16 @@ fn merge(into: &mut Snapshot, part: Snapshot) {
                 into.objects.insert(key, (object, origin));
             }
         }
+    }
+}
+
+/// A second definition of `key`, at `origin`: ignored.
+fn duplicate_error(key: &ObjectKey, origin: &Origin, first: &Origin) -> SourceError {
+    SourceError {
+        path: origin.path.to_path_buf(),
+        document: Some(origin.document),
+        object: Some(format!("{}/{}", key.namespace, key.name)),
+        reason: with_item(origin.item, duplicate_reason(key.kind, first)),
     }
 }
 
@@ -669,6 +819,12 @@ struct RawList<'a> {
     api_version: String,
     #[serde(borrow)]
     items: Vec<&'a serde_json::value::RawValue>,
+}
+
+/// The kind (and apiVersion) a typed List (`ServiceList`) gives its items; None for a plain `List`.
+fn list_item_kind<'k>(kind: &'k str, api_version: &'k str) -> Option<(&'k str, &'k str)> {
+    let element_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
+    element_kind.map(|k| (k, api_version))
 }
 
 fn is_list_kind(kind: &str) -> bool {
@@ -774,41 +930,11 @@ impl DocContext<'_> {
         self.error(None, with_item(item, reason));
     }
 
-    /// The items of a JSON List (see [`RawList`]): one at a time, or, for a big list, in contiguous runs on
-    /// one thread per CPU, merged in the items' order (the first definition of an object still wins).
+    /// The items of a JSON List (see [`RawList`]), one at a time (a big List is cut into units first: see
+    /// [`BigList`]).
     fn raw_list(&mut self, list: RawList) {
-        let element_kind = list.kind.strip_suffix("List").filter(|k| !k.is_empty());
-        let default_kind = element_kind.map(|k| (k, list.api_version.as_str()));
         let items: Vec<(usize, &str)> = list.items.iter().map(|r| r.get()).enumerate().collect();
-        let runs = split_runs(&items, |(_, text)| text.len());
-        if runs.len() == 1 {
-            return self.raw_items(&items, default_kind);
-        }
-        let (path, document) = (self.path, self.document);
-        let parts: Vec<Snapshot> = std::thread::scope(|scope| {
-            let handles: Vec<_> = runs
-                .into_iter()
-                .map(|run| {
-                    scope.spawn(move || {
-                        let mut snap = Snapshot::default();
-                        let mut ctx = DocContext {
-                            path,
-                            document,
-                            snap: &mut snap,
-                        };
-                        ctx.raw_items(run, default_kind);
-                        snap
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("a List parser thread panicked"))
-                .collect()
-        });
-        for part in parts {
-            merge(self.snap, part);
-        }
+        self.raw_items(&items, list_item_kind(&list.kind, &list.api_version));
     }
 
     /// Items of a JSON List, each with its index in the list.
@@ -1796,7 +1922,7 @@ mod tests {
     fn parallel_parsing_merges_in_file_order() {
         let dir = TempDir::new("par");
         let many = |from: usize| -> String {
-            (from..from + 2000)
+            (from..from + 6000)
                 .map(|i| {
                     service(
                         &format!("s{i}"),
@@ -1807,22 +1933,22 @@ mod tests {
                 .join("---\n")
         };
         dir.write("1.yaml", &many(0));
-        dir.write("2.yaml", &many(2000));
+        dir.write("2.yaml", &many(6000));
         dir.write(
             "3.yaml",
-            &format!("{}---\n{}", many(4000), service("s1", "10.99.0.1")),
+            &format!("{}---\n{}", many(12000), service("s1", "10.99.0.1")),
         );
         let total: u64 = ["1.yaml", "2.yaml", "3.yaml"]
             .iter()
             .map(|f| std::fs::metadata(dir.0.join(f)).unwrap().len())
             .sum();
         assert!(
-            total > 2 * 256 * 1024,
+            total > 2 * UNIT_BYTES as u64,
             "test bug: too small for two threads ({total} bytes)"
         );
 
         let (events, errors) = ManifestSource::new(dir.0.clone()).initial();
-        assert_eq!(events.len(), 6000 + 1, "every service once, then Synced");
+        assert_eq!(events.len(), 18000 + 1, "every service once, then Synced");
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert!(
             errors[0].reason.contains("duplicate Service"),
@@ -1864,11 +1990,12 @@ mod tests {
             .unwrap_or_else(|| panic!("no service {name} applied"))
     }
 
-    /// A List big enough for several threads: the same objects and errors as one thread reading its items
-    /// in order, and a duplicate in a later run still loses to the first definition, named by its item.
+    /// A List big enough for several units: emitted a unit at a time, with the same objects and errors as one
+    /// thread reading its items in order, and a duplicate in a later unit still loses to the first
+    /// definition, named by its item.
     #[test]
-    fn a_big_json_list_is_read_in_parallel_in_item_order() {
-        let n = 4000;
+    fn a_big_json_list_is_read_in_parallel_and_emitted_in_item_order() {
+        let n = 30000;
         let item = |i: usize, ip: String| {
             format!(
                 r#"{{"metadata": {{"name": "s{i}", "namespace": "demo"}}, "spec": {{"clusterIP": "{ip}", "ports": [{{"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": 8080}}]}}}}"#
@@ -1884,11 +2011,19 @@ mod tests {
             items.join(",\n")
         );
         assert!(
-            text.len() > 2 * MIN_BYTES_PER_THREAD,
-            "test bug: too small for two threads ({} bytes)",
+            text.len() > 4 * UNIT_BYTES,
+            "test bug: too small for several units ({} bytes)",
             text.len()
         );
-        let (events, errors) = parse_file(Path::new("list.json"), text.as_bytes());
+        let dir = TempDir::new("big-list");
+        dir.write("list.json", &text);
+        let mut batches = Vec::new();
+        let errors =
+            ManifestSource::new(dir.0.clone())
+                .initial_streamed(&mut |batch: Vec<Event>| batches.push(batch));
+        assert!(batches.len() > 4, "one batch per unit, as each is parsed");
+        assert_eq!(batches.pop(), Some(vec![Event::Synced]));
+        let events: Vec<Event> = batches.into_iter().flatten().collect();
         assert_eq!(events.len(), n - 1, "every valid service once");
         let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
         assert_eq!(errors.len(), 2, "{reasons:?}");

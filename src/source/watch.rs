@@ -108,9 +108,11 @@ async fn run(
     // Watch before the first read, so that nothing written during it is missed.
     let mut watched = Watched::default();
     watched.refresh(source.path(), false);
-    let initial = source.initial().0;
+    // Sent as it is parsed: the loop stores (and stages) the first objects while the rest are parsed.
+    let mut consumer_gone = false;
+    source.initial_streamed(&mut |batch| consumer_gone |= outbox.send(batch).is_err());
     release_free_memory();
-    if outbox.send(initial).is_err() {
+    if consumer_gone {
         return;
     }
     loop {
