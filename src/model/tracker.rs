@@ -193,6 +193,10 @@ struct Snapshot {
     endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
 }
 
+/// The store's hash maps, looked up for every object applied and every service rendered: foldhash, as the
+/// interners (see `intern.rs`), not the std hasher's SipHash.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// Every service port and EndpointSlice the source reported, plus change tracking.
 #[derive(Debug, Default)]
 pub struct ClusterState {
@@ -200,14 +204,14 @@ pub struct ClusterState {
     /// (namespace, service) → the EndpointSlices whose service label names it, sorted by slice name (the
     /// merge's tie-break order). Grouped by service because that is how they are read; the service name
     /// in the key is the slices' own copy.
-    slices: HashMap<SharedName, Vec<SliceInfo>>,
+    slices: FastMap<SharedName, Vec<SliceInfo>>,
     /// (namespace, slice name) → the service the slice belongs to: finds a slice on update and delete.
     /// Both strings are the slice's own copies.
-    slice_owners: HashMap<SharedName, Arc<str>>,
+    slice_owners: FastMap<SharedName, Arc<str>>,
     /// Namespaces, port names and endpoint topologies, one copy each.
     shared: SharedValues,
     /// Cluster IP → number of UDP service ports using it.
-    udp_cluster_ip_refs: HashMap<IpAddr, usize>,
+    udp_cluster_ip_refs: FastMap<IpAddr, usize>,
     /// Services touched since the last `take_changes`, with their state at that time.
     pending: BTreeMap<NamespacedName, Snapshot>,
     /// Smallest size of `services` since its last rebuild (see `compact_services`).
