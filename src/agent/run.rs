@@ -189,10 +189,6 @@ impl ProxyLoop<'_> {
                     services = self.state.service_map().len(),
                     "source synced: complete snapshot received"
                 );
-                // The parse is over: the probe's dumps may have a core now.
-                if let Some(probe) = &self.opts.conntrack_probe {
-                    probe.release();
-                }
             }
             apply_event(&mut self.state, ev);
         }
@@ -302,6 +298,11 @@ impl ProxyLoop<'_> {
                 &self.cfg,
             ),
         };
+        // The first sync is over: the conntrack probe's dumps may have a core now (each walks the host's whole
+        // conntrack table in one system call, and they took one from the first sync's parallel render).
+        if let Some(probe) = &self.opts.conntrack_probe {
+            probe.release();
+        }
         match synced {
             Ok(report) => {
                 if report.full {

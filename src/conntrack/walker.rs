@@ -58,8 +58,8 @@ fn logged(probed: Result<Features, ProbeError>, elapsed: Duration) -> Features {
 /// The rest of the probe (about 70 ms, mostly the kernel's dumps) waits for [`Self::release`]: each dump
 /// walks the host's whole conntrack hash table inside one system call, where the scheduler cannot take the
 /// core back whatever the thread's priority, and at start-up that core is wanted by the source's parallel
-/// parse. The agent releases it once the source's first snapshot is in, so it overlaps the first sync,
-/// which runs on one core; the first walk waits for what is left of it.
+/// parse and then by the first sync's parallel render. The agent releases it once its first sync is over
+/// (the first conntrack walk, which follows that sync, waits for the probe's ~70 ms).
 pub struct PendingFeatures {
     thread: Mutex<Option<JoinHandle<Probed>>>,
     /// Dropped (or sent to) to let the probe start.
