@@ -177,8 +177,8 @@ impl ProxyLoop<'_> {
         if events.is_empty() {
             return;
         }
-        // A large batch frees much (the objects it replaces): hand that back, but not page by page while
-        // the API source streams its first list (see `source::kube`), only once at its end.
+        // A large batch frees much (the objects it replaces): hand that back, but not batch by batch while
+        // a source streams its first snapshot (see `ProxySource::poll`), only once at its end.
         let mut trim = events.len() >= LARGE_BATCH && self.synced;
         for ev in events {
             self.observer.on_event(&ev);

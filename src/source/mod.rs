@@ -127,8 +127,9 @@ pub enum ProxySource {
 
 impl ProxySource {
     /// Events since the previous call (the first events are a complete snapshot). Never blocks. A complete
-    /// snapshot ends with [`Event::Synced`]; each source sends a snapshot as one batch, so whatever is
-    /// returned here is never half of one.
+    /// snapshot ends with [`Event::Synced`]. Both sources send their first snapshot as it is read (the
+    /// files a unit at a time, the API a page at a time), so the consumer must not act on it before
+    /// `Synced`; later changes come whole (a relist, a re-read of the files), never half of one.
     pub fn poll(&mut self) -> Vec<Event> {
         match self {
             ProxySource::Manifests(m) => m.poll(),
