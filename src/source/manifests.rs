@@ -491,7 +491,7 @@ impl FirstRead {
     }
 }
 
-/// An event's object, for [`ManifestSource::initial`]'s order (None for `Synced`, last).
+/// An event's object, for [`ManifestSource::initial`]'s order (`Synced`, which has none, last).
 fn event_key(ev: &Event) -> (bool, ObjectKind, &str, &str) {
     match ev {
         Event::ServiceApplied { key, .. } => {
@@ -585,32 +585,30 @@ fn documents_of<'a>(path: &'a Arc<PathBuf>, text: &'a str) -> Vec<Document<'a>> 
 /// `part` in the documents' order, as soon as it and the units before it are parsed.
 fn parse_in_order(documents: &[Document], part: &mut dyn FnMut(Snapshot)) {
     let lists: Vec<Option<BigList>> = documents.iter().map(BigList::of).collect();
+    let document_runs = |documents| runs_of(documents, |d: &Document| d.text.len());
     let mut units = Vec::new();
-    let (mut start, mut bytes) = (0, 0);
-    for (i, (d, list)) in documents.iter().zip(&lists).enumerate() {
-        let Some(list) = list else {
-            bytes += d.text.len();
-            if bytes >= UNIT_BYTES {
-                units.push(Unit::Documents(&documents[start..=i]));
-                (start, bytes) = (i + 1, 0);
-            }
-            continue;
-        };
-        if start < i {
-            units.push(Unit::Documents(&documents[start..i]));
-        }
-        (start, bytes) = (i + 1, 0);
-        for items in runs_of(&list.items, |(_, text)| text.len()) {
-            units.push(Unit::Items {
-                document: d,
-                list,
-                items,
-            });
-        }
+    // The first document not yet in a unit.
+    let mut next = 0;
+    for (i, list) in lists.iter().enumerate() {
+        let Some(list) = list else { continue };
+        units.extend(
+            document_runs(&documents[next..i])
+                .into_iter()
+                .map(Unit::Documents),
+        );
+        let item_runs = runs_of(&list.items, |(_, text)| text.len());
+        units.extend(item_runs.into_iter().map(|items| Unit::Items {
+            document: &documents[i],
+            list,
+            items,
+        }));
+        next = i + 1;
     }
-    if start < documents.len() {
-        units.push(Unit::Documents(&documents[start..]));
-    }
+    units.extend(
+        document_runs(&documents[next..])
+            .into_iter()
+            .map(Unit::Documents),
+    );
     super::in_order::map_in_order(&units, Unit::parse, part);
 }
 
@@ -796,14 +794,11 @@ pub fn parse_file(path: &Path, bytes: &[u8]) -> (Vec<Event>, Vec<SourceError>) {
     (events, snap.errors)
 }
 
-/// The file as text, in the buffer it was read into (a copy of a 100 MB file costs ~50 ms and its pages).
+/// The file as text, in the buffer it was read into (a copy of a 100 MB file costs ~50 ms and its pages),
+/// or `text_of`'s reasons.
 fn read_text(path: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(path).map_err(|e| e.to_string());
-    match bytes.map(String::from_utf8) {
-        Ok(Ok(text)) => Ok(text),
-        Ok(Err(not_utf8)) => text_of(Ok(not_utf8.as_bytes())).map(str::to_owned),
-        Err(e) => text_of(Err(e)).map(str::to_owned),
-    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+    String::from_utf8(bytes).map_err(|_| "cannot read: not UTF-8".to_string())
 }
 
 fn text_of(bytes: Result<&[u8], String>) -> Result<&str, String> {
