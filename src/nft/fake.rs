@@ -15,6 +15,8 @@ pub struct FakeKernel {
     pub tables: BTreeMap<(Family, String), TableState>,
     /// Number of transactions committed.
     pub commits: usize,
+    /// The transactions committed, in order (a test of how a sync is cut reads them).
+    pub committed: Vec<Transaction>,
     /// When set, the next commit fails with this errno on the change at this index.
     pub fail_next: Option<(usize, i32)>,
 }
@@ -235,6 +237,7 @@ impl Backend for FakeKernel {
         Self::apply(&mut next, tx)?;
         self.tables = next;
         self.commits += 1;
+        self.committed.push(tx.clone());
         Ok(tx.changes.len())
     }
 

@@ -12,11 +12,21 @@ use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
 use crate::render::names::{
-    MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, MAP_SERVICE_IPS, TABLE,
+    MAP_AFFINITY, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES, MAP_NODEPORT_ENDPOINTS,
+    MAP_SERVICE_ENDPOINTS, MAP_SERVICE_IPS, MAP_SERVICE_NODEPORTS, TABLE,
 };
 use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
+
+/// The verdict maps that send packets to a service's chains: a partial sync withdraws their elements first
+/// and publishes them last (as `diff::create_table` does for every verdict map).
+const DISPATCH_MAPS: [&str; 4] = [
+    MAP_SERVICE_IPS,
+    MAP_SERVICE_NODEPORTS,
+    MAP_AFFINITY_SERVICES,
+    MAP_AFFINITY_NODEPORTS,
+];
 
 #[derive(Debug, thiserror::Error)]
 /// Why a sync failed; the previous state stays in the kernel.
@@ -229,7 +239,7 @@ impl<B: Backend> SyncEngine<B> {
         }
         // Dispatch goes first and comes last, so no packet is sent to a service whose endpoints are
         // half-written (the batch is atomic anyway; this keeps chunked commits safe too).
-        let dispatch_first = |k: &(Family, &'static str)| (k.1 != MAP_SERVICE_IPS, *k);
+        let dispatch_first = |k: &(Family, &'static str)| (!DISPATCH_MAPS.contains(&k.1), *k);
         let mut removed: Vec<_> = delta.elements_removed.iter().collect();
         removed.sort_by_key(|(k, _)| dispatch_first(k));
         for ((family, set), elements) in removed {
@@ -747,6 +757,41 @@ mod tests {
             text.contains("10.96.0.1 . tcp . 80 . 131073 : 10.0.0.3 . 8080"),
             "{text}"
         );
+    }
+
+    /// A partial sync cut into chunks publishes every dispatch element after the endpoint slots it sends
+    /// packets to, a NodePort's and an affinity frontend's as well as a ClusterIP's: no chunk leaves a
+    /// dispatch element pointing at a service whose slots are not in yet.
+    #[test]
+    fn a_chunked_partial_sync_publishes_every_dispatch_map_last() {
+        let cfg = RenderConfig {
+            nodeport_addresses: crate::model::NodePortAddresses::AllLocal,
+            ..RenderConfig::default()
+        };
+        let mut e = SyncEngine::new(FakeKernel::default());
+        e.sync_full(skeleton(&cfg), BTreeMap::new()).unwrap();
+        e.set_max_transaction_elements(1);
+        let mut sp = port("np", "10.96.0.9", Protocol::Tcp);
+        sp.node_port = Some(30080);
+        sp.session_affinity_timeout = Some(60);
+        let pieces = service_pieces(&sp, Some(&eps(&["10.0.0.1", "10.0.0.2"])), &cfg);
+        let before = e.backend.committed.len();
+        e.sync_partial(vec![(sp.name.clone(), pieces)]).unwrap();
+        let sets: Vec<&str> = e.backend.committed[before..]
+            .iter()
+            .flat_map(|tx| &tx.changes)
+            .filter_map(|c| match &c.op {
+                Op::AddElements { set, .. } => Some(set.as_str()),
+                _ => None,
+            })
+            .collect();
+        for dispatch in DISPATCH_MAPS {
+            assert!(sets.contains(&dispatch), "{dispatch} missing: {sets:?}");
+        }
+        let slots = [MAP_SERVICE_ENDPOINTS, MAP_NODEPORT_ENDPOINTS];
+        let last_slot = sets.iter().rposition(|s| slots.contains(s));
+        let first_dispatch = sets.iter().position(|s| DISPATCH_MAPS.contains(s));
+        assert!(first_dispatch > last_slot, "{sets:?}");
     }
 
     #[test]
