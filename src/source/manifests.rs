@@ -247,13 +247,11 @@ impl ManifestSource {
         self.fingerprint.is_some()
     }
 
-    /// A complete snapshot (Applied for every object, in key order) followed by `Event::Synced`. Forgets
-    /// anything emitted before.
+    /// A complete snapshot (Applied for every object, in the files' order) followed by `Event::Synced`.
+    /// Forgets anything emitted before.
     pub fn initial(&mut self) -> (Vec<Event>, Vec<SourceError>) {
         let mut events = Vec::new();
         let errors = self.initial_streamed(&mut |batch| events.extend(batch));
-        // Synced stays last: it has no key, and the sort is stable.
-        events.sort_by(|a, b| event_key(a).cmp(&event_key(b)));
         (events, errors)
     }
 
@@ -300,7 +298,8 @@ impl ManifestSource {
             return None;
         };
         let present = changed.iter().filter(|p| listed.contains_key(*p)).cloned();
-        let mut snap = self.read_merged(present.collect());
+        let mut snap = Snapshot::default();
+        self.read_files(present.collect(), &mut |part| merge(&mut snap, part));
         if !snap.errors.is_empty() {
             return None;
         }
@@ -409,13 +408,6 @@ impl ManifestSource {
         }
     }
 
-    /// Reads `files`, in their order, merged into one snapshot.
-    fn read_merged(&mut self, files: Vec<PathBuf>) -> Snapshot {
-        let mut snap = Snapshot::default();
-        self.read_files(files, &mut |part| merge(&mut snap, part));
-        snap
-    }
-
     /// Reads `files`, handing the parts of their snapshot to `part` in the files' order (see
     /// [`parse_in_order`]).
     fn read_files(&mut self, files: Vec<PathBuf>, part: &mut dyn FnMut(Snapshot)) {
@@ -488,17 +480,6 @@ impl FirstRead {
             })
             .collect();
         (emitted, self.errors)
-    }
-}
-
-/// An event's object, for [`ManifestSource::initial`]'s order (`Synced`, which has none, last).
-fn event_key(ev: &Event) -> (bool, ObjectKind, &str, &str) {
-    match ev {
-        Event::ServiceApplied { key, .. } => {
-            (false, ObjectKind::Service, &key.namespace, &key.name)
-        }
-        Event::SliceApplied(s) => (false, ObjectKind::Slice, &s.namespace, &s.name),
-        _ => (true, ObjectKind::Slice, "", ""),
     }
 }
 
@@ -975,7 +956,6 @@ impl DocContext<'_> {
         match kind.as_str() {
             "Service" | "EndpointSlice" => self.object(&kind, &api_version, value, item),
             list if is_list_kind(list) && item.is_none() => {
-                let element_kind = kind.strip_suffix("List").filter(|k| !k.is_empty());
                 let Some(items) = obj.get_mut("items").map(Value::take) else {
                     return self.unidentified(item, format!("{kind} without items"));
                 };
@@ -983,7 +963,7 @@ impl DocContext<'_> {
                     return self.unidentified(item, format!("{kind} items is not a list"));
                 };
                 for (i, it) in items.into_iter().enumerate() {
-                    self.value(it, Some(i), element_kind.map(|k| (k, api_version.as_str())));
+                    self.value(it, Some(i), list_item_kind(&kind, &api_version));
                 }
             }
             other => {
