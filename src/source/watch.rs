@@ -108,10 +108,10 @@ async fn run(
     // Watch before the first read, so that nothing written during it is missed.
     let mut watched = Watched::default();
     watched.refresh(source.path(), false);
-    // Sent as it is parsed: the loop stores (and stages) the first objects while the rest are parsed.
+    // Sent as it is parsed: the loop stores the first objects while the rest are parsed. Nothing to hand
+    // back here: `Synced` goes out after the last unit is parsed, and the loop trims the heap when it comes.
     let mut consumer_gone = false;
     source.initial_streamed(&mut |batch| consumer_gone |= outbox.send(batch).is_err());
-    release_free_memory();
     if consumer_gone {
         return;
     }
