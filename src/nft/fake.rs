@@ -13,9 +13,7 @@ use std::collections::BTreeMap;
 pub struct FakeKernel {
     /// Our tables, by family and name.
     pub tables: BTreeMap<(Family, String), TableState>,
-    /// Number of transactions committed.
-    pub commits: usize,
-    /// The transactions committed, in order (a test of how a sync is cut reads them).
+    /// The transactions committed, in order.
     pub committed: Vec<Transaction>,
     /// When set, the next commit fails with this errno on the change at this index.
     pub fail_next: Option<(usize, i32)>,
@@ -236,7 +234,6 @@ impl Backend for FakeKernel {
         let mut next = self.tables.clone();
         Self::apply(&mut next, tx)?;
         self.tables = next;
-        self.commits += 1;
         self.committed.push(tx.clone());
         Ok(tx.changes.len())
     }

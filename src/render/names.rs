@@ -46,6 +46,15 @@ pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
 /// The NodePort dispatch: `proto . port : goto lb-np*`.
 pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
+/// The verdict maps, which send packets to a service's chains: a partial sync withdraws their elements first
+/// and publishes them last, so no chunk of it leaves one pointing at a service half written (a full sync
+/// orders by the sets' declarations, `Set::is_verdict_map`; a unit test keeps the two in step).
+pub const DISPATCH_MAPS: [&str; 4] = [
+    MAP_SERVICE_IPS,
+    MAP_SERVICE_NODEPORTS,
+    MAP_AFFINITY_SERVICES,
+    MAP_AFFINITY_NODEPORTS,
+];
 /// Endpoint slots of NodePorts: `proto . port . slot : endpoint addr . port`.
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 /// NodePorts of services without endpoints (`proto . port`): rejected on input.
@@ -163,4 +172,27 @@ fn short_hash(s: &str) -> String {
     (0..8)
         .map(|i| ALPHABET[((h >> (i * 5)) & 31) as usize] as char)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::render::{skeleton, userspace, RenderConfig};
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn the_dispatch_maps_are_every_verdict_map_of_every_skeleton() {
+        let cfg = RenderConfig {
+            nodeport_addresses: crate::model::NodePortAddresses::AllLocal,
+            ..RenderConfig::default()
+        };
+        let tables = [skeleton(&cfg), userspace::skeleton()].concat();
+        let verdict_maps: BTreeSet<&str> = tables
+            .iter()
+            .flat_map(|t| t.sets.values())
+            .filter(|s| s.set.is_verdict_map())
+            .map(|s| s.set.name.as_str())
+            .collect();
+        assert_eq!(verdict_maps, DISPATCH_MAPS.into_iter().collect());
+    }
 }

@@ -12,21 +12,11 @@ use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
 use crate::render::names::{
-    MAP_AFFINITY, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES, MAP_NODEPORT_ENDPOINTS,
-    MAP_SERVICE_ENDPOINTS, MAP_SERVICE_IPS, MAP_SERVICE_NODEPORTS, TABLE,
+    DISPATCH_MAPS, MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
 };
 use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
-
-/// The verdict maps that send packets to a service's chains: a partial sync withdraws their elements first
-/// and publishes them last (as `diff::create_table` does for every verdict map).
-const DISPATCH_MAPS: [&str; 4] = [
-    MAP_SERVICE_IPS,
-    MAP_SERVICE_NODEPORTS,
-    MAP_AFFINITY_SERVICES,
-    MAP_AFFINITY_NODEPORTS,
-];
 
 #[derive(Debug, thiserror::Error)]
 /// Why a sync failed; the previous state stays in the kernel.
@@ -593,11 +583,11 @@ mod tests {
         let r = w.full(&mut e);
         assert!(r.full && r.changes > 0);
         kernel_matches(&e.backend, &w, &e.unused_chains);
-        let commits = e.backend.commits;
+        let commits = e.backend.committed.len();
 
         // Nothing changed: nothing sent.
         assert_eq!(w.partial(&mut e, &[&a]).changes, 0);
-        assert_eq!(e.backend.commits, commits);
+        assert_eq!(e.backend.committed.len(), commits);
 
         // One endpoint replaced (same count): one slot element out, one in. No rule, no chain.
         w.set(port("b", "10.96.0.2", Protocol::Udp), eps(&["10.0.0.4"]));
