@@ -32,6 +32,13 @@ impl Topology {
     }
 }
 
+/// The hash maps looked up for every object a source reads or the store applies: foldhash, as the
+/// interners below, not the std hasher's SipHash. Their hashes only find candidates, which are compared
+/// whole.
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// [`FastMap`]'s set.
+pub type FastSet<T> = HashSet<T, foldhash::fast::RandomState>;
+
 /// A set of shared values: equal values come back as the same `Arc`.
 ///
 /// Values nobody else holds any more are dropped when the set has doubled since the last sweep, so the

@@ -6,11 +6,11 @@
 //! mutation that touches the service), so computing the changes costs O(changed services), never
 //! O(cluster).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use super::intern::{NameKey, SharedName, SharedValues, Topology};
+use super::intern::{FastMap, NameKey, SharedName, SharedValues, Topology};
 use super::types::*;
 
 /// One port of an EndpointSlice.
@@ -192,10 +192,6 @@ struct Snapshot {
     ports: Vec<ServicePort>,
     endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
 }
-
-/// The store's hash maps, looked up for every object applied and every service rendered: foldhash, as the
-/// interners (see `intern.rs`), not the std hasher's SipHash.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Every service port and EndpointSlice the source reported, plus change tracking.
 #[derive(Debug, Default)]

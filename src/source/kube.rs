@@ -25,8 +25,8 @@
 //! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
 //!   object (if any) stays in effect.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::collections::BTreeMap;
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -41,9 +41,10 @@ use kube::runtime::WatchStreamExt;
 
 use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::convert::{self, ServiceConversion, SliceConversion};
-use super::{Event, NodeInfo};
+use super::{fingerprint, Event, NodeInfo};
 use crate::model::{
-    Cidr, Interner, NameKey, NamespacedName, ServicePort, SharedName, SharedValues, SliceInfo,
+    Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort, SharedName,
+    SharedValues, SliceInfo,
 };
 
 /// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
@@ -241,16 +242,10 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
     })
 }
 
-fn fingerprint(m: &Model) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    m.hash(&mut h);
-    h.finish()
-}
-
 /// A relist in progress: which objects it has listed, and those that differ from what was emitted.
 #[derive(Default)]
 struct Relist {
-    seen: HashSet<SharedName>,
+    seen: FastSet<SharedName>,
     changed: BTreeMap<NamespacedName, (u64, Model, Option<SystemTime>)>,
     /// One copy of each namespace, port name and endpoint topology among the slices held in `changed`
     /// until the list completes: a million endpoints held back would keep a topology per endpoint
@@ -263,7 +258,7 @@ struct Tracker {
     kind: Kind,
     /// Keyed by shared strings: a namespace is one copy for all its objects, a slice's name is the
     /// slice's own copy (which the store keeps).
-    emitted: HashMap<SharedName, u64>,
+    emitted: FastMap<SharedName, u64>,
     namespaces: Interner<str>,
     relist: Option<Relist>,
     /// The first list completed.
@@ -274,7 +269,7 @@ impl Tracker {
     fn new(kind: Kind) -> Self {
         Tracker {
             kind,
-            emitted: HashMap::new(),
+            emitted: FastMap::default(),
             namespaces: Interner::default(),
             relist: None,
             listed: false,

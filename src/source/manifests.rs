@@ -25,7 +25,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::Value;
 
 use super::convert::{self, ServiceConversion, SliceConversion};
-use super::Event;
+use super::{fingerprint, Event};
 use crate::model::{NamespacedName, ServicePort, SharedValues, SliceInfo};
 
 /// A problem with one file or one document of a file.
@@ -118,7 +118,7 @@ struct Emitted {
 impl Emitted {
     fn of(object: &Object, origin: Origin) -> Emitted {
         Emitted {
-            print: fingerprint_of(object),
+            print: fingerprint(object),
             path: origin.path,
         }
     }
@@ -142,7 +142,7 @@ impl Reconcile<'_> {
         match (old, new) {
             (Some((key, e)), None) => self.gone(key, e),
             // Unchanged: the store keeps its version, and the key keeps pointing at its strings.
-            (Some((key, e)), Some((_, (object, origin)))) if e.print == fingerprint_of(&object) => {
+            (Some((key, e)), Some((_, (object, origin)))) if e.print == fingerprint(&object) => {
                 let e = Emitted {
                     path: origin.path,
                     ..e
@@ -463,7 +463,7 @@ impl FirstRead {
                 continue;
             }
             self.seen
-                .insert(key.clone(), (fingerprint_of(&object), origin));
+                .insert(key.clone(), (fingerprint(&object), origin));
             events.push(applied(key, object));
         }
         events
@@ -722,14 +722,6 @@ fn duplicate_reason(kind: ObjectKind, first: &Origin) -> String {
         first.path.display(),
         first.document
     )
-}
-
-/// A 64-bit hash of an object: enough to tell whether a re-read changed it.
-fn fingerprint_of(object: &Object) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    object.hash(&mut h);
-    h.finish()
 }
 
 fn applied(key: ObjectKey, object: Object) -> Event {
