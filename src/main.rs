@@ -8,6 +8,7 @@ mod sandbox;
 
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 
@@ -48,7 +49,11 @@ fn forward_stop_signals(
                 }
                 received += 1;
                 if received > 1 {
-                    eprintln!("nftkube: second signal {sig}: exiting now");
+                    // Not eprintln!, which panics where stderr cannot be written, and would not exit.
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "nftkube: second signal {sig}: exiting now"
+                    );
                     std::process::exit(1);
                 }
                 tracing::info!(signal = sig, "stop requested");
@@ -186,10 +191,14 @@ fn main() -> ExitCode {
         }
     };
     let level = cli.log_level.parse().unwrap_or(tracing::Level::INFO);
+    // A log that cannot be written (its pipe's reader gone: a collector restarting) is lost, and nothing
+    // else. tracing-subscriber would report the failed write with `eprintln!`, which panics on that same
+    // stderr: the thread that logged died with it (the proxy loop, the API watcher, the signal thread).
     tracing_subscriber::fmt()
         .with_max_level(level)
         .with_writer(std::io::stderr)
         .with_ansi(false)
+        .log_internal_errors(false)
         .init();
     let result = match cli.command {
         Command::Proxy(args) => {

@@ -5,7 +5,9 @@
 use kernel_tests::sandbox::tcp_requests;
 use kernel_tests::sandbox::Sandbox;
 use kernel_tests::*;
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(2);
@@ -65,6 +67,67 @@ fn manifest_changes_arrive_through_inotify_without_polling() {
         "no periodic check ran: {}",
         agent.log()
     );
+}
+
+/// The agent's process, killed if a test fails while it runs.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The agent logs to a pipe whose reader goes away (a log collector restarting): what it logs from then on
+/// is lost, and nothing else. Every thread that logs goes on (tracing-subscriber reported the failed write
+/// with `eprintln!`, which panicked on the same stderr: the loop exited with 101 at its next sync, a
+/// watcher or the signal thread died, and SIGTERM was lost with it).
+#[test]
+fn a_closed_log_pipe_loses_the_log_and_nothing_else() {
+    let sb = sandbox("nk-evpipe", 3);
+    let m = Manifests::examples();
+    let mut agent = Running(
+        command_in(sb.node(), nftkube_bin())
+            .args(proxy_args(&m.dir, &["--sync-period", "1s"]))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting the agent"),
+    );
+    // Read up to the first sync on a thread of ours (a read has no timeout), then close the only reader.
+    let stderr = agent.0.stderr.take().unwrap();
+    let (synced_tx, synced) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let first_sync = BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("sync complete"));
+        let _ = synced_tx.send(first_sync);
+    });
+    assert_eq!(synced.recv_timeout(SYNC), Ok(true), "no first sync");
+    wait_until(SYNC, || answering(&sb, 30) == [1, 2, 3].into()).expect("never served by every pod");
+
+    // The source, the loop and the periodic check (every second) all log into the closed pipe now.
+    m.write("extra.yaml", EXTRA);
+    wait_until(SYNC, || served(sb.client(), addr("10.96.0.77", 80), T))
+        .expect("a change after the log's pipe closed never arrived");
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        agent.0.try_wait().unwrap().is_none(),
+        "the agent exited: {:?}",
+        agent.0.try_wait()
+    );
+    assert!(served(sb.client(), addr("10.96.0.77", 80), T));
+
+    // SIGTERM stops it as it would with a log it can write (the signal thread logs the request first).
+    // SAFETY: kill on the pid of a child we have not reaped.
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+    let exited = wait_until(Duration::from_secs(10), || {
+        agent.0.try_wait().unwrap().is_some()
+    });
+    assert!(exited.is_ok(), "SIGTERM did not stop the agent");
+    assert!(agent.0.wait().unwrap().success());
 }
 
 /// A burst of edits with `--min-sync-period 3s`: the first syncs at once (a quiet agent has two syncs in
