@@ -191,6 +191,19 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     result
 }
 
+/// Makes a panic on any thread end the process with status 101, as one on the main thread does, after the
+/// usual message. Without it a thread that panics dies alone and the agent looks alive without it: a source
+/// that no longer delivers changes, a monitor that no longer sees drift, a signal thread that no longer
+/// stops it. Exiting leaves the rules in place, as any exit does, and the supervisor's restart reads them
+/// back. `nftkube proxy` sets it before starting any thread.
+pub fn exit_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::exit(101);
+    }));
+}
+
 /// The nf_tables event monitor's thread; stopped and joined when dropped.
 struct Monitor {
     drift: Arc<Drift>,

@@ -202,6 +202,8 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Proxy(args) => {
+            // The long-running agent only: `demo` must unwind to remove the namespaces it built.
+            nftkube::agent::exit_on_panic();
             let signals = block_stop_signals();
             let sub = matches.subcommand_matches("proxy");
             // A flag given on the command line overrides the config file; a default does not.
