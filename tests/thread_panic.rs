@@ -1,4 +1,4 @@
-//! A panic on any thread ends the process (`nftkube::agent::exit_on_panic`, which the binary sets first).
+//! A panic on any thread ends the process (`nftkube::agent::exit_on_panic`, which `nftkube proxy` sets first).
 
 use std::process::Command;
 
