@@ -262,7 +262,7 @@ impl Agent {
 }
 
 /// SIGTERM, then wait up to 10 s (then SIGKILL); the exit status, None if it had to be killed.
-fn terminate(child: &mut Child) -> Option<std::process::ExitStatus> {
+pub fn terminate(child: &mut Child) -> Option<std::process::ExitStatus> {
     // SAFETY: kill on a pid we spawned and have not reaped yet.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -121,13 +121,11 @@ fn a_closed_log_pipe_loses_the_log_and_nothing_else() {
     assert!(served(sb.client(), addr("10.96.0.77", 80), T));
 
     // SIGTERM stops it as it would with a log it can write (the signal thread logs the request first).
-    // SAFETY: kill on the pid of a child we have not reaped.
-    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
-    let exited = wait_until(Duration::from_secs(10), || {
-        agent.0.try_wait().unwrap().is_some()
-    });
-    assert!(exited.is_ok(), "SIGTERM did not stop the agent");
-    assert!(agent.0.wait().unwrap().success());
+    let status = terminate(&mut agent.0);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "SIGTERM did not stop the agent cleanly: {status:?}"
+    );
 }
 
 /// A burst of edits with `--min-sync-period 3s`: the first syncs at once (a quiet agent has two syncs in

@@ -127,21 +127,12 @@ async fn run(
         // Again before the read: what is written after it is then seen by the new watch.
         watched.refresh(source.path(), lost);
         let changes = source.poll().0;
-        release_free_memory();
+        // A read leaves the texts and parsed documents freed in this thread's heap and the parsers': glibc
+        // keeps such pages, and the proxy loop's thread cannot reuse another thread's heap.
+        crate::agent::release_free_memory();
         if outbox.send(changes).is_err() {
             return;
         }
-    }
-}
-
-/// A read leaves the file texts and parsed documents freed in the heaps of this thread and of the parser
-/// threads; glibc keeps such pages, and the proxy loop's thread cannot reuse another thread's heap. Hand
-/// them back before the loop builds its own structures from the events, so the agent's peak is what it
-/// keeps, not the sum of every thread's transient peak.
-fn release_free_memory() {
-    // SAFETY: malloc_trim only walks glibc's own heap structures (every arena); it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 
