@@ -160,6 +160,9 @@ pub static SYNC_FAILURES: CounterU64 = CounterU64::counter();
 pub static REPAIRS: CounterU64 = CounterU64::counter();
 /// Services changed in the model and not yet committed.
 pub static PENDING_CHANGES: GaugeU64 = GaugeU64::gauge();
+/// Frontend claims refused at the last successful sync: another service port of higher precedence holds the
+/// address and port.
+pub static REFUSED_CLAIMS: GaugeU64 = GaugeU64::gauge();
 
 /// Unix time now, in milliseconds.
 pub fn now_unix_ms() -> u64 {
@@ -278,6 +281,11 @@ pub fn registry() -> Registry {
             "nftkube_pending_service_changes",
             "Services changed in the model and not yet committed",
             &PENDING_CHANGES,
+        ),
+        (
+            "nftkube_refused_frontend_claims",
+            "Service ports whose address and port another service port of higher precedence holds",
+            &REFUSED_CLAIMS,
         ),
     ] {
         add(&mut r, name, help, g.metric());

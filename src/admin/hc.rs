@@ -222,6 +222,7 @@ mod tests {
             internal_traffic_policy: TrafficPolicy::Cluster,
             session_affinity_timeout: None,
             health_check_node_port: hc,
+            created: crate::model::Created::UNKNOWN,
         }
     }
 

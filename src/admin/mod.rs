@@ -375,6 +375,7 @@ impl Observer {
         metrics::OBJECT_CHANGES_TOTAL.inc_by(report.changes as u64);
         metrics::NETLINK_BYTES_TOTAL.inc_by(report.bytes as u64);
         metrics::SERVICE_PORTS.set(state.service_map().len() as u64);
+        metrics::REFUSED_CLAIMS.set(report.refused_claims as u64);
         let now = SystemTime::now();
         for t in self.triggers.drain(..) {
             metrics::NETWORK_PROGRAMMING.observe(now.duration_since(t).unwrap_or_default());
@@ -455,6 +456,7 @@ mod tests {
             "nftkube_sync_netlink_bytes_total",
             "nftkube_service_ports",
             "nftkube_pending_service_changes",
+            "nftkube_refused_frontend_claims",
             "nftkube_repairs_total",
             "nftkube_sync_object_changes_total",
             "nftkube_api_watch_errors_total{resource=\"Service\"}",
@@ -514,6 +516,7 @@ mod tests {
             transactions: 1,
             longest_transaction: Duration::ZERO,
             elapsed: Duration::from_millis(1),
+            refused_claims: 0,
         };
         o.sync_succeeded(&report, &BTreeSet::new(), &ClusterState::new());
         assert!(programmed() > count);

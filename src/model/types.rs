@@ -280,6 +280,27 @@ pub struct ServicePort {
     pub session_affinity_timeout: Option<u32>,
     /// `spec.healthCheckNodePort` (LoadBalancer services with externalTrafficPolicy Local).
     pub health_check_node_port: Option<u16>,
+    /// When the Service was created: the older of two services claiming one frontend keeps it.
+    pub created: Created,
+}
+
+/// An object's `metadata.creationTimestamp`, in whole seconds since the epoch (the API's precision), or
+/// unknown (manifests often leave it out). Ordered oldest first, unknown last: an object of unknown age never
+/// outranks one whose age is known.
+///
+/// Four big-endian bytes, clamped to what 32 bits hold (1970 to 2106): byte order is numeric order, and with
+/// an alignment of one it fits the padding of every rendered piece that carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Created([u8; 4]);
+
+impl Created {
+    /// No creation time given.
+    pub const UNKNOWN: Created = Created([0xff; 4]);
+
+    /// Seconds since the epoch.
+    pub fn from_unix_seconds(seconds: i64) -> Created {
+        Created((seconds.clamp(0, u32::MAX as i64 - 1) as u32).to_be_bytes())
+    }
 }
 
 impl ServicePort {
@@ -300,6 +321,7 @@ impl ServicePort {
             internal_traffic_policy: TrafficPolicy::Cluster,
             session_affinity_timeout: None,
             health_check_node_port: None,
+            created: Created::UNKNOWN,
         }
     }
 }

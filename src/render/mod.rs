@@ -74,6 +74,9 @@ pub enum Piece {
         set: names::PieceSet,
         /// The element.
         element: Element,
+        /// How strongly the element's service port claims its frontend (see `claims`; meaningless in
+        /// shared sets). Four bytes in what was padding: a piece is no larger for it.
+        precedence: claims::Precedence,
     },
     /// A chain (with its rules) some service needs.
     Chain {
@@ -119,26 +122,36 @@ pub fn all_pieces(
 }
 
 /// The skeleton with every service port's pieces added: the complete desired tables, owned. Where two ports
-/// claim one frontend, the first in name order keeps it (see `claims`), as the sync engine decides.
+/// claim one frontend, the one of highest precedence keeps it (see `claims`), as the sync engine decides:
+/// every claim is counted first, so the order of the ports does not matter.
 pub fn assemble(
     skeleton: Vec<TableState>,
     pieces: &BTreeMap<ServicePortName, Vec<Piece>>,
 ) -> Vec<TableState> {
     let mut claims = claims::Claims::default();
-    let mut kept = Vec::new();
-    for (spn, list) in pieces {
-        let holder = Arc::new(spn.clone());
-        kept.extend(list.iter().filter(|p| match p {
-            Piece::Element {
+    let holders: Vec<_> = pieces.keys().map(|spn| Arc::new(spn.clone())).collect();
+    for (holder, list) in holders.iter().zip(pieces.values()) {
+        for p in list {
+            if let Piece::Element {
                 family,
                 set,
                 element,
-            } if !claims::shared_set(*set) => {
-                claims.acquire(&holder, *family, *set, element).is_ok()
+                precedence,
+            } = p
+            {
+                if !claims::shared_set(*set) {
+                    claims.acquire(holder, *precedence, *family, *set, element);
+                }
             }
-            _ => true,
-        }));
+        }
     }
+    let kept = holders
+        .iter()
+        .zip(pieces.values())
+        .flat_map(|(holder, list)| {
+            list.iter()
+                .filter(|p| claims::committed(&claims, holder, p))
+        });
     Desired::assemble(&skeleton, kept)
         .iter()
         .map(Desired::to_table)
@@ -199,5 +212,18 @@ impl Default for RenderConfig {
             local_detector: DetectLocal::ClusterCidr,
             node_zone: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Piece;
+
+    /// A piece exists per element (a million and more at a million endpoints): its precedence must fit what
+    /// was padding before it came.
+    #[test]
+    fn a_piece_is_no_larger_than_an_element_and_eight_bytes() {
+        let element = std::mem::size_of::<crate::nft::ir::Element>();
+        assert_eq!(std::mem::size_of::<Piece>(), element + 8);
     }
 }

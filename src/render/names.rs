@@ -126,6 +126,18 @@ impl PieceSet {
         PIECE_SETS[self.0 as usize]
     }
 
+    /// Whether the set's keys are a NodePort's `proto . port` (else a frontend's `addr . proto . port`).
+    pub fn is_nodeport_keyed(self) -> bool {
+        [
+            MAP_SERVICE_NODEPORTS,
+            MAP_NODEPORT_ENDPOINTS,
+            SET_NO_ENDPOINT_NODEPORTS,
+            SET_NO_LOCAL_NODEPORTS,
+            MAP_AFFINITY_NODEPORTS,
+        ]
+        .contains(&self.name())
+    }
+
     /// Whether the set's keys end with an endpoint slot (4 bytes) after the frontend they belong to.
     pub fn has_slot_keys(self) -> bool {
         [MAP_SERVICE_ENDPOINTS, MAP_NODEPORT_ENDPOINTS].contains(&self.name())

@@ -25,6 +25,7 @@
 //! re-validate the whole table), and no anonymous set is bound per service (quadratic in the kernel).
 
 use super::chains::*;
+use super::claims::{FrontendKind, Precedence};
 use super::common::*;
 use super::names::*;
 use super::{Piece, RenderConfig};
@@ -103,6 +104,7 @@ pub(super) fn service_pieces(
             svc,
             cfg,
             f,
+            precedence: Precedence::of(svc, FrontendKind::ClusterIp),
             family: nft_family(f),
             all: &all,
             local: &local,
@@ -120,6 +122,8 @@ struct FamilyPieces<'a> {
     svc: &'a ServicePort,
     cfg: &'a RenderConfig,
     f: IpFamily,
+    /// The claim of the frontend whose elements are being added (see `claims`).
+    precedence: Precedence,
     family: Family,
     /// The endpoints chosen among (readiness fallback and topology hints applied).
     all: &'a [Endpoint],
@@ -179,6 +183,7 @@ impl FamilyPieces<'_> {
                 key: key.into(),
                 value,
             },
+            precedence: self.precedence,
         });
     }
 
@@ -220,6 +225,7 @@ impl FamilyPieces<'_> {
                     key: full.as_slice().into(),
                     value: Some(ElementValue::Data(endpoint.as_slice().into())),
                 },
+                precedence: self.precedence,
             });
         }
     }
@@ -258,6 +264,7 @@ impl FamilyPieces<'_> {
         if cluster.is_empty() {
             return;
         }
+        self.precedence = Precedence::of(self.svc, FrontendKind::ClusterIp);
         let itp_local = self.svc.internal_traffic_policy == TrafficPolicy::Local;
         let internal = if itp_local { self.local } else { self.all };
         let target = self.lb(LbKind::Cluster, internal.len(), 0);
@@ -288,6 +295,7 @@ impl FamilyPieces<'_> {
         let target = self.lb(kind, self.all.len(), self.local.len());
         let firewall = self.firewall(&target);
         for ip in external {
+            self.precedence = Precedence::of_address(self.svc, ip);
             let key = self.frontend(ip);
             self.slots(MAP_SERVICE_ENDPOINTS, &key, self.all, false);
             if self.etp_local() {
@@ -342,6 +350,7 @@ impl FamilyPieces<'_> {
             LbKind::NodePort
         };
         let target = self.lb(kind, self.all.len(), self.local.len());
+        self.precedence = Precedence::of(self.svc, FrontendKind::NodePort);
         let key = vec![vec![self.svc.protocol.number()], np.to_be_bytes().to_vec()];
         self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.all, false);
         if self.etp_local() {

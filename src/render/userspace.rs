@@ -2,6 +2,7 @@
 //! `relay-ports`, keyed like the nf_tables mode's dispatch (`daddr . l4proto . dport`), gives the relay's
 //! listening port for each frontend, and one rule per hook redirects there: no rule or chain per service.
 
+use super::claims::Precedence;
 use super::common::*;
 use super::names::*;
 use super::Piece;
@@ -77,6 +78,7 @@ pub fn relay_pieces(svc: &ServicePort, f: IpFamily, relay_port: u16) -> Vec<Piec
                 .into(),
                 value: Some(ElementValue::Data(relay_port.to_be_bytes().to_vec().into())),
             },
+            precedence: Precedence::of_address(svc, ip),
         })
         .collect()
 }

@@ -15,7 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::model::{
-    Cidr, IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, ServiceType,
+    Cidr, Created, IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, ServiceType,
     SharedValues, SliceEndpoint, SliceInfo, SlicePort, Topology, TrafficPolicy,
 };
 
@@ -220,6 +220,7 @@ fn convert_service(key: &NamespacedName, svc: &Service) -> Result<ServiceConvers
 
     let health_check_node_port =
         parse_optional_port("healthCheckNodePort", spec.health_check_node_port)?;
+    let created = created(&svc.metadata);
 
     let spec_ports = spec.ports.as_deref().unwrap_or(&[]);
     let mut names = BTreeSet::new();
@@ -257,9 +258,19 @@ fn convert_service(key: &NamespacedName, svc: &Service) -> Result<ServiceConvers
             internal_traffic_policy,
             session_affinity_timeout,
             health_check_node_port,
+            created,
         });
     }
     Ok(ServiceConversion::Ports(ports))
+}
+
+/// `metadata.creationTimestamp`, which ranks services claiming one frontend (see `render::claims`).
+fn created(meta: &ObjectMeta) -> Created {
+    meta.creation_timestamp
+        .as_ref()
+        .map_or(Created::UNKNOWN, |t| {
+            Created::from_unix_seconds(t.0.as_second())
+        })
 }
 
 /// Converts an EndpointSlice.

@@ -50,6 +50,8 @@ pub struct SyncReport {
     pub longest_transaction: Duration,
     /// The whole sync.
     pub elapsed: Duration,
+    /// Frontend claims that wait because a service port of higher precedence holds the frontend.
+    pub refused_claims: usize,
 }
 
 /// Keeps the kernel equal to the desired state. It remembers what it committed (per service port, see
@@ -176,6 +178,7 @@ impl<B: Backend> SyncEngine<B> {
         }
         let changes = plan.len();
         let (bytes, commit_time) = self.commit(plan)?;
+        let refused_claims = index.refused_claims();
         self.index = Some(index);
         self.unused_chains = deferred;
         self.prune_affinity(stale_affinity);
@@ -188,6 +191,7 @@ impl<B: Backend> SyncEngine<B> {
             transactions: self.transactions,
             longest_transaction: self.longest_transaction,
             elapsed: start.elapsed(),
+            refused_claims,
         })
     }
 
@@ -242,6 +246,7 @@ impl<B: Backend> SyncEngine<B> {
         }
         // Chains released by an earlier commit: nothing points at them any more.
         let index = self.index.as_ref().expect("checked above");
+        let refused_claims = index.refused_claims();
         let ready: Vec<(Family, String)> = self
             .unused_chains
             .iter()
@@ -283,6 +288,7 @@ impl<B: Backend> SyncEngine<B> {
             transactions: self.transactions,
             longest_transaction: self.longest_transaction,
             elapsed: start.elapsed(),
+            refused_claims,
         })
     }
 
@@ -472,6 +478,7 @@ mod tests {
     use super::*;
     use crate::model::*;
     use crate::nft::fake::FakeKernel;
+    use crate::render::claims::Precedence;
     use crate::render::{all_pieces, render, service_pieces, skeleton, RenderConfig};
 
     fn port(name: &str, ip: &str, proto: Protocol) -> ServicePort {
@@ -736,10 +743,9 @@ mod tests {
         // A full sync resolves it the same way (first by name keeps it).
         w.full(&mut e);
         kernel_matches(&e.backend, &w, &e.unused_chains);
+        // When a goes, b, waiting, takes the frontend over in the same partial sync.
         w.remove(&a);
         w.partial(&mut e, &[&a]);
-        // b takes over on the next full sync (or its own next change).
-        w.full(&mut e);
         kernel_matches(&e.backend, &w, &e.unused_chains);
         let text =
             crate::nft::text::render_table(&e.backend.tables[&(Family::Ip, "nftkube".into())]);
@@ -747,6 +753,186 @@ mod tests {
             text.contains("10.96.0.1 . tcp . 80 . 131073 : 10.0.0.3 . 8080"),
             "{text}"
         );
+        assert_eq!(e.index.as_ref().unwrap().refused_claims(), 0);
+    }
+
+    /// The slot element a frontend's first endpoint has, as `nft` lists it.
+    fn first_slot(frontend: &str, endpoint: &str) -> String {
+        let slot = crate::render::region(1, false);
+        format!("{frontend} . {slot} : {endpoint}")
+    }
+
+    fn kernel_text(e: &SyncEngine<FakeKernel>) -> String {
+        crate::nft::text::render_table(&e.backend.tables[&(Family::Ip, "nftkube".into())])
+    }
+
+    /// The kubernetes Service's ClusterIP, and another namespace's Service whose externalIPs name it: the
+    /// ClusterIP keeps its traffic whatever the names, the order the two arrive in, or a restart.
+    #[test]
+    fn another_services_external_ip_never_takes_a_cluster_ip() {
+        let victim = || {
+            let mut sp = port("kubernetes", "10.96.0.1", Protocol::Tcp);
+            sp.name.service = NamespacedName::new("default", "kubernetes");
+            sp.port = 443;
+            sp.created = Created::from_unix_seconds(1_700_000_000);
+            sp
+        };
+        let attacker = || {
+            let mut sp = port("x", "10.96.0.77", Protocol::Tcp);
+            sp.name.service = NamespacedName::new("aaa", "x");
+            sp.port = 443;
+            // Older than the victim, too: age ranks only within a kind.
+            sp.created = Created::from_unix_seconds(1_600_000_000);
+            sp.external_ips = vec!["10.96.0.1".parse().unwrap()];
+            sp
+        };
+        let victims = first_slot("10.96.0.1 . tcp . 443", "192.168.10.10 . 6443");
+        let check = |e: &SyncEngine<FakeKernel>, w: &World, when: &str| {
+            kernel_matches(&e.backend, w, &e.unused_chains);
+            let text = kernel_text(e);
+            assert!(text.contains(&victims), "{when}: {text}");
+            assert!(
+                !text.contains("10.96.0.1 . tcp . 443 : goto lb-ext"),
+                "{when}: {text}"
+            );
+        };
+        let victim_eps = || {
+            let mut e = eps(&["192.168.10.10"]);
+            e[0].port = 6443;
+            e
+        };
+        let attacker_eps = || {
+            let mut e = eps(&["10.244.9.9"]);
+            e[0].port = 8443;
+            e
+        };
+        // A full sync (a start, a restart).
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let v = w.set(victim(), victim_eps());
+        w.set(attacker(), attacker_eps());
+        w.full(&mut e);
+        check(&e, &w, "full sync");
+        // Partial syncs, in both orders.
+        for victim_first in [true, false] {
+            let mut e = SyncEngine::new(FakeKernel::default());
+            let mut w = World::default();
+            w.full(&mut e);
+            for step in 0..2 {
+                let spn = if (step == 0) == victim_first {
+                    w.set(victim(), victim_eps())
+                } else {
+                    w.set(attacker(), attacker_eps())
+                };
+                w.partial(&mut e, &[&spn]);
+            }
+            check(&e, &w, &format!("partial, victim first: {victim_first}"));
+            // The victim deleted and created again while the attacker stays: it takes its ClusterIP back.
+            w.remove(&v);
+            w.partial(&mut e, &[&v]);
+            kernel_matches(&e.backend, &w, &e.unused_chains);
+            assert!(kernel_text(&e).contains("10.96.0.1 . tcp . 443 : goto lb-ext"));
+            w.set(victim(), victim_eps());
+            w.partial(&mut e, &[&v]);
+            check(&e, &w, "victim created again");
+        }
+    }
+
+    /// For random services whose ClusterIPs, LoadBalancer and external IPs overlap, the kernel gives each
+    /// contested frontend to the claimant of best kind, then age, whatever the names and whatever order the
+    /// services arrive and leave in, in partial and full syncs alike.
+    #[test]
+    fn the_holder_of_a_contested_frontend_depends_on_kind_and_age_only() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let pool = ["10.96.0.1", "10.96.0.2", "10.96.0.3"];
+        for round in 0..150 {
+            let n = 2 + rnd(5) as usize;
+            let mut services = Vec::new();
+            for i in 0..n {
+                // Random names: neither their order nor their arrival should matter.
+                let name = format!("s{}-{i}", rnd(1000));
+                let mut sp = port(&name, pool[rnd(3) as usize], Protocol::Tcp);
+                sp.created =
+                    Created::from_unix_seconds(1_000_000 + rnd(1_000_000) as i64 * 8 + i as i64);
+                for ip in pool {
+                    match rnd(4) {
+                        0 => sp.external_ips.push(ip.parse().unwrap()),
+                        1 => sp.load_balancer_ips.push(ip.parse().unwrap()),
+                        _ => {}
+                    }
+                }
+                services.push((sp, eps(&[&format!("10.0.{i}.1")])));
+            }
+            let expected = |present: &[usize]| -> Vec<String> {
+                pool.iter()
+                    .filter_map(|ip| {
+                        let ip: std::net::IpAddr = ip.parse().unwrap();
+                        present
+                            .iter()
+                            .filter_map(|&i| {
+                                let sp = &services[i].0;
+                                let claims = sp.cluster_ips.contains(&ip)
+                                    || sp.external_ips.contains(&ip)
+                                    || sp.load_balancer_ips.contains(&ip);
+                                claims.then(|| (Precedence::of_address(sp, &ip), i))
+                            })
+                            .min()
+                            .map(|(_, i)| {
+                                first_slot(
+                                    &format!("{ip} . tcp . 80"),
+                                    &format!("10.0.{i}.1 . 8080"),
+                                )
+                            })
+                    })
+                    .collect()
+            };
+            let mut e = SyncEngine::new(FakeKernel::default());
+            let mut w = World::default();
+            w.full(&mut e);
+            let mut present = Vec::new();
+            let mut order: Vec<usize> = (0..n).collect();
+            for k in (1..n).rev() {
+                order.swap(k, rnd(k as u64 + 1) as usize);
+            }
+            for &i in &order {
+                let spn = w.set(services[i].0.clone(), services[i].1.clone());
+                w.partial(&mut e, &[&spn]);
+                present.push(i);
+                let text = kernel_text(&e);
+                for slot in expected(&present) {
+                    assert!(
+                        text.contains(&slot),
+                        "round {round}, {present:?}: {slot} in {text}"
+                    );
+                }
+                kernel_matches(&e.backend, &w, &e.unused_chains);
+            }
+            // A full sync of the same state changes no element.
+            let before = kernel_text(&e);
+            w.full(&mut e);
+            assert_eq!(kernel_text(&e), before, "round {round}");
+            // Leaving in a random order hands each frontend to the best claimant left.
+            while present.len() > 1 {
+                let i = present.remove(rnd(present.len() as u64) as usize);
+                let spn = services[i].0.name.clone();
+                w.remove(&spn);
+                w.partial(&mut e, &[&spn]);
+                let text = kernel_text(&e);
+                for slot in expected(&present) {
+                    assert!(
+                        text.contains(&slot),
+                        "round {round}, {present:?}: {slot} in {text}"
+                    );
+                }
+                kernel_matches(&e.backend, &w, &e.unused_chains);
+            }
+        }
     }
 
     /// A partial sync cut into chunks publishes every dispatch element after the endpoint slots it sends

@@ -7,7 +7,10 @@
 
 use crate::model::{NamespacedName, ServicePortName};
 use crate::nft::ir::{ChainState, Element, Family};
-use crate::render::claims::{shared_set, Claims, Fingerprint, Fingerprinter};
+use crate::render::claims::{
+    self, shared_set, Acquired, Claims, Fingerprint, Fingerprinter, Released,
+};
+use crate::render::names::PieceSet;
 use crate::render::Piece;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -55,9 +58,15 @@ impl Index {
         for (spn, list) in pieces {
             let holder = Arc::new(spn);
             for p in &list {
-                index.acquire(&holder, p, None);
+                index.count(&holder, p);
             }
             index.pieces.insert(holder, list);
+        }
+        for (holder, first) in index.claims.waiting() {
+            tracing::warn!(
+                service = %holder, holder = %first,
+                "another service port of higher precedence holds this address and port; this claim waits"
+            );
         }
         index
     }
@@ -65,15 +74,14 @@ impl Index {
     /// Every piece that is in the kernel: all of them but those whose frontend another port holds.
     pub fn committed_pieces(&self) -> impl Iterator<Item = &Piece> {
         self.pieces.iter().flat_map(move |(spn, list)| {
-            list.iter().filter(move |p| match p {
-                Piece::Element {
-                    family,
-                    set,
-                    element,
-                } if !shared_set(*set) => self.claims.holds(spn, *family, *set, element),
-                _ => true,
-            })
+            list.iter()
+                .filter(move |p| claims::committed(&self.claims, spn, p))
         })
+    }
+
+    /// Claims that wait because another service port holds their frontend (see `claims`).
+    pub fn refused_claims(&self) -> usize {
+        self.claims.refused()
     }
 
     /// Service ports of a service currently committed (a range of the name-ordered map: O(log n)).
@@ -121,7 +129,7 @@ impl Index {
                 self.release(&holder, p, &mut delta);
             }
             for p in new.iter().filter(|p| !old_set.contains(p)) {
-                self.acquire(&holder, p, Some(&mut delta));
+                self.acquire(&holder, p, &mut delta);
             }
             if !new.is_empty() {
                 self.pieces.insert(holder, new);
@@ -141,53 +149,137 @@ impl Index {
         delta
             .chains_added
             .retain(|(f, c)| !unused.contains(&(*f, c.chain.name.clone())));
+        cancel_out(&mut delta);
         delta
     }
 
-    /// Counts `p` as needed by `holder`; records in `delta` what that adds to the kernel (None: building an
-    /// index of what is already there, where recording would copy every element for nothing).
-    fn acquire(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: Option<&mut Delta>) {
+    /// Counts `p` as needed by `holder` in an index of what is already in the kernel: nothing to record.
+    fn count(&mut self, holder: &Arc<ServicePortName>, p: &Piece) {
         match p {
             Piece::Element {
                 family,
                 set,
                 element,
+                precedence,
             } => {
                 if shared_set(*set) {
-                    let n = self
-                        .shared_elements
-                        .entry(self.fingerprints.of(&(family, set, element)))
-                        .or_insert(0);
-                    *n += 1;
-                    if *n > 1 {
-                        return;
-                    }
-                } else if let Err(other) = self.claims.acquire(holder, *family, *set, element) {
-                    tracing::warn!(
-                        service = %holder, holder = %other, set = set.name(),
-                        "another service port already uses this address and port; ignored"
-                    );
-                    return;
-                }
-                if let Some(delta) = delta {
-                    delta
-                        .elements_added
-                        .entry((*family, set.name()))
-                        .or_default()
-                        .push(element.clone());
+                    self.count_shared(*family, *set, element);
+                } else {
+                    self.claims
+                        .acquire(holder, *precedence, *family, *set, element);
                 }
             }
             Piece::Chain { family, chain } => {
-                let n = self
-                    .chains
-                    .entry((*family, chain.chain.name.clone()))
-                    .or_insert(0);
-                *n += 1;
-                if let (1, Some(delta)) = (*n, delta) {
+                self.count_chain(*family, chain);
+            }
+        }
+    }
+
+    /// Counts `p` as needed by `holder` and records in `delta` what that adds to (or, when `holder` takes a
+    /// frontend over, removes from) the kernel.
+    fn acquire(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: &mut Delta) {
+        match p {
+            Piece::Element {
+                family,
+                set,
+                element,
+                precedence,
+            } => {
+                if shared_set(*set) {
+                    if self.count_shared(*family, *set, element) > 1 {
+                        return;
+                    }
+                } else {
+                    match self
+                        .claims
+                        .acquire(holder, *precedence, *family, *set, element)
+                    {
+                        Acquired::Holds => {}
+                        Acquired::Waits { holder: first, new } => {
+                            if new {
+                                // Once per claim, not once per endpoint slot.
+                                tracing::warn!(
+                                    service = %holder, holder = %first, set = set.name(),
+                                    "another service port of higher precedence holds this address and port; this claim waits"
+                                );
+                            }
+                            return;
+                        }
+                        Acquired::TookOver(former) => {
+                            tracing::warn!(
+                                service = %holder, former = %former, set = set.name(),
+                                "a service port of higher precedence takes this address and port over"
+                            );
+                            let key = self.claims.key(*family, *set, element);
+                            let theirs = self.frontend_elements(&former, key);
+                            push_elements(&mut delta.elements_removed, theirs);
+                        }
+                    }
+                }
+                push_elements(&mut delta.elements_added, [(*family, *set, element)]);
+            }
+            Piece::Chain { family, chain } => {
+                if self.count_chain(*family, chain) == 1 {
                     delta.chains_added.push((*family, chain.clone()));
                 }
             }
         }
+    }
+
+    /// One more port wants this element of a shared set; how many do now.
+    fn count_shared(&mut self, family: Family, set: PieceSet, element: &Element) -> u32 {
+        let n = self
+            .shared_elements
+            .entry(self.fingerprints.of(&(family, set, element)))
+            .or_insert(0);
+        *n += 1;
+        *n
+    }
+
+    /// One more port needs this chain; how many do now.
+    fn count_chain(&mut self, family: Family, chain: &Arc<ChainState>) -> u32 {
+        let n = self
+            .chains
+            .entry((family, chain.chain.name.clone()))
+            .or_insert(0);
+        *n += 1;
+        *n
+    }
+
+    /// The claim key of a piece of a per-service set.
+    fn claim_key(&self, p: &Piece) -> Option<Fingerprint> {
+        match p {
+            Piece::Element {
+                family,
+                set,
+                element,
+                ..
+            } if !shared_set(*set) => Some(self.claims.key(*family, *set, element)),
+            _ => None,
+        }
+    }
+
+    /// The elements `holder` has on the frontend of claim `key` (what it has in the kernel while it holds it).
+    fn frontend_elements(
+        &self,
+        holder: &ServicePortName,
+        key: Fingerprint,
+    ) -> Vec<(Family, PieceSet, &Element)> {
+        self.pieces
+            .get(holder)
+            .into_iter()
+            .flatten()
+            .filter(|p| self.claim_key(p) == Some(key))
+            .filter_map(|p| match p {
+                Piece::Element {
+                    family,
+                    set,
+                    element,
+                    ..
+                } => Some((*family, *set, element)),
+                Piece::Chain { .. } => None,
+            })
+            .collect()
     }
 
     fn release(&mut self, holder: &Arc<ServicePortName>, p: &Piece, delta: &mut Delta) {
@@ -196,11 +288,8 @@ impl Index {
                 family,
                 set,
                 element,
+                ..
             } => {
-                if !shared_set(*set) && !self.claims.release(holder, *family, *set, element) {
-                    // Never ours (we lost the claim): nothing of ours is in the kernel.
-                    return;
-                }
                 if shared_set(*set) {
                     let key = self.fingerprints.of(&(family, set, element));
                     match self.shared_elements.get_mut(&key) {
@@ -212,12 +301,23 @@ impl Index {
                             self.shared_elements.remove(&key);
                         }
                     }
+                } else {
+                    match self.claims.release(holder, *family, *set, element) {
+                        Released::Held => {}
+                        // Never ours (the claim waited): nothing of ours is in the kernel.
+                        Released::NotHeld => return,
+                        Released::HandedOver(next) => {
+                            tracing::info!(
+                                service = %next, former = %holder, set = set.name(),
+                                "a waiting service port takes over the address and port let go"
+                            );
+                            let key = self.claims.key(*family, *set, element);
+                            let theirs = self.frontend_elements(&next, key);
+                            push_elements(&mut delta.elements_added, theirs);
+                        }
+                    }
                 }
-                delta
-                    .elements_removed
-                    .entry((*family, set.name()))
-                    .or_default()
-                    .push(element.clone());
+                push_elements(&mut delta.elements_removed, [(*family, *set, element)]);
             }
             Piece::Chain { family, chain } => {
                 let key = (*family, chain.chain.name.clone());
@@ -231,4 +331,39 @@ impl Index {
             }
         }
     }
+}
+
+fn push_elements<'e>(
+    to: &mut BTreeMap<(Family, &'static str), Vec<Element>>,
+    elements: impl IntoIterator<Item = (Family, PieceSet, &'e Element)>,
+) {
+    for (family, set, element) in elements {
+        to.entry((family, set.name()))
+            .or_default()
+            .push(element.clone());
+    }
+}
+
+/// Drops what a delta both removes and adds, element for element (key and value): a frontend handed over
+/// and taken back within one replace, or a port's elements released and claimed again. What is left is the
+/// kernel's net change, with each element at most once on each side.
+fn cancel_out(delta: &mut Delta) {
+    for (set, removed) in delta.elements_removed.iter_mut() {
+        let Some(added) = delta.elements_added.get_mut(set) else {
+            continue;
+        };
+        let added_once: HashSet<&Element> = added.iter().collect();
+        let in_both: HashSet<Element> = removed
+            .iter()
+            .filter(|e| added_once.contains(e))
+            .cloned()
+            .collect();
+        if in_both.is_empty() {
+            continue;
+        }
+        removed.retain(|e| !in_both.contains(e));
+        added.retain(|e| !in_both.contains(e));
+    }
+    delta.elements_removed.retain(|_, v| !v.is_empty());
+    delta.elements_added.retain(|_, v| !v.is_empty());
 }
