@@ -230,7 +230,14 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Trace(args) => return run_trace(&args),
-        Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
+        Command::Cleanup(args) => {
+            let removed = if args.traces {
+                nftkube::agent::cleanup_abandoned_traces()
+            } else {
+                nftkube::agent::cleanup()
+            };
+            removed.map(|n| eprintln!("removed {n} table(s)"))
+        }
         Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
