@@ -472,6 +472,14 @@ fn signal(pid: u32, sig: i32) {
     );
 }
 
+/// Whether process `pid` is stopped (state T in /proc/PID/stat).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()? == "T"))
+        .unwrap_or(false)
+}
+
 /// The arguments of a `--live` trace that no packet of the test matches: it runs until stopped.
 fn idle_live_args() -> Vec<String> {
     [
@@ -490,6 +498,27 @@ fn idle_live_args() -> Vec<String> {
     ]
     .map(String::from)
     .to_vec()
+}
+
+#[test]
+fn a_second_stop_signal_ends_a_live_trace_at_once() {
+    let sb = sandbox("nk-tss", 0);
+    let (child, _) = start_live(sb.node(), &idle_live_args(), true);
+    let pid = child.id();
+    // Stopped, the process takes both signals at once when it continues, while the first one's removal of
+    // the table is still to come: the second must not wait for it.
+    signal(pid, libc::SIGSTOP);
+    wait_until(Duration::from_secs(5), || is_stopped(pid)).expect("the trace never stopped");
+    signal(pid, libc::SIGINT);
+    signal(pid, libc::SIGTERM);
+    signal(pid, libc::SIGCONT);
+    let out = child
+        .wait_with_output()
+        .expect("waiting for nftkube trace --live");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+    assert!(stderr.contains("cleanup --traces"), "{stderr}");
 }
 
 #[test]
