@@ -436,6 +436,56 @@ fn tcp_udp_from_outside_localhost_hairpin_hostip_and_ipv6() {
     assert!(ok, "a second DEL: {out}");
 }
 
+/// route_localnet cannot be set on a node-side interface of the previous result (here: it is gone): ADD fails
+/// and leaves no mapping behind, in the kernel or on the wire, since the runtime will not DEL what failed.
+#[test]
+fn a_failed_route_localnet_write_leaves_no_mapping() {
+    let node = Node::new("pm-lnet");
+    let net = Network::a();
+    let c1 = Container::start("c1");
+    let (ok, mut prev) = node.invoke(
+        "bridge",
+        "ADD",
+        Some((&c1, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "bridge ADD failed: {prev}");
+    // The bridge, as if deleted since: /proc/sys/net/ipv4/conf/pmgone0/route_localnet does not exist.
+    let bridge = prev["interfaces"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|i| i["name"] == net.bridge)
+        .expect("the bridge in the previous result");
+    bridge["name"] = json!("pmgone0");
+    let maps = json!([mapping(8080, TCP_PORT, "tcp")]);
+    let (ok, out) = node.portmap("ADD", &net, &c1, "eth0", &prev, maps);
+    assert!(!ok, "ADD succeeded without route_localnet: {out}");
+    assert_eq!(out["code"], 5, "an I/O failure: {out}");
+    assert!(
+        out["msg"]
+            .as_str()
+            .unwrap()
+            .contains("pmgone0/route_localnet"),
+        "{out}"
+    );
+    for set in ["ports-net-a", "hostip-net-a", "targets-net-a"] {
+        assert!(
+            node.elements(Family::Ip, set).is_empty(),
+            "{set} after a failed ADD"
+        );
+        assert!(
+            node.elements(Family::Ip6, set).is_empty(),
+            "ip6 {set} after a failed ADD"
+        );
+    }
+    let n4 = v4(node_ip_v4());
+    assert_unanswered(
+        tcp_short(node.sb.ext(), n4, 8080),
+        "a mapping of a failed ADD",
+    );
+}
+
 #[test]
 fn a_second_container_takes_over_a_udp_port_at_once() {
     let node = Node::new("pm-udp");
