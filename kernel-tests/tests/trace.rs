@@ -521,6 +521,31 @@ fn a_second_stop_signal_ends_a_live_trace_at_once() {
     assert!(stderr.contains("cleanup --traces"), "{stderr}");
 }
 
+/// A trace table is created exclusively: a second run that picked the same name would be refused (EEXIST)
+/// instead of sharing the first one's table, while the proxy's create-or-update of its own table still
+/// succeeds on an existing one.
+#[test]
+fn creating_an_existing_table_exclusively_is_refused() {
+    use nftkube::nft::{ir::Family, netlink::NftSocket, tx::Op, tx::Transaction};
+    let sb = sandbox("nk-tex", 0);
+    let commit = |op: Op| {
+        let mut tx = Transaction::default();
+        tx.push(Family::Ip, "nftkube-trace-1-2-0000000000000003", op);
+        sb.node()
+            .run(move || {
+                NftSocket::open()
+                    .expect("nf_tables socket")
+                    .commit(&tx)
+                    .map(drop)
+            })
+            .expect("entering the namespace")
+    };
+    commit(Op::CreateTable).expect("creating a new table");
+    let refused = commit(Op::CreateTable).expect_err("created an existing table");
+    assert_eq!(refused.errno(), Some(libc::EEXIST), "{refused}");
+    commit(Op::AddTable).expect("add (create or update) of an existing table");
+}
+
 #[test]
 fn cleanup_traces_removes_abandoned_trace_tables_only() {
     let sb = sandbox("nk-tcl", 0);
