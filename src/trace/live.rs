@@ -1,5 +1,5 @@
-//! `nftkube trace --live`: the kernel's own account of real packets. A table of our own (`nftkube-trace-PID`)
-//! holds one rule per entry hook (prerouting, output; raw priority, before conntrack and NAT) that matches the
+//! `nftkube trace --live`: the kernel's own account of real packets. A table of our own
+//! (`nftkube-trace-PID-START-RANDOM`) holds one rule per entry hook (prerouting, output; raw priority, before conntrack and NAT) that matches the
 //! traced packet narrowly and sets its nftrace bit; the kernel then reports every rule it matches, every return
 //! and every policy on NFNLGRP_NFTRACE. The table goes in one batch and leaves in one batch, when the count of
 //! packets is reached, at the timeout, or on SIGINT / SIGTERM (`STOP`). The table's name is the run's own
@@ -96,7 +96,8 @@ fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
     crate::nft::build::ip_bytes(ip)
 }
 
-/// What every trace table's name starts with (`nftkube cleanup` removes them all).
+/// What every trace table's name starts with (`nftkube cleanup` removes them all; with `--traces`, those
+/// of ended runs).
 pub const TABLE_PREFIX: &str = "nftkube-trace-";
 
 /// A new trace table name for this run: `nftkube-trace-PID-START-RANDOM` (see `owner.rs`).
