@@ -437,7 +437,8 @@ fn tcp_udp_from_outside_localhost_hairpin_hostip_and_ipv6() {
 }
 
 /// route_localnet cannot be set on a node-side interface of the previous result (here: it is gone): ADD fails
-/// and leaves no mapping behind, in the kernel or on the wire, since the runtime will not DEL what failed.
+/// and leaves no mapping behind, in the kernel or on the wire (whether a runtime calls DEL after a failed ADD
+/// is up to the runtime).
 #[test]
 fn a_failed_route_localnet_write_leaves_no_mapping() {
     let node = Node::new("pm-lnet");

@@ -135,8 +135,9 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
         return Ok(result);
     }
     // Before the mappings, not after: ADD fails whole when the sysctl cannot be written (a read-only
-    // /proc/sys, an interface gone), and a runtime that sees the error does not DEL what it never got, so
-    // mappings committed first would be left without an owner (and localhost mappings would not work).
+    // /proc/sys, an interface gone), and a failed ADD must leave no mapping behind (whether the runtime
+    // calls DEL after it is up to the runtime). Not undone if the commit then fails: a concurrent ADD on
+    // the same bridge may rely on it already.
     if conf.snat && prev.container_ip(Family::Ip).is_some() {
         enable_localnet_routing(&prev.host_interfaces)?;
     }
