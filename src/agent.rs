@@ -351,7 +351,34 @@ pub fn cleanup() -> anyhow::Result<usize> {
         (Family::Ip, TABLE.to_string()),
         (Family::Ip6, TABLE.to_string()),
     ];
-    // Trace tables a killed `nftkube trace --live` left behind (one that is still running loses its own).
+    // Every trace table, a running `nftkube trace --live`'s too (which then loses its rule): a rollback
+    // removes everything.
+    tables.extend(trace_tables(&mut socket)?);
+    let tables: Vec<(Family, &str)> = tables.iter().map(|(f, n)| (*f, n.as_str())).collect();
+    Ok(delete_tables(&mut socket, &tables)?)
+}
+
+/// Removes the trace tables of `nftkube trace --live` runs that have ended (`nftkube cleanup --traces`), and
+/// nothing else: not the proxy's tables, not a running trace's table. A run counts as running when this
+/// process's /proc shows it (see `trace::owner`): from another container's PID namespace it does not.
+pub fn cleanup_abandoned_traces() -> anyhow::Result<usize> {
+    let mut socket = NftSocket::open()?;
+    let mut abandoned = Vec::new();
+    for (family, name) in trace_tables(&mut socket)? {
+        let ended = crate::trace::is_abandoned(&name).map_err(|e| {
+            anyhow::anyhow!("reading /proc to tell whether the run of {name} still runs: {e}")
+        })?;
+        if ended {
+            abandoned.push((family, name));
+        }
+    }
+    let tables: Vec<(Family, &str)> = abandoned.iter().map(|(f, n)| (*f, n.as_str())).collect();
+    Ok(delete_tables(&mut socket, &tables)?)
+}
+
+/// Every table of `nftkube trace --live` (by its name's prefix), in both families.
+fn trace_tables(socket: &mut NftSocket) -> anyhow::Result<Vec<(Family, String)>> {
+    let mut tables = Vec::new();
     for family in [Family::Ip, Family::Ip6] {
         let names = socket.list_tables(family)?;
         let traces = names
@@ -359,8 +386,7 @@ pub fn cleanup() -> anyhow::Result<usize> {
             .filter(|n| n.starts_with(crate::trace::live::TABLE_PREFIX));
         tables.extend(traces.map(|n| (family, n)));
     }
-    let tables: Vec<(Family, &str)> = tables.iter().map(|(f, n)| (*f, n.as_str())).collect();
-    Ok(delete_tables(&mut socket, &tables)?)
+    Ok(tables)
 }
 
 /// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from

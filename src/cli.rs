@@ -35,8 +35,8 @@ pub enum Command {
     /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
     /// every hook, chain, rule and lookup, the verdict, DNAT targets with probabilities, masquerade and why.
     Trace(crate::trace::TraceArgs),
-    /// Remove every table nftkube owns, and nothing else.
-    Cleanup,
+    /// Remove every table nftkube owns, and nothing else (with --traces: only abandoned trace tables).
+    Cleanup(CleanupArgs),
     /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.
     Demo(DemoArgs),
     /// Act as the CNI portmap plugin (CNI_COMMAND etc. in the environment, the network configuration on
@@ -270,6 +270,18 @@ pub struct PlanArgs {
     #[command(flatten)]
     /// The flags that shape the ruleset.
     pub render: RenderArgs,
+}
+
+#[derive(Debug, Args)]
+/// `nftkube cleanup`'s flags.
+pub struct CleanupArgs {
+    /// Remove only the tables that ended `nftkube trace --live` runs left behind (a killed run, or one whose
+    /// removal failed), not the proxy's tables and not the table of a trace still running. A run counts as
+    /// running when this command sees its process (the PID and start time in the table's name): run it in
+    /// the host's PID namespace, or in the one the traces ran in; a trace running in a container whose
+    /// processes this command cannot see loses its table.
+    #[arg(long)]
+    pub traces: bool,
 }
 
 #[derive(Debug, Args)]

@@ -31,37 +31,51 @@ fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
-/// Takes the blocked stop signals: the first stops the proxy (netlink waits end within their slice, the
-/// loop wakes at once); a second one exits at once.
-fn forward_stop_signals(
+/// Takes the blocked stop signals on a thread of its own: the first runs `stop` (a graceful stop, which may
+/// still wait on netlink for a while); a second one exits at once, with `what_is_left` on stderr.
+fn on_stop_signals(
     set: libc::sigset_t,
-    stop: nftkube::agent::StopHandle,
+    stop: impl FnOnce(i32) + Send + 'static,
+    what_is_left: &'static str,
 ) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            let mut received = 0;
+            let mut stop = Some(stop);
             loop {
                 let mut sig = 0;
                 // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
                 if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
                     continue;
                 }
-                received += 1;
-                if received > 1 {
-                    // Not eprintln!, which panics where stderr cannot be written, and would not exit.
-                    let _ = writeln!(
-                        std::io::stderr(),
-                        "nftkube: second signal {sig}: exiting now"
-                    );
-                    std::process::exit(1);
+                match stop.take() {
+                    Some(stop) => stop(sig),
+                    None => {
+                        // Not eprintln!, which panics where stderr cannot be written, and would not exit.
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "nftkube: second signal {sig}: exiting now{what_is_left}"
+                        );
+                        std::process::exit(1);
+                    }
                 }
-                tracing::info!(signal = sig, "stop requested");
-                SHUTDOWN.store(true, Ordering::SeqCst);
-                stop.stop();
             }
         })
         .map(drop)
+}
+
+/// The first stop signal stops the proxy (netlink waits end within their slice, the loop wakes at once); a
+/// second one exits at once.
+fn forward_stop_signals(
+    set: libc::sigset_t,
+    stop: nftkube::agent::StopHandle,
+) -> std::io::Result<()> {
+    let stop_proxy = move |sig| {
+        tracing::info!(signal = sig, "stop requested");
+        SHUTDOWN.store(true, Ordering::SeqCst);
+        stop.stop();
+    };
+    on_stop_signals(set, stop_proxy, "")
 }
 
 /// Probes what needs more than CAP_NET_ADMIN, drops every other capability, then runs the proxy loop.
@@ -133,15 +147,13 @@ fn usage_error(e: &str) -> ExitCode {
 fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
     let result = if args.live {
         // Ctrl-C or SIGTERM ends the wait; the trace table is removed and what was seen is printed.
+        // A second one exits at once, while the removal may still wait on netlink.
         let set = block_stop_signals();
-        let started = std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || {
-                let mut sig = 0;
-                // SAFETY: `set` is a valid, initialised signal set; `sig` is a valid out pointer.
-                while unsafe { libc::sigwait(&set, &mut sig) } != 0 {}
-                nftkube::trace::live::STOP.store(true, Ordering::SeqCst);
-            });
+        let started = on_stop_signals(
+            set,
+            |_| nftkube::trace::live::STOP.store(true, Ordering::SeqCst),
+            " (the trace table may be left behind: `nftkube cleanup --traces` removes it)",
+        );
         if let Err(e) = started {
             eprintln!("nftkube trace: starting the signal thread: {e}");
             return ExitCode::FAILURE;
@@ -230,7 +242,14 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Trace(args) => return run_trace(&args),
-        Command::Cleanup => nftkube::agent::cleanup().map(|n| eprintln!("removed {n} table(s)")),
+        Command::Cleanup(args) => {
+            let removed = if args.traces {
+                nftkube::agent::cleanup_abandoned_traces()
+            } else {
+                nftkube::agent::cleanup()
+            };
+            removed.map(|n| eprintln!("removed {n} table(s)"))
+        }
         Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {

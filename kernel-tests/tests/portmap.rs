@@ -436,6 +436,210 @@ fn tcp_udp_from_outside_localhost_hairpin_hostip_and_ipv6() {
     assert!(ok, "a second DEL: {out}");
 }
 
+/// route_localnet cannot be set on a node-side interface of the previous result (here: it is gone): ADD fails
+/// and leaves no mapping behind, in the kernel or on the wire (whether a runtime calls DEL after a failed ADD
+/// is up to the runtime).
+#[test]
+fn a_failed_route_localnet_write_leaves_no_mapping() {
+    let node = Node::new("pm-lnet");
+    let net = Network::a();
+    let c1 = Container::start("c1");
+    let (ok, mut prev) = node.invoke(
+        "bridge",
+        "ADD",
+        Some((&c1, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "bridge ADD failed: {prev}");
+    // The bridge, as if deleted since: /proc/sys/net/ipv4/conf/pmgone0/route_localnet does not exist.
+    let bridge = prev["interfaces"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|i| i["name"] == net.bridge)
+        .expect("the bridge in the previous result");
+    bridge["name"] = json!("pmgone0");
+    let maps = json!([mapping(8080, TCP_PORT, "tcp")]);
+    let (ok, out) = node.portmap("ADD", &net, &c1, "eth0", &prev, maps);
+    assert!(!ok, "ADD succeeded without route_localnet: {out}");
+    assert_eq!(out["code"], 5, "an I/O failure: {out}");
+    assert!(
+        out["msg"]
+            .as_str()
+            .unwrap()
+            .contains("pmgone0/route_localnet"),
+        "{out}"
+    );
+    for set in ["ports-net-a", "hostip-net-a", "targets-net-a"] {
+        assert!(
+            node.elements(Family::Ip, set).is_empty(),
+            "{set} after a failed ADD"
+        );
+        assert!(
+            node.elements(Family::Ip6, set).is_empty(),
+            "ip6 {set} after a failed ADD"
+        );
+    }
+    let n4 = v4(node_ip_v4());
+    assert_unanswered(
+        tcp_short(node.sb.ext(), n4, 8080),
+        "a mapping of a failed ADD",
+    );
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+fn mac(text: &str) -> [u8; 6] {
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16).expect("a MAC address byte"))
+        .collect();
+    bytes.try_into().expect("six bytes")
+}
+
+/// The MAC address of interface `name` in a CNI result.
+fn result_mac(result: &Value, name: &str) -> [u8; 6] {
+    let iface = result["interfaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == name)
+        .unwrap_or_else(|| panic!("no interface {name} in {result}"));
+    mac(iface["mac"].as_str().expect("a mac"))
+}
+
+/// The Internet checksum of an IPv4 header.
+fn ipv4_checksum(header: &[u8]) -> u16 {
+    let mut sum: u32 = header
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An Ethernet frame holding an IPv4 UDP datagram (UDP checksum 0: none, which IPv4 allows).
+fn udp_frame(
+    macs: ([u8; 6], [u8; 6]),
+    src: std::net::SocketAddrV4,
+    dst: std::net::SocketAddrV4,
+    payload: &[u8],
+) -> Vec<u8> {
+    let (src_mac, dst_mac) = macs;
+    let udp_len = 8 + payload.len() as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0];
+    ip[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
+    ip.extend(src.ip().octets());
+    ip.extend(dst.ip().octets());
+    let checksum = ipv4_checksum(&ip);
+    ip[10..12].copy_from_slice(&checksum.to_be_bytes());
+    let mut frame = Vec::new();
+    frame.extend(dst_mac);
+    frame.extend(src_mac);
+    frame.extend(0x0800u16.to_be_bytes());
+    frame.extend(ip);
+    frame.extend(src.port().to_be_bytes());
+    frame.extend(dst.port().to_be_bytes());
+    frame.extend(udp_len.to_be_bytes());
+    frame.extend([0, 0]);
+    frame.extend(payload);
+    frame
+}
+
+/// Sends `frame` out of interface `ifname` of `ns` through a packet socket: as a container could, whatever its
+/// own routes say (its loopback would take 127.0.0.1).
+fn send_frame(ns: &NetNs, ifname: &str, frame: Vec<u8>) {
+    let ifname = std::ffi::CString::new(ifname).unwrap();
+    ns.run(move || {
+        // SAFETY: if_nametoindex reads a NUL-terminated string; socket, sendto and close take plain values
+        // and pointers to the initialised `addr` and `frame`, which outlive the calls.
+        unsafe {
+            let ifindex = libc::if_nametoindex(ifname.as_ptr());
+            assert_ne!(ifindex, 0, "no interface {ifname:?}");
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+            assert!(
+                fd >= 0,
+                "packet socket: {}",
+                std::io::Error::last_os_error()
+            );
+            let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+            addr.sll_family = libc::AF_PACKET as u16;
+            addr.sll_protocol = 0x0800u16.to_be();
+            addr.sll_ifindex = ifindex as i32;
+            addr.sll_halen = 6;
+            addr.sll_addr[..6].copy_from_slice(&frame[..6]);
+            let sent = libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            let error = std::io::Error::last_os_error();
+            libc::close(fd);
+            assert_eq!(sent, frame.len() as isize, "sending the frame: {error}");
+        }
+    })
+    .unwrap();
+}
+
+/// ADD turns route_localnet on for 127.0.0.1 mappings, which also lets a container's packets to 127.0.0.0/8
+/// in over the bridge: the plugin's own guard drops them (no agent runs here), so a service bound to the
+/// node's loopback is out of the containers' reach. Without the guard the same packet gets there.
+#[test]
+fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
+    let node = Node::new("pm-mart");
+    let net = Network::a();
+    let c1 = Container::start("c1");
+    let prev = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let lo_port = 9999;
+    let service = node
+        .ns()
+        .run(move || UdpSocket::bind(("127.0.0.1", lo_port)))
+        .unwrap()
+        .unwrap();
+    service.set_read_timeout(Some(SHORT)).unwrap();
+    let container_ip = match prev["ips"][0]["address"].as_str().unwrap().split_once('/') {
+        Some((ip, _)) => ip.parse().unwrap(),
+        None => panic!("no container address in {prev}"),
+    };
+    let frame = udp_frame(
+        (result_mac(&prev, "eth0"), result_mac(&prev, net.bridge)),
+        std::net::SocketAddrV4::new(container_ip, 40000),
+        std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, lo_port),
+        b"martian",
+    );
+    let mut buf = [0u8; 64];
+    send_frame(&c1.ns, "eth0", frame.clone());
+    if let Ok((n, from)) = service.recv_from(&mut buf) {
+        panic!(
+            "the node's loopback service got {:?} from {from}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+    }
+    // Without the guard chains the same frame reaches it: the test sends what a container could.
+    node.ns()
+        .run(|| {
+            let mut tx = Transaction::default();
+            for chain in ["guard-in-net-a", "guard-fwd-net-a"] {
+                tx.push(Family::Ip, TABLE, Op::FlushChain(chain.into()));
+                tx.push(Family::Ip, TABLE, Op::DeleteChain(chain.into()));
+            }
+            NftSocket::open().unwrap().commit(&tx).unwrap();
+        })
+        .unwrap();
+    send_frame(&c1.ns, "eth0", frame);
+    let (n, from) = service
+        .recv_from(&mut buf)
+        .expect("without the guard the frame reaches the loopback service");
+    assert_eq!(
+        (&buf[..n], from.ip()),
+        (&b"martian"[..], IpAddr::from(container_ip))
+    );
+}
+
 #[test]
 fn a_second_container_takes_over_a_udp_port_at_once() {
     let node = Node::new("pm-udp");

@@ -303,10 +303,27 @@ fn start_live(
         .stderr(output())
         .spawn()
         .expect("starting nftkube trace --live");
-    let table = format!("nftkube-trace-{}", child.id());
-    wait_until(Duration::from_secs(10), || has_table(ns, &table))
-        .unwrap_or_else(|_| panic!("table {table} never appeared"));
-    (child, table)
+    let mut table = None;
+    wait_until(Duration::from_secs(10), || {
+        table = trace_table_of(ns, child.id());
+        table.is_some()
+    })
+    .unwrap_or_else(|_| panic!("no trace table of process {} appeared", child.id()));
+    (child, table.unwrap())
+}
+
+/// The trace table of process `pid` in `ns` (family ip): `nftkube-trace-PID-START-RANDOM`.
+fn trace_table_of(ns: &nftkube::netns::NetNs, pid: u32) -> Option<String> {
+    let prefix = format!("{}{pid}-", nftkube::trace::live::TABLE_PREFIX);
+    ns.run(move || {
+        nftkube::nft::netlink::NftSocket::open()
+            .expect("nf_tables socket")
+            .list_tables(nftkube::nft::ir::Family::Ip)
+            .expect("listing tables")
+            .into_iter()
+            .find(|n| n.starts_with(&prefix))
+    })
+    .expect("entering the namespace")
 }
 
 /// Whether table `name` exists in `ns` (family ip).
@@ -443,6 +460,146 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
         !has_table(sb.node(), "nftkube"),
         "cleanup left nftkube's own table"
     );
+}
+
+/// Sends `sig` to the child `pid`.
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions; the pid is the test's own child's, not yet reaped.
+    assert_eq!(
+        unsafe { libc::kill(pid as i32, sig) },
+        0,
+        "kill({pid}, {sig})"
+    );
+}
+
+/// Whether process `pid` is stopped (state T in /proc/PID/stat).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()? == "T"))
+        .unwrap_or(false)
+}
+
+/// The arguments of a `--live` trace that no packet of the test matches: it runs until stopped.
+fn idle_live_args() -> Vec<String> {
+    [
+        "trace",
+        "--src",
+        "10.244.9.9",
+        "--dst",
+        "10.96.9.9:9",
+        "--proto",
+        "tcp",
+        "--live",
+        "--timeout",
+        "30s",
+        "-o",
+        "json",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn a_second_stop_signal_ends_a_live_trace_at_once() {
+    let sb = sandbox("nk-tss", 0);
+    let (child, _) = start_live(sb.node(), &idle_live_args(), true);
+    let pid = child.id();
+    // Stopped, the process takes both signals at once when it continues, while the first one's removal of
+    // the table is still to come: the second must not wait for it.
+    signal(pid, libc::SIGSTOP);
+    wait_until(Duration::from_secs(5), || is_stopped(pid)).expect("the trace never stopped");
+    signal(pid, libc::SIGINT);
+    signal(pid, libc::SIGTERM);
+    signal(pid, libc::SIGCONT);
+    let out = child
+        .wait_with_output()
+        .expect("waiting for nftkube trace --live");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+    assert!(stderr.contains("cleanup --traces"), "{stderr}");
+}
+
+/// A trace table is created exclusively: a second run that picked the same name would be refused (EEXIST)
+/// instead of sharing the first one's table, while the proxy's create-or-update of its own table still
+/// succeeds on an existing one.
+#[test]
+fn creating_an_existing_table_exclusively_is_refused() {
+    use nftkube::nft::{ir::Family, netlink::NftSocket, tx::Op, tx::Transaction};
+    let sb = sandbox("nk-tex", 0);
+    let commit = |op: Op| {
+        let mut tx = Transaction::default();
+        tx.push(Family::Ip, "nftkube-trace-1-2-0000000000000003", op);
+        sb.node()
+            .run(move || {
+                NftSocket::open()
+                    .expect("nf_tables socket")
+                    .commit(&tx)
+                    .map(drop)
+            })
+            .expect("entering the namespace")
+    };
+    commit(Op::CreateTable).expect("creating a new table");
+    let refused = commit(Op::CreateTable).expect_err("created an existing table");
+    assert_eq!(refused.errno(), Some(libc::EEXIST), "{refused}");
+    commit(Op::AddTable).expect("add (create or update) of an existing table");
+}
+
+#[test]
+fn cleanup_traces_removes_abandoned_trace_tables_only() {
+    let sb = sandbox("nk-tcl", 0);
+    let ns = sb.node();
+    // The proxy's table (empty: what is in it does not matter here).
+    ns.run(|| {
+        let mut tx = nftkube::nft::tx::Transaction::default();
+        tx.push(
+            nftkube::nft::ir::Family::Ip,
+            "nftkube",
+            nftkube::nft::tx::Op::AddTable,
+        );
+        nftkube::nft::netlink::NftSocket::open()
+            .expect("nf_tables socket")
+            .commit(&tx)
+            .expect("adding table ip nftkube");
+    })
+    .expect("entering the namespace");
+    let args = idle_live_args();
+    // A killed run leaves its table behind.
+    let (mut killed, abandoned) = start_live(ns, &args, false);
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let (running, alive) = start_live(ns, &args, true);
+    assert_ne!(abandoned, alive);
+
+    let out = nftkube_in(ns, &["cleanup", "--traces"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "cleanup --traces: {stderr}");
+    assert!(stderr.contains("removed 1 table(s)"), "{stderr}");
+    assert!(
+        !has_table(ns, &abandoned),
+        "cleanup --traces left {abandoned}"
+    );
+    assert!(
+        has_table(ns, &alive),
+        "cleanup --traces removed the running trace's {alive}"
+    );
+    assert!(
+        has_table(ns, "nftkube"),
+        "cleanup --traces removed the proxy's table"
+    );
+
+    // The running trace still ends as usual, removing its own table.
+    signal(running.id(), libc::SIGINT);
+    let out = running
+        .wait_with_output()
+        .expect("waiting for nftkube trace --live");
+    assert!(
+        out.status.success(),
+        "after SIGINT: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!has_table(ns, &alive), "{alive} left after SIGINT");
 }
 
 /// `nftkube portmap` (the CNI plugin) ADD for pod1 as the container, with `mappings`; the previous result is

@@ -48,6 +48,13 @@ impl FakeKernel {
                     .flags = 0;
                 continue;
             }
+            if let Op::CreateTable = c.op {
+                if tables.contains_key(&key) {
+                    return Err(fail(i, libc::EEXIST, what));
+                }
+                tables.insert(key, TableState::new(c.family, c.table.clone()));
+                continue;
+            }
             if let Op::DeleteTable = c.op {
                 if tables.remove(&key).is_none() {
                     return Err(fail(i, libc::ENOENT, what));
@@ -70,7 +77,7 @@ impl FakeKernel {
                 op => op,
             };
             match op {
-                Op::AddTable | Op::DeleteTable => unreachable!(),
+                Op::AddTable | Op::CreateTable | Op::DeleteTable => unreachable!(),
                 Op::AddChain(ch) => match t.chains.get_mut(&ch.name) {
                     None => {
                         t.add_chain(ch.clone());

@@ -6,8 +6,11 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 /// One change to one object; the table and family are the [`Change`]'s.
 pub enum Op {
-    /// Creates the table.
+    /// Creates the table, or updates it (flags 0) when it exists.
     AddTable,
+    /// Creates the table, and fails with EEXIST when it exists (NLM_F_EXCL): for a table that must be
+    /// this process's alone.
+    CreateTable,
     /// Deletes the table and everything in it.
     DeleteTable,
     /// Creates a chain.
@@ -67,6 +70,7 @@ impl fmt::Display for Change {
         let t = format!("table {} {}", self.family.as_str(), self.table);
         match &self.op {
             Op::AddTable => write!(f, "add {t}"),
+            Op::CreateTable => write!(f, "create {t}"),
             Op::DeleteTable => write!(f, "delete {t}"),
             Op::AddChain(c) => write!(f, "add chain {} to {t}", c.name),
             Op::FlushChain(c) => write!(f, "flush chain {c} of {t}"),

@@ -134,6 +134,13 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
     if conf.port_mappings.is_empty() {
         return Ok(result);
     }
+    // Before the mappings, not after: ADD fails whole when the sysctl cannot be written (a read-only
+    // /proc/sys, an interface gone), and a failed ADD must leave no mapping behind (whether the runtime
+    // calls DEL after it is up to the runtime). Not undone if the commit then fails: a concurrent ADD on
+    // the same bridge may rely on it already.
+    if conf.snat && prev.container_ip(Family::Ip).is_some() {
+        enable_localnet_routing(&prev.host_interfaces)?;
+    }
     let names = Names::of(&conf.name);
     let owner = render::owner_comment(&a.container_id, &a.ifname);
     let removed = transact(&names, |tx, family, view| {
@@ -144,9 +151,6 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
         }
         Ok(state::converge(tx, family, view, &names, &want, &owner))
     })?;
-    if conf.snat && prev.container_ip(Family::Ip).is_some() {
-        enable_localnet_routing(&prev.host_interfaces)?;
-    }
     // Every UDP port published now, and every one given up (a changed configuration): stale either way.
     let mut udp: Vec<HostPort> = conf
         .port_mappings

@@ -14,6 +14,9 @@
 //!                    ct status dnat ip saddr SUBNET ip daddr . meta l4proto . th dport @targets-NET meta mark set meta mark | BIT
 //!                    ct status dnat ip saddr 127.0.0.0/8 ip daddr . meta l4proto . th dport @targets-NET meta mark set ...
 //!                    meta mark & BIT == BIT masquerade }
+//!   chain guard-in-NET  { type filter hook input priority 0;                          (ip, with snat only)
+//!                         ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct status & dnat == 0 drop }
+//!   chain guard-fwd-NET { type filter hook forward priority 0; the same rule }
 //! }
 //! ```
 //!
@@ -23,6 +26,12 @@
 //! for every connection to a mapped container instead. `targets` restricts them to connections this network
 //! DNATed to its containers. One hairpin rule per container subnet seen on the network (its comment names
 //! the subnet, so that the next ADD keeps it).
+//!
+//! The guard chains: 127.0.0.1 mappings need `route_localnet` on the node-side interfaces, which also lets a
+//! container send packets to 127.0.0.0/8 over the bridge and reach the node's services bound to loopback.
+//! kube-proxy's (and the agent's) firewall chain drops those "martian" packets, but the plugin must not
+//! depend on an agent running: it drops them itself, all but the replies of connections it DNATed (a
+//! localhost mapping's replies, addressed back to 127.0.0.1). IPv6 has no route_localnet.
 //!
 //! Every element carries the comment `CONTAINERID IFNAME`: DEL, CHECK and GC find an attachment's elements by
 //! reading the kernel. Each network has its own chains and maps, so its conditions and its DEL never touch
@@ -38,9 +47,10 @@ pub const TABLE: &str = "nftkube-portmap";
 /// The table's families.
 pub const FAMILIES: [Family; 2] = [Family::Ip, Family::Ip6];
 
-/// Base chain priorities, nft's `dstnat` and `srcnat`.
+/// Base chain priorities, nft's `dstnat`, `srcnat` and `filter`.
 const DSTNAT: i32 = -100;
 const SRCNAT: i32 = 100;
+const FILTER: i32 = 0;
 
 /// The objects of one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +69,10 @@ pub struct Names {
     pub hostip: String,
     /// The set of mapping targets.
     pub targets: String,
+    /// The input chain that drops martian packets to 127.0.0.0/8 (IPv4).
+    pub guard_in: String,
+    /// The forward chain that drops them.
+    pub guard_fwd: String,
 }
 
 impl Names {
@@ -74,6 +88,8 @@ impl Names {
             ports: n("ports"),
             hostip: n("hostip"),
             targets: n("targets"),
+            guard_in: n("guard-in"),
+            guard_fwd: n("guard-fwd"),
         }
     }
 
@@ -82,9 +98,16 @@ impl Names {
         [&self.ports, &self.hostip, &self.targets]
     }
 
-    /// The base chains.
-    pub fn chains(&self) -> [&str; 4] {
-        [&self.pre, &self.out, &self.post, &self.dnat]
+    /// The chains (in IPv4 with `snat`, the guard chains too).
+    pub fn chains(&self) -> [&str; 6] {
+        [
+            &self.pre,
+            &self.out,
+            &self.post,
+            &self.dnat,
+            &self.guard_in,
+            &self.guard_fwd,
+        ]
     }
 }
 
@@ -132,7 +155,7 @@ pub fn chains(
             .verdict(Verdict::Jump(names.dnat.as_str().into()))
             .build()],
     };
-    vec![
+    let mut chains = vec![
         entry(&names.pre, Hook::Prerouting),
         entry(&names.out, Hook::Output),
         ChainState {
@@ -143,7 +166,30 @@ pub fn chains(
             chain: Chain::regular(&names.dnat),
             rules: dnat_rules(family, names, conf),
         },
-    ]
+    ];
+    // With `snat` (IPv4), ADD turns route_localnet on: its martians are dropped here.
+    if family == Family::Ip && conf.snat {
+        let guard = |name: &str, hook| ChainState {
+            chain: Chain::base(name, ChainType::Filter, hook, FILTER),
+            rules: vec![drop_martian_localnet()],
+        };
+        chains.push(guard(&names.guard_in, Hook::Input));
+        chains.push(guard(&names.guard_fwd, Hook::Forward));
+    }
+    chains
+}
+
+/// `ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct status & dnat == 0 drop`: packets to loopback from
+/// elsewhere (a container, over an interface with route_localnet), but for the replies of DNATed connections.
+fn drop_martian_localnet() -> Rule {
+    let localnet: IpAddr = [127, 0, 0, 0].into();
+    RuleBuilder::new()
+        .prefix(Field::IpDaddr, &localnet, 8, false)
+        .prefix(Field::IpSaddr, &localnet, 8, true)
+        .ct_lacks(CtKey::Status, CT_STATUS_DNAT)
+        .verdict(Verdict::Drop)
+        .comment("martian localnet")
+        .build()
 }
 
 /// The two lookups, the node-address-specific map first, each behind the network's conditions.
@@ -390,6 +436,55 @@ mod tests {
             "c1 eth0",
         );
         assert!(v6.is_empty());
+    }
+
+    #[test]
+    fn ipv4_with_snat_guards_loopback_on_input_and_forward() {
+        let n = Names::of("net1");
+        let conf = |snat: bool| {
+            let text = format!(r#"{{"cniVersion": "1.1.0", "name": "net1", "snat": {snat}}}"#);
+            crate::portmap::netconf::parse(text.as_bytes()).unwrap()
+        };
+        let guards = |family, snat| -> Vec<(Option<Hook>, String)> {
+            let mut t = TableState::new(family, TABLE);
+            for c in chains(family, &n, &conf(snat), &[]) {
+                t.add_chain(c.chain).rules = c.rules;
+            }
+            [&n.guard_in, &n.guard_fwd]
+                .into_iter()
+                .filter_map(|name| t.chains.get(name.as_str()))
+                .map(|c| {
+                    let hook = c.chain.base.as_ref().map(|b| b.hook);
+                    let rules: Vec<String> = c
+                        .rules
+                        .iter()
+                        .map(|r| crate::nft::text::render_rule(r, &t))
+                        .collect();
+                    (hook, rules.join("; "))
+                })
+                .collect()
+        };
+        let v4 = guards(Family::Ip, true);
+        assert_eq!(
+            v4.iter().map(|(h, _)| *h).collect::<Vec<_>>(),
+            [Some(Hook::Input), Some(Hook::Forward)]
+        );
+        for (_, rule) in &v4 {
+            assert!(
+                rule.starts_with("ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct status")
+                    && rule.contains("dnat")
+                    && rule.contains("drop"),
+                "{rule}"
+            );
+        }
+        assert!(
+            guards(Family::Ip6, true).is_empty(),
+            "IPv6 has no route_localnet"
+        );
+        assert!(
+            guards(Family::Ip, false).is_empty(),
+            "without snat route_localnet stays off"
+        );
     }
 
     #[test]

@@ -35,7 +35,8 @@ pub struct TraceArgs {
     #[arg(short = 'o', long, default_value = "text", value_parser = ["text", "json"])]
     pub output: String,
     /// Ask the kernel: add a narrowly matching `meta nftrace set 1` rule in a table of its own and print the
-    /// trace events of the next matching packets (real ones: send them yourself). Needs root.
+    /// trace events of the next matching packets (real ones: send them yourself). Needs root. Ctrl-C stops
+    /// and removes the table; a second Ctrl-C exits at once and may leave it (`nftkube cleanup --traces`).
     #[arg(long)]
     pub live: bool,
     /// --live: stop after this many packets.

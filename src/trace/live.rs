@@ -1,9 +1,10 @@
-//! `nftkube trace --live`: the kernel's own account of real packets. A table of our own (`nftkube-trace-PID`)
-//! holds one rule per entry hook (prerouting, output; raw priority, before conntrack and NAT) that matches the
+//! `nftkube trace --live`: the kernel's own account of real packets. A table of our own
+//! (`nftkube-trace-PID-START-RANDOM`) holds one rule per entry hook (prerouting, output; raw priority, before conntrack and NAT) that matches the
 //! traced packet narrowly and sets its nftrace bit; the kernel then reports every rule it matches, every return
 //! and every policy on NFNLGRP_NFTRACE. The table goes in one batch and leaves in one batch, when the count of
-//! packets is reached, at the timeout, or on SIGINT / SIGTERM (`STOP`); a table left by a killed run is named
-//! by its process id.
+//! packets is reached, at the timeout, or on SIGINT / SIGTERM (`STOP`). The table's name is the run's own
+//! (`owner.rs`: process id, start time, a random part) and is created exclusively, so two runs never share a
+//! table; one a killed run left behind is removed by `nftkube cleanup --traces`.
 
 use super::args::TraceArgs;
 use super::packet::Proto;
@@ -95,12 +96,13 @@ fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
     crate::nft::build::ip_bytes(ip)
 }
 
-/// What every trace table's name starts with (`nftkube cleanup` removes them all).
+/// What every trace table's name starts with (`nftkube cleanup` removes them all; with `--traces`, those
+/// of ended runs).
 pub const TABLE_PREFIX: &str = "nftkube-trace-";
 
-/// The trace table's name for this process.
+/// A new trace table name for this run: `nftkube-trace-PID-START-RANDOM` (see `owner.rs`).
 pub fn table_name() -> String {
-    format!("{TABLE_PREFIX}{}", std::process::id())
+    super::owner::new_table_name()
 }
 
 /// The trace table: a raw-priority chain on prerouting and on output, one rule each.
@@ -116,7 +118,8 @@ pub fn trace_table(name: &str, filter: &Filter) -> TableState {
 
 fn add_tx(t: &TableState) -> Transaction {
     let mut tx = Transaction::default();
-    tx.push(t.family, &t.name, Op::AddTable);
+    // Exclusive: an existing table of that name is another run's, whose rules must not be mixed with ours.
+    tx.push(t.family, &t.name, Op::CreateTable);
     for c in t.chains.values() {
         tx.push(t.family, &t.name, Op::AddChain(c.chain.clone()));
         for r in &c.rules {
@@ -143,8 +146,14 @@ impl Installed {
     fn install(t: &TableState) -> Result<Installed, TraceError> {
         let mut s = nft_socket()?;
         s.commit(&add_tx(t)).map_err(|e| {
+            let why = if e.errno() == Some(libc::EEXIST) {
+                " (the table exists already: another run's, or one left behind; names are random per run, so \
+                 this is not expected)"
+            } else {
+                ""
+            };
             TraceError::Kernel(format!(
-                "adding table {} {}: {e}",
+                "adding table {} {}: {e}{why}",
                 t.family.as_str(),
                 t.name
             ))
@@ -166,8 +175,12 @@ impl Drop for Installed {
                 .map_err(|e| TraceError::Kernel(e.to_string()))
         });
         if let Err(e) = removed {
-            eprintln!(
-                "nftkube trace: removing table {} {} failed ({e}); remove it with `nftkube cleanup` or nft",
+            use std::io::Write as _;
+            // Not eprintln!, which panics where stderr cannot be written: a panic in a drop while unwinding
+            // aborts.
+            let _ = writeln!(
+                std::io::stderr(),
+                "nftkube trace: removing table {} {} failed ({e}); remove it with `nftkube cleanup --traces` or nft",
                 self.family.as_str(),
                 self.name
             );

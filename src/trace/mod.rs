@@ -16,6 +16,7 @@ mod decide;
 mod eval;
 mod expr;
 pub mod live;
+mod owner;
 pub mod packet;
 mod regs;
 mod report;
@@ -23,6 +24,12 @@ mod report;
 pub use args::{run_offline, TraceArgs};
 pub use attribution::{Attribution, FromModel, KeysOnly};
 pub use packet::{NodeContext, Origin, Packet, Proto};
+
+/// Whether the `--live` trace table `name` was left by a run that has ended, as this process's /proc shows
+/// processes (`nftkube cleanup --traces`).
+pub(crate) fn is_abandoned(name: &str) -> std::io::Result<bool> {
+    owner::is_abandoned(name, std::path::Path::new("/proc"))
+}
 pub use report::{render_text, Outcome, Step, Trace};
 
 use crate::nft::ir::{Family, TableState};

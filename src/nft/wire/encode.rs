@@ -2,7 +2,7 @@
 
 use super::consts::*;
 use crate::netlink::{
-    LengthError, MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST,
+    LengthError, MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST,
 };
 use crate::nft::ir::*;
 use crate::nft::tx::{Change, Op, Transaction};
@@ -90,19 +90,25 @@ pub fn seq_count(tx: &Transaction) -> u32 {
 /// Writes the attributes of one message; borrows the change, so nothing is copied while encoding.
 type Body<'a> = Box<dyn Fn(&mut MsgBuilder) + 'a>;
 
+/// NEWTABLE's attributes: the name, and flags 0, explicit: without NLM_F_EXCL on an existing table the message
+/// is an update, and flags 0 wakes a dormant one.
+fn new_table(table: &str) -> Body<'_> {
+    Box::new(move |m: &mut MsgBuilder| {
+        m.attr_str(NFTA_TABLE_NAME, table);
+        m.attr_be32(NFTA_TABLE_FLAGS, 0);
+    })
+}
+
 /// Message type, high flag byte (CREATE/APPEND >> 8) and attribute writer for each message of a change.
 fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
     let table = c.table.as_str();
     let create = (NLM_F_CREATE >> 8) as u8;
     match &c.op {
-        Op::AddTable => vec![(
+        Op::AddTable => vec![(NFT_MSG_NEWTABLE, create, new_table(table))],
+        Op::CreateTable => vec![(
             NFT_MSG_NEWTABLE,
-            create,
-            Box::new(move |m: &mut MsgBuilder| {
-                m.attr_str(NFTA_TABLE_NAME, table);
-                // Explicit: on an existing table this message is an update, and flags 0 wakes a dormant one.
-                m.attr_be32(NFTA_TABLE_FLAGS, 0);
-            }),
+            create | (NLM_F_EXCL >> 8) as u8,
+            new_table(table),
         )],
         Op::DeleteTable => vec![(
             NFT_MSG_DELTABLE,

@@ -236,6 +236,21 @@ fn rule_op(rule: Rule) -> Op {
 // Message type = NFNL_SUBSYS_NFTABLES (10) << 8 | NFT_MSG_*; nested attributes carry NLA_F_NESTED (0x8000,
 // so a nested type 1 reads `0180`).
 
+/// `create table` differs from `add table` by NLM_F_EXCL alone: the kernel then refuses an existing table
+/// (EEXIST) instead of taking the message as an update of it.
+#[test]
+fn create_table_is_add_table_with_excl() {
+    let flags = |op| {
+        let m = one_message(Family::Ip, op);
+        u16::from_ne_bytes([m[6], m[7]])
+    };
+    let (add, create) = (flags(Op::AddTable), flags(Op::CreateTable));
+    assert_eq!(add & crate::netlink::NLM_F_EXCL, 0, "{add:#x}");
+    assert_eq!(create, add | crate::netlink::NLM_F_EXCL, "{create:#x}");
+    let body = |op| one_message(Family::Ip, op)[16..].to_vec();
+    assert_eq!(body(Op::CreateTable), body(Op::AddTable));
+}
+
 /// `nft add table ip nftkube`: the whole batch.
 #[cfg(target_endian = "little")]
 #[test]
