@@ -159,17 +159,44 @@ pub fn affinity_chain(seconds: u32) -> String {
     format!("affinity-{seconds}")
 }
 
+/// The longest identity a firewall chain's name shows as it is: every name the sources accept fits (63 for
+/// the namespace and the Service, 15 for the port name), and the whole name stays far below the kernel's
+/// 255 bytes.
+const FIREWALL_ID_MAX: usize = 160;
+
 /// `fw-<hash>-<namespace>/<name>/<protocol>/<port>-<family>`: the loadBalancerSourceRanges check of one
 /// service port. The hash covers the identity and the chain's `content`, so a changed rule set is a new
 /// chain (swapped in by the dispatch element, the old one deleted later) rather than an edit in place.
+///
+/// Bounded by construction whatever the input: an identity longer than `FIREWALL_ID_MAX` or with a byte
+/// outside `[A-Za-z0-9._/-]` (neither passes the sources' checks) is shown cut and cleaned, followed by a
+/// hash of all of it, so that two such identities still name two chains.
 pub fn firewall_chain(spn: &ServicePortName, family: &str, content: &str) -> String {
     let id = format!(
         "{}/{}/{}/{}",
         spn.service.namespace, spn.service.name, spn.protocol, spn.port
     );
+    let hash = short_hash(&format!("{id}\n{content}"));
+    format!("fw-{hash}-{}-{family}", bounded_readable(&id))
+}
+
+/// `id` itself when it is short and plain; else its first bytes with anything unusual as '_', then '~' and
+/// a hash of the whole.
+fn bounded_readable(id: &str) -> String {
+    let plain = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'/' | b'-');
+    if id.len() <= FIREWALL_ID_MAX && id.bytes().all(plain) {
+        return id.to_owned();
+    }
+    const KEPT: usize = FIREWALL_ID_MAX - 20;
+    let cleaned: String = id
+        .bytes()
+        .take(KEPT)
+        .map(|b| if plain(b) { b as char } else { '_' })
+        .collect();
     format!(
-        "fw-{}-{id}-{family}",
-        short_hash(&format!("{id}\n{content}"))
+        "{cleaned}~{}{}",
+        short_hash(id),
+        short_hash(&format!("~{id}"))
     )
 }
 
@@ -191,6 +218,31 @@ mod tests {
     use super::*;
     use crate::render::{skeleton, userspace, RenderConfig};
     use std::collections::BTreeSet;
+
+    #[test]
+    fn a_firewall_chain_name_is_bounded_whatever_the_service_is_called() {
+        let spn = |ns: &str, name: &str| ServicePortName {
+            service: crate::model::NamespacedName::new(ns, name),
+            port: "http".into(),
+            protocol: crate::model::Protocol::Tcp,
+        };
+        // The longest names the sources accept are shown whole.
+        let longest = firewall_chain(&spn(&"n".repeat(63), &"s".repeat(63)), "ip6", "rules");
+        assert!(longest.contains(&"s".repeat(63)), "{longest}");
+        // Longer or stranger ones are cut and cleaned, and still tell two services apart.
+        let a = firewall_chain(&spn("demo", &format!("{}a", "x".repeat(300))), "ip6", "r");
+        let b = firewall_chain(&spn("demo", &format!("{}b", "x".repeat(300))), "ip6", "r");
+        let odd = firewall_chain(&spn("demo", "we\"b}\n;é"), "ip", "r");
+        for name in [&longest, &a, &b, &odd] {
+            assert!(name.len() <= 200, "{} bytes: {name}", name.len());
+        }
+        assert_ne!(a, b);
+        assert!(
+            odd.bytes()
+                .all(|c| c.is_ascii_graphic() && c != b'"' && c != b'}'),
+            "{odd}"
+        );
+    }
 
     #[test]
     fn the_dispatch_maps_are_every_verdict_map_of_every_skeleton() {

@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+use super::validate;
 use crate::model::{
     Cidr, Created, IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, ServiceType,
     SharedValues, SliceEndpoint, SliceInfo, SlicePort, Topology, TrafficPolicy,
@@ -56,21 +57,39 @@ pub enum SliceConversion {
     Skipped(String),
 }
 
-/// Namespace ("default" if unset) and name of an object; the error for a missing name.
-fn object_key(kind: &'static str, meta: &ObjectMeta) -> Result<NamespacedName, ConvertError> {
+/// How an object's name is checked: the API server's rule for its kind.
+type NameRule = fn(&str, &str) -> Result<(), String>;
+
+/// Namespace ("default" if unset) and name of an object, checked as the API server checks them (see
+/// `validate`); the error for a missing or refused name.
+fn object_key(
+    kind: &'static str,
+    meta: &ObjectMeta,
+    name_rule: NameRule,
+) -> Result<NamespacedName, ConvertError> {
     let namespace = meta
         .namespace
         .as_deref()
         .filter(|n| !n.is_empty())
         .unwrap_or("default");
-    match meta.name.as_deref().filter(|n| !n.is_empty()) {
-        Some(name) => Ok(NamespacedName::new(namespace, name)),
-        None => Err(ConvertError {
-            kind,
-            object: format!("{namespace}/<unnamed>"),
-            reason: "missing metadata.name".into(),
-        }),
-    }
+    let refused = |object: String, reason: String| ConvertError {
+        kind,
+        object,
+        reason,
+    };
+    let Some(name) = meta.name.as_deref().filter(|n| !n.is_empty()) else {
+        return Err(refused(
+            format!("{namespace}/<unnamed>"),
+            "missing metadata.name".into(),
+        ));
+    };
+    // A refused name is not repeated whole in the object's description: the reason shows a prefix.
+    let short = |s: &str| s.chars().take(63).collect::<String>();
+    validate::dns1123_label("metadata.namespace", namespace)
+        .map_err(|r| refused(format!("{}/{}", short(namespace), short(name)), r))?;
+    name_rule("metadata.name", name)
+        .map_err(|r| refused(format!("{namespace}/{}", short(name)), r))?;
+    Ok(NamespacedName::new(namespace, name))
 }
 
 fn parse_ip(what: &str, s: &str) -> Result<IpAddr, String> {
@@ -106,7 +125,7 @@ fn parse_traffic_policy(field: &str, v: Option<&str>) -> Result<TrafficPolicy, S
 
 /// Converts a Service into its ports.
 pub fn service_ports(svc: &Service) -> Result<ServiceConversion, ConvertError> {
-    let key = object_key("Service", &svc.metadata)?;
+    let key = object_key("Service", &svc.metadata, validate::dns1035_label)?;
     convert_service(&key, svc).map_err(|reason| ConvertError {
         kind: "Service",
         object: key.to_string(),
@@ -232,6 +251,9 @@ fn convert_service(key: &NamespacedName, svc: &Service) -> Result<ServiceConvers
                 "ports[{i}]: missing name (required when a service has several ports)"
             ));
         }
+        if !name.is_empty() {
+            validate::iana_svc_name(&format!("ports[{i}].name"), &name)?;
+        }
         if !names.insert(name.clone()) {
             return Err(format!("ports[{i}]: duplicate port name {name:?}"));
         }
@@ -284,7 +306,11 @@ pub fn endpoint_slice_sharing(
     slice: &EndpointSlice,
     shared: &mut SharedValues,
 ) -> Result<SliceConversion, ConvertError> {
-    let key = object_key("EndpointSlice", &slice.metadata)?;
+    let key = object_key(
+        "EndpointSlice",
+        &slice.metadata,
+        validate::dns1123_subdomain,
+    )?;
     convert_slice(&key, slice, shared).map_err(|reason| ConvertError {
         kind: "EndpointSlice",
         object: key.to_string(),
@@ -306,6 +332,7 @@ fn convert_slice(
         .ok_or_else(|| format!("missing label {SERVICE_NAME_LABEL}"))?
         .as_str()
         .into();
+    validate::label_value(&format!("label {SERVICE_NAME_LABEL}"), &service)?;
     let address_type = match slice.address_type.as_str() {
         "IPv4" => IpFamily::V4,
         "IPv6" => IpFamily::V6,
@@ -320,8 +347,12 @@ fn convert_slice(
             tracing::debug!(slice = %key, index = i, "ignoring EndpointSlice port without a port number");
             continue;
         };
+        let name = p.name.as_deref().unwrap_or_default();
+        if !name.is_empty() {
+            validate::dns1123_label(&format!("ports[{i}].name"), name)?;
+        }
         ports.push(SlicePort {
-            name: shared.string(p.name.as_deref().unwrap_or_default()),
+            name: shared.string(name),
             port: parse_port(&format!("ports[{i}]: port"), port)?,
             protocol: parse_protocol(p.protocol.as_deref())
                 .map_err(|e| format!("ports[{i}]: {e}"))?,
@@ -420,6 +451,47 @@ mod tests {
             "metadata": {"name": "web", "namespace": "demo"},
             "spec": spec,
         }))
+    }
+
+    #[test]
+    fn names_the_api_server_would_refuse_reject_the_object_and_name_it() {
+        let named = |ns: &str, name: &str, port: &str| {
+            svc(serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"clusterIP": "10.96.0.9", "ports": [{"name": port, "port": 80}]},
+            }))
+        };
+        let long = "x".repeat(300);
+        let e = err(&named("demo", &long, "http"));
+        assert!(e.reason.contains("DNS-1035"), "{e}");
+        assert!(
+            e.object.len() < 80 && e.object.starts_with("demo/xxx"),
+            "{e}"
+        );
+        let e = err(&named(&long, "web", "http"));
+        assert!(e.reason.contains("metadata.namespace"), "{e}");
+        let e = err(&named("demo", "web", "a-port-name-too-long"));
+        assert!(
+            e.reason.contains("ports[0].name") && e.reason.contains("IANA"),
+            "{e}"
+        );
+        assert!(err(&named("Demo", "web", "http"))
+            .reason
+            .contains("DNS-1123"));
+        assert_eq!(ports(&named("demo", "web", "http")).len(), 1);
+    }
+
+    #[test]
+    fn the_creation_time_ranks_the_service() {
+        let mut s = base(serde_json::json!({"clusterIP": "10.96.0.9", "ports": [{"port": 80}]}));
+        assert_eq!(ports(&s)[0].created, Created::UNKNOWN);
+        s.metadata.creation_timestamp =
+            serde_json::from_value(serde_json::json!("2024-01-02T03:04:05Z")).unwrap();
+        assert_eq!(
+            ports(&s)[0].created,
+            Created::from_unix_seconds(1_704_164_645)
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod convert;
 mod in_order;
 pub mod kube;
 pub mod manifests;
+mod validate;
 pub mod watch;
 
 pub use convert::{ConvertError, ServiceConversion, SliceConversion};
