@@ -517,6 +517,7 @@ mod tests {
             longest_transaction: Duration::ZERO,
             elapsed: Duration::from_millis(1),
             refused_claims: 0,
+            rejected: Vec::new(),
         };
         o.sync_succeeded(&report, &BTreeSet::new(), &ClusterState::new());
         assert!(programmed() > count);

@@ -17,6 +17,9 @@ pub struct FakeKernel {
     pub committed: Vec<Transaction>,
     /// When set, the next commit fails with this errno on the change at this index.
     pub fail_next: Option<(usize, i32)>,
+    /// When set, every commit that adds an element whose key or value holds these bytes, or a chain whose
+    /// name does, fails with this errno on that change, as the kernel refuses an object it cannot hold.
+    pub refuse: Option<(Vec<u8>, i32)>,
 }
 
 fn fail(i: usize, errno: i32, what: String) -> CommitError {
@@ -29,6 +32,18 @@ fn fail(i: usize, errno: i32, what: String) -> CommitError {
                 ext_ack: None,
             },
         )],
+    }
+}
+
+/// Whether `change` adds an element or a chain that holds `bytes` (see `FakeKernel::refuse`).
+fn adds(change: &super::tx::Change, bytes: &[u8]) -> bool {
+    let holds = |s: &[u8]| s.windows(bytes.len()).any(|w| w == bytes);
+    match &change.op {
+        Op::AddElements { elements, .. } => elements
+            .iter()
+            .any(|e| holds(&e.key) || matches!(&e.value, Some(ElementValue::Data(d)) if holds(d))),
+        Op::AddChain(c) => holds(c.name.as_bytes()),
+        _ => false,
     }
 }
 
@@ -236,6 +251,11 @@ impl Backend for FakeKernel {
         if let Some((i, errno)) = self.fail_next.take() {
             let what = tx.changes.get(i).map(|c| c.to_string()).unwrap_or_default();
             return Err(fail(i, errno, what));
+        }
+        if let Some((bytes, errno)) = &self.refuse {
+            if let Some(i) = tx.changes.iter().position(|c| adds(c, bytes)) {
+                return Err(fail(i, *errno, tx.changes[i].to_string()));
+            }
         }
         // Atomic: work on a copy and keep it only if every change applies.
         let mut next = self.tables.clone();

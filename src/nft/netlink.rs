@@ -24,6 +24,27 @@ impl CommitError {
         self.failures.first().and_then(|(_, e)| e.errno())
     }
 
+    /// Whether the kernel refused the batch for what it holds (a value out of range, a name too long, a
+    /// message we could not encode), so that the same objects will be refused again; not because its state
+    /// is not what we thought (a missing or busy object, a generation that moved: someone else changed it,
+    /// and a full sync reads it back), nor because the exchange broke off.
+    pub fn refuses_content(&self) -> bool {
+        const STATE_OR_TRANSIENT: [i32; 7] = [
+            libc::ENOENT,
+            libc::EBUSY,
+            libc::EAGAIN,
+            libc::ENOMEM,
+            libc::ENOBUFS,
+            libc::EINTR,
+            libc::ERESTART,
+        ];
+        !self.outcome_unknown()
+            && self
+                .failures
+                .iter()
+                .all(|(_, e)| !e.errno().is_some_and(|n| STATE_OR_TRANSIENT.contains(&n)))
+    }
+
     /// Whether the exchange broke off, so the kernel may or may not have applied the transaction.
     pub fn outcome_unknown(&self) -> bool {
         self.failures.iter().any(|(_, e)| e.breaks_socket())

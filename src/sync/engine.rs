@@ -52,6 +52,61 @@ pub struct SyncReport {
     pub elapsed: Duration,
     /// Frontend claims that wait because a service port of higher precedence holds the frontend.
     pub refused_claims: usize,
+    /// Service ports the kernel refused on their own, with its answer: left out of the kernel, and
+    /// everything else committed.
+    pub rejected: Vec<(ServicePortName, String)>,
+}
+
+impl SyncReport {
+    /// Counts one more commit of the sync.
+    fn add(&mut self, c: Committed) {
+        self.changes += c.changes;
+        self.bytes += c.bytes;
+        self.commit_time += c.commit_time;
+        self.transactions += c.transactions;
+        self.longest_transaction = self.longest_transaction.max(c.longest_transaction);
+    }
+}
+
+/// What one commit of a sync did.
+struct Committed {
+    changes: usize,
+    bytes: usize,
+    commit_time: Duration,
+    transactions: usize,
+    longest_transaction: Duration,
+}
+
+/// A chain by family and name.
+type ChainKey = (Family, String);
+
+/// How one partial commit went, short of an error that needs a full sync.
+enum Attempt {
+    Committed(Committed),
+    /// The kernel refused it for what it holds, and nothing of it was applied: the index is as before, and
+    /// here are the updates for a narrower try.
+    Refused {
+        error: CommitError,
+        updates: Vec<(ServicePortName, Vec<Piece>)>,
+    },
+}
+
+/// Whether the kernel, as read, holds `piece` (an element with its value, or a chain of that name).
+fn holds(current: &[Option<TableState>], piece: &Piece) -> bool {
+    let table = |family: Family| current.iter().flatten().find(|t| t.family == family);
+    match piece {
+        Piece::Element {
+            family,
+            set,
+            element,
+            ..
+        } => table(*family)
+            .and_then(|t| t.sets.get(set.name()))
+            .is_some_and(|s| s.elements.contains(element)),
+        Piece::Chain { family, chain } => {
+            table(*family).is_some_and(|t| t.chains.contains_key(&chain.chain.name))
+        }
+    }
 }
 
 /// Keeps the kernel equal to the desired state. It remembers what it committed (per service port, see
@@ -147,6 +202,10 @@ impl<B: Backend> SyncEngine<B> {
     }
 
     /// Reads our tables back, and commits whatever differs from the skeleton plus every service's pieces.
+    ///
+    /// When the kernel refuses that for what it holds, the service ports whose objects it would add are the
+    /// only suspects: everything else is committed first, then the suspects in halves, and a port refused
+    /// alone is left out and reported (`SyncReport::rejected`). One bad object never holds the others back.
     pub fn sync_full(
         &mut self,
         skeleton: Vec<TableState>,
@@ -156,21 +215,63 @@ impl<B: Backend> SyncEngine<B> {
         self.index = None;
         // The index takes the pieces and the desired tables borrow from it, so that the only copy of every
         // element is the transaction's, and the commit drops each chunk of that once it is sent.
-        let index = Index::build(pieces);
+        let mut index = Index::build(pieces);
         let tables: Vec<_> = skeleton
             .iter()
             .map(|t| (t.family, t.name.as_str()))
             .collect();
         let current = self.backend.read_tables(&tables)?;
+        let mut report = SyncReport {
+            full: true,
+            ..SyncReport::default()
+        };
+        let suspects = match self.commit_full(&skeleton, &index, &current) {
+            Ok(committed) => {
+                report.add(committed);
+                Vec::new()
+            }
+            Err(SyncError::Commit(e)) if self.transactions == 0 && e.refuses_content() => {
+                let suspects = index.ports_adding(|p| holds(&current, p));
+                if suspects.is_empty() {
+                    return Err(SyncError::Commit(e));
+                }
+                tracing::warn!(
+                    error = %e, suspects = suspects.len(),
+                    "the kernel refuses the full sync: committing what it already holds, then the rest in halves"
+                );
+                let held = index.withdraw(&suspects);
+                report.add(self.commit_full(&skeleton, &index, &current)?);
+                held
+            }
+            Err(e) => return Err(e),
+        };
+        self.index = Some(index);
+        if !suspects.is_empty() {
+            self.commit_isolating(suspects, &mut report)?;
+        }
+        self.note_generation();
+        report.refused_claims = self.index.as_ref().map_or(0, Index::refused_claims);
+        report.elapsed = start.elapsed();
+        Ok(report)
+    }
+
+    /// One full commit of `index` over what the kernel held (`current`); on success the deferred chain
+    /// deletions and stale affinity entries are taken care of.
+    fn commit_full(
+        &mut self,
+        skeleton: &[TableState],
+        index: &Index,
+        current: &[Option<TableState>],
+    ) -> Result<Committed, SyncError> {
         let mut plan = Plan::default();
         let mut deferred = BTreeSet::new();
-        let desired = Desired::assemble(&skeleton, index.committed_pieces());
+        let desired = Desired::assemble(skeleton, index.committed_pieces());
         let stale_affinity: Vec<_> = desired
             .iter()
-            .zip(&current)
+            .zip(current)
             .filter_map(|(t, c)| stale_affinity_entries(t, c.as_ref()?))
             .collect();
-        for (t, current) in desired.into_iter().zip(&current) {
+        for (t, current) in desired.into_iter().zip(current) {
             let family = t.family;
             for chain in diff_table(&mut plan, current.as_ref(), t) {
                 deferred.insert((family, chain));
@@ -178,45 +279,146 @@ impl<B: Backend> SyncEngine<B> {
         }
         let changes = plan.len();
         let (bytes, commit_time) = self.commit(plan)?;
-        let refused_claims = index.refused_claims();
-        self.index = Some(index);
         self.unused_chains = deferred;
         self.prune_affinity(stale_affinity);
-        self.note_generation();
-        Ok(SyncReport {
-            full: true,
+        Ok(self.committed(changes, bytes, commit_time))
+    }
+
+    /// What the last commit did, for the report.
+    fn committed(&self, changes: usize, bytes: usize, commit_time: Duration) -> Committed {
+        Committed {
             changes,
             bytes,
             commit_time,
             transactions: self.transactions,
             longest_transaction: self.longest_transaction,
-            elapsed: start.elapsed(),
-            refused_claims,
-        })
+        }
     }
 
     /// Replaces the pieces of the given service ports (an empty list removes the port) without reading the
-    /// kernel. Falls back to an error if memory is not trusted; the caller then runs a full sync.
+    /// kernel. Falls back to an error if memory is not trusted; the caller then runs a full sync. Ports the
+    /// kernel refuses are found and left out as `sync_full` does, and the others committed.
     pub fn sync_partial(
         &mut self,
         updates: Vec<(ServicePortName, Vec<Piece>)>,
     ) -> Result<SyncReport, SyncError> {
         let start = Instant::now();
+        let mut report = SyncReport::default();
+        self.commit_isolating(updates, &mut report)?;
+        self.note_generation();
+        report.refused_claims = self.index.as_ref().map_or(0, Index::refused_claims);
+        report.elapsed = start.elapsed();
+        Ok(report)
+    }
+
+    /// Commits `updates`; when the kernel refuses them for what they hold, each half on its own, down to
+    /// single ports, which are then withdrawn and reported. A bad port costs O(log n) refused commits.
+    fn commit_isolating(
+        &mut self,
+        updates: Vec<(ServicePortName, Vec<Piece>)>,
+        report: &mut SyncReport,
+    ) -> Result<(), SyncError> {
+        let (error, mut updates) = match self.try_partial(updates)? {
+            Attempt::Committed(c) => {
+                report.add(c);
+                return Ok(());
+            }
+            Attempt::Refused { error, updates } => (error, updates),
+        };
+        if updates.len() > 1 {
+            let second = updates.split_off(updates.len() / 2);
+            self.commit_isolating(updates, report)?;
+            return self.commit_isolating(second, report);
+        }
+        let Some((port, _)) = updates.pop() else {
+            return Ok(());
+        };
+        tracing::warn!(
+            service = %port, error = %error,
+            "the kernel refuses this service port: withdrawn until it changes or its retry is due"
+        );
+        report.rejected.push((port.clone(), error.to_string()));
+        // Withdrawn, not kept as it was: an older version may be more open than the one refused.
+        match self.try_partial(vec![(port, Vec::new())])? {
+            Attempt::Committed(c) => {
+                report.add(c);
+                Ok(())
+            }
+            Attempt::Refused { error, .. } => {
+                self.index = None;
+                Err(SyncError::Commit(error))
+            }
+        }
+    }
+
+    /// One partial commit. When the kernel refuses it for what it holds, and nothing of it was applied,
+    /// the index is put back as it was and the updates are handed back for a narrower try.
+    fn try_partial(
+        &mut self,
+        updates: Vec<(ServicePortName, Vec<Piece>)>,
+    ) -> Result<Attempt, SyncError> {
         let index = self.index.as_mut().ok_or(SyncError::NeedsFullSync)?;
         // Only a service with ClientIP affinity (before or after) can leave affinity entries behind.
         let affinity_touched = updates.iter().any(|(port, new)| {
             affinity::has_affinity(new) || affinity::has_affinity(index.pieces_of(port))
         });
-        let delta = index.replace(updates);
-        let mut tx = Plan::default();
-        let table = TABLE;
+        let ports: Vec<ServicePortName> = updates.iter().map(|(p, _)| p.clone()).collect();
+        let (delta, former) = index.replace(updates);
+        let (tx, reused, ready) = self.delta_plan(&delta);
+        let removed_endpoints = if affinity_touched {
+            removed_endpoint_pairs(&delta)
+        } else {
+            Vec::new()
+        };
+        let changes = tx.len();
+        let (bytes, commit_time) = match self.commit(tx) {
+            Ok(done) => done,
+            Err(SyncError::Commit(error)) if self.transactions == 0 && error.refuses_content() => {
+                let index = self.index.as_mut().expect("checked above");
+                let updates = index.current(&ports);
+                index.restore(former);
+                self.unused_chains.extend(reused);
+                return Ok(Attempt::Refused { error, updates });
+            }
+            Err(e) => {
+                // Earlier chunks may be in: start over from the kernel.
+                self.index = None;
+                return Err(e);
+            }
+        };
+        for c in ready {
+            self.unused_chains.remove(&c);
+        }
+        self.unused_chains.extend(delta.chains_unused);
+        for (family, removed) in removed_endpoints {
+            match self.backend.read_set(family, TABLE, MAP_AFFINITY) {
+                Ok(entries) => {
+                    let stale = affinity::stale_against_removed(family, &entries, &removed);
+                    self.prune_affinity(vec![(family, stale)]);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "affinity entries not read; the next full sync prunes them")
+                }
+            }
+        }
+        Ok(Attempt::Committed(self.committed(
+            changes,
+            bytes,
+            commit_time,
+        )))
+    }
 
+    /// The transaction of a delta, the released chains it reuses (taken out of `unused_chains`: put them
+    /// back if it is refused), and the released chains it deletes.
+    fn delta_plan<'d>(&mut self, delta: &'d Delta) -> (Plan<'d>, Vec<ChainKey>, Vec<ChainKey>) {
+        let mut tx = Plan::default();
+        let mut reused = Vec::new();
+        let table = TABLE;
         for (family, chain) in &delta.chains_added {
+            let key = (*family, chain.chain.name.clone());
             // Still in the kernel from an earlier round (released, not yet deleted): keep it.
-            if self
-                .unused_chains
-                .remove(&(*family, chain.chain.name.clone()))
-            {
+            if self.unused_chains.remove(&key) {
+                reused.push(key);
                 continue;
             }
             tx.push(*family, table, Op::AddChain(chain.chain.clone()));
@@ -245,8 +447,7 @@ impl<B: Backend> SyncEngine<B> {
             tx.add_elements(*family, table, set, elements.iter().collect());
         }
         // Chains released by an earlier commit: nothing points at them any more.
-        let index = self.index.as_ref().expect("checked above");
-        let refused_claims = index.refused_claims();
+        let index = self.index.as_ref().expect("the caller holds an index");
         let ready: Vec<(Family, String)> = self
             .unused_chains
             .iter()
@@ -257,39 +458,7 @@ impl<B: Backend> SyncEngine<B> {
             tx.push(*family, table, Op::FlushChain(chain.clone()));
             tx.push(*family, table, Op::DeleteChain(chain.clone()));
         }
-        let removed_endpoints = if affinity_touched {
-            removed_endpoint_pairs(&delta)
-        } else {
-            Vec::new()
-        };
-        let changes = tx.len();
-        let (bytes, commit_time) = self.commit(tx)?;
-        for c in ready {
-            self.unused_chains.remove(&c);
-        }
-        self.unused_chains.extend(delta.chains_unused);
-        for (family, removed) in removed_endpoints {
-            match self.backend.read_set(family, TABLE, MAP_AFFINITY) {
-                Ok(entries) => {
-                    let stale = affinity::stale_against_removed(family, &entries, &removed);
-                    self.prune_affinity(vec![(family, stale)]);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "affinity entries not read; the next full sync prunes them")
-                }
-            }
-        }
-        self.note_generation();
-        Ok(SyncReport {
-            full: false,
-            changes,
-            bytes,
-            commit_time,
-            transactions: self.transactions,
-            longest_transaction: self.longest_transaction,
-            elapsed: start.elapsed(),
-            refused_claims,
-        })
+        (tx, reused, ready)
     }
 
     /// Deletes affinity entries that point at endpoints gone from their frontend. Its own transaction after
@@ -391,12 +560,9 @@ impl<B: Backend> SyncEngine<B> {
             let start = Instant::now();
             match self.backend.commit(&part) {
                 Ok(b) => bytes += b,
-                Err(e) => {
-                    // Nothing of this transaction was applied (earlier chunks were, each consistent), and the
-                    // index may already describe it: start over from the kernel.
-                    self.index = None;
-                    return Err(e.into());
-                }
+                // Nothing of this transaction was applied (earlier chunks were, each consistent, and
+                // `self.transactions` counts them): the caller decides what its index is worth now.
+                Err(e) => return Err(e.into()),
             }
             let t = start.elapsed();
             total += t;
@@ -977,7 +1143,8 @@ mod tests {
         let a = w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
         w.full(&mut e);
         let before = e.backend.tables.clone();
-        e.backend.fail_next = Some((0, libc::EINVAL));
+        // A missing object: the kernel is not what the engine remembers (someone changed it).
+        e.backend.fail_next = Some((0, libc::ENOENT));
         w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.2"]));
         let cfg = RenderConfig::default();
         let err = e
@@ -986,7 +1153,7 @@ mod tests {
                 service_pieces(&w.services[&a], w.endpoints.get(&a), &cfg),
             )])
             .unwrap_err();
-        assert!(err.to_string().contains("Invalid argument"), "{err}");
+        assert!(err.to_string().contains("No such file"), "{err}");
         assert_eq!(e.backend.tables, before, "a rejected batch changes nothing");
         assert!(e.needs_full_sync());
         assert!(matches!(
@@ -996,6 +1163,65 @@ mod tests {
         let r = w.full(&mut e);
         assert!(r.full);
         kernel_matches(&e.backend, &w, &e.unused_chains);
+    }
+
+    /// The kernel refuses one service's objects (here: anything naming its endpoint, with ERANGE, as it
+    /// refuses an over-long name): that service is left out and reported, and every other one is committed,
+    /// at a full sync (a start) and at partial syncs alike; once it changes into something the kernel takes,
+    /// it is in.
+    #[test]
+    fn a_service_the_kernel_refuses_is_left_out_and_the_rest_committed() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        e.backend.refuse = Some((vec![10, 66, 6, 6], libc::ERANGE));
+        let mut w = World::default();
+        let mut good = Vec::new();
+        for i in 0..9 {
+            let ip = format!("10.96.0.{}", 10 + i);
+            good.push(w.set(
+                port(&format!("s{i}"), &ip, Protocol::Tcp),
+                eps(&[&format!("10.0.0.{i}")]),
+            ));
+        }
+        let bad = w.set(
+            port("s4x", "10.96.0.99", Protocol::Tcp),
+            eps(&["10.66.6.6"]),
+        );
+        let r = w.full(&mut e);
+        assert_eq!(r.rejected.len(), 1, "{r:?}");
+        assert_eq!(r.rejected[0].0, bad);
+        assert!(
+            r.rejected[0].1.contains("Numerical result out of range"),
+            "{r:?}"
+        );
+        let mut without = w.clone();
+        without.remove(&bad);
+        kernel_matches(&e.backend, &without, &e.unused_chains);
+        assert!(e.committed_ports(&bad.service).is_empty());
+
+        // Later changes go in while the bad one stays, in the same batch as it or not.
+        let new = w.set(port("t", "10.96.0.50", Protocol::Tcp), eps(&["10.0.1.1"]));
+        without.set(port("t", "10.96.0.50", Protocol::Tcp), eps(&["10.0.1.1"]));
+        let r = w.partial(&mut e, &[&bad, &new, &good[3]]);
+        assert_eq!(
+            r.rejected.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            [&bad]
+        );
+        kernel_matches(&e.backend, &without, &e.unused_chains);
+        assert!(!e.needs_full_sync());
+
+        // A committed service whose update is refused is withdrawn, not kept as it was.
+        w.set(port("s2", "10.96.0.12", Protocol::Tcp), eps(&["10.66.6.6"]));
+        without.remove(&good[2]);
+        let r = w.partial(&mut e, &[&good[2]]);
+        assert_eq!(r.rejected.len(), 1, "{r:?}");
+        kernel_matches(&e.backend, &without, &e.unused_chains);
+
+        // Fixed: it comes in.
+        w.set(port("s4x", "10.96.0.99", Protocol::Tcp), eps(&["10.0.2.1"]));
+        without.set(port("s4x", "10.96.0.99", Protocol::Tcp), eps(&["10.0.2.1"]));
+        let r = w.partial(&mut e, &[&bad]);
+        assert!(r.rejected.is_empty(), "{r:?}");
+        kernel_matches(&e.backend, &without, &e.unused_chains);
     }
 
     #[test]

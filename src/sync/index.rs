@@ -38,6 +38,10 @@ impl Delta {
     }
 }
 
+/// Service ports' pieces before a `replace`: what `restore` puts back.
+#[derive(Debug, Default)]
+pub struct Former(Vec<(ServicePortName, Vec<Piece>)>);
+
 #[derive(Debug, Default, Clone)]
 /// What is committed, per service port, with reference counts of shared pieces (see the module).
 pub struct Index {
@@ -115,14 +119,17 @@ impl Index {
     }
 
     /// Replaces the pieces of the given service ports (empty: the port is gone) and returns what changes in
-    /// the kernel. Applying it is the caller's business; on failure the caller discards this index.
-    pub fn replace(&mut self, updates: Vec<(ServicePortName, Vec<Piece>)>) -> Delta {
+    /// the kernel, and the ports' former pieces (for `restore`). Applying the delta is the caller's
+    /// business; on failure the caller restores the former pieces or discards this index.
+    pub fn replace(&mut self, updates: Vec<(ServicePortName, Vec<Piece>)>) -> (Delta, Former) {
         let mut delta = Delta::default();
+        let mut former = Former(Vec::with_capacity(updates.len()));
         for (spn, new) in updates {
             let (holder, old) = match self.pieces.remove_entry(&spn) {
                 Some(entry) => entry,
                 None => (Arc::new(spn), Vec::new()),
             };
+            former.0.push((ServicePortName::clone(&holder), Vec::new()));
             let old_set: HashSet<&Piece> = old.iter().collect();
             let new_set: HashSet<&Piece> = new.iter().collect();
             for p in old.iter().filter(|p| !new_set.contains(p)) {
@@ -134,6 +141,7 @@ impl Index {
             if !new.is_empty() {
                 self.pieces.insert(holder, new);
             }
+            former.0.last_mut().expect("pushed above").1 = old;
         }
         // A chain released and needed again within this delta stays as it is in the kernel. This relies on a
         // chain's content being a function of its name while the index lives: `lb-*` names encode everything
@@ -150,7 +158,42 @@ impl Index {
             .chains_added
             .retain(|(f, c)| !unused.contains(&(*f, c.chain.name.clone())));
         cancel_out(&mut delta);
-        delta
+        (delta, former)
+    }
+
+    /// Puts back what `replace` returned, after the kernel refused its delta: the index describes the
+    /// kernel again. Claims are a function of who claims what, not of the order, so they come back as they
+    /// were.
+    pub fn restore(&mut self, former: Former) {
+        self.replace(former.0);
+    }
+
+    /// The given ports' pieces as they are now, for another try.
+    pub fn current(&self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
+        ports
+            .iter()
+            .map(|p| (p.clone(), self.pieces_of(p).to_vec()))
+            .collect()
+    }
+
+    /// The ports with a committed piece that `present` says the kernel does not hold: the only ones whose
+    /// objects a commit of this index adds, so the only ones the kernel can refuse it for.
+    pub fn ports_adding(&self, present: impl Fn(&Piece) -> bool) -> Vec<ServicePortName> {
+        self.pieces
+            .iter()
+            .filter(|(spn, list)| {
+                list.iter()
+                    .any(|p| claims::committed(&self.claims, spn, p) && !present(p))
+            })
+            .map(|(spn, _)| ServicePortName::clone(spn))
+            .collect()
+    }
+
+    /// Takes the given ports out, as if they were gone, and returns their pieces.
+    pub fn withdraw(&mut self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
+        let held = self.current(ports);
+        self.replace(ports.iter().map(|p| (p.clone(), Vec::new())).collect());
+        held
     }
 
     /// Counts `p` as needed by `holder` in an index of what is already in the kernel: nothing to record.
