@@ -58,6 +58,7 @@ pub struct Admin {
 
 type Listener = (
     &'static str,
+    http::ServerKind,
     SocketAddr,
     Option<std::net::TcpListener>,
     Handler,
@@ -85,22 +86,27 @@ impl Admin {
             _ => Response::text(404, "404 page not found\n"),
         });
         let mut listeners: Vec<Listener> = Vec::new();
-        for (what, addr, handler) in [
-            ("healthz", opts.healthz, healthz),
-            ("metrics", opts.metrics, metrics_handler),
+        for (what, kind, addr, handler) in [
+            ("healthz", http::ServerKind::Healthz, opts.healthz, healthz),
+            (
+                "metrics",
+                http::ServerKind::Metrics,
+                opts.metrics,
+                metrics_handler,
+            ),
         ] {
             let Some(addr) = addr else { continue };
             match bind(addr) {
                 Ok(l) => {
                     tracing::info!(%addr, "{what} server listening");
-                    listeners.push((what, addr, Some(l), handler));
+                    listeners.push((what, kind, addr, Some(l), handler));
                 }
                 Err(e) if opts.bind_address_hard_fail => {
                     anyhow::bail!("cannot serve {what} on {addr}: {e} (bindAddressHardFail is set)")
                 }
                 Err(e) => {
                     tracing::error!(%addr, "cannot serve {what}, retrying every 5 s: {e}");
-                    listeners.push((what, addr, None, handler));
+                    listeners.push((what, kind, addr, None, handler));
                 }
             }
         }
@@ -113,8 +119,8 @@ impl Admin {
             .name("admin".into())
             .spawn(move || {
                 rt.block_on(async move {
-                    for (what, addr, listener, handler) in listeners {
-                        tokio::spawn(serve_or_retry(what, addr, listener, handler));
+                    for (what, kind, addr, listener, handler) in listeners {
+                        tokio::spawn(serve_or_retry(what, kind, addr, listener, handler));
                     }
                     tokio::spawn(hc::run(hc_rx, health));
                     let _ = stop_rx.await;
@@ -168,6 +174,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 
 async fn serve_or_retry(
     what: &'static str,
+    kind: http::ServerKind,
     addr: SocketAddr,
     mut listener: Option<std::net::TcpListener>,
     handler: Handler,
@@ -175,7 +182,7 @@ async fn serve_or_retry(
     loop {
         if let Some(l) = listener.take() {
             match tokio::net::TcpListener::from_std(l) {
-                Ok(l) => return http::serve(l, handler).await,
+                Ok(l) => return http::serve(l, handler, kind).await,
                 Err(e) => tracing::error!(%addr, "cannot serve {what}: {e}"),
             }
         }
@@ -194,6 +201,7 @@ async fn serve_or_retry(
 pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
     let mut registry = metrics::registry();
     health::register_metrics(&mut registry);
+    http::register_metrics(&mut registry);
     registry.register_collector(Box::new(Counts { ct }));
     registry
 }
@@ -460,6 +468,8 @@ mod tests {
             "nftkube_api_watch_errors_total{resource=\"Service\"}",
             "nftkube_api_watch_errors_total{resource=\"EndpointSlice\"}",
             "nftkube_api_watch_errors_total{resource=\"Node\"}",
+            "nftkube_admin_connections_refused_total{listener=\"healthz\",reason=\"per_source_limit\"}",
+            "nftkube_admin_connections_refused_total{listener=\"health_check\",reason=\"evicted\"}",
         ] {
             assert!(
                 text.lines().any(|l| l
