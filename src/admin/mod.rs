@@ -5,6 +5,14 @@
 //! Everything runs on one thread with a single-threaded tokio runtime, started from the proxy loop's
 //! thread so that it inherits that thread's network namespace (it never changes namespace itself). The
 //! proxy loop reports to it through an [`Observer`]: events received, syncs requested and committed.
+//!
+//! Every listener accepts all connections and applies [`http::Limits`] after accepting (per source address,
+//! then per listener): no client can keep another from being answered. `/livez` shares the healthz
+//! listener even when that is bound to a non-loopback address (`0.0.0.0:10256`): the limits count each
+//! source apart, and loopback is a source no pod can use, so pods flooding the node address cannot delay
+//! the kubelet's `/livez` on 127.0.0.1 (the kernel test `health_starvation` checks it). A loopback listener
+//! of its own would need another port (127.0.0.1:10256 cannot be bound beside 0.0.0.0:10256), which
+//! kube-proxy's probes do not expect.
 
 pub mod hc;
 pub mod health;
