@@ -2,7 +2,8 @@
 //! `/healthz` on all addresses; a pod holds hundreds of idle connections to both, and keeps opening new ones,
 //! while the outside client's probes and `/livez` on loopback (the kubelet's liveness probe) are answered
 //! within a second. Before the per-source limits, 64 idle connections filled each listener and every
-//! probe timed out while the pod held them.
+//! probe timed out while the pod held them. The agent starts with a low soft open-files limit, which it
+//! raises to the hard one.
 
 use kernel_tests::sandbox::{self, Sandbox};
 use kernel_tests::*;
@@ -10,6 +11,7 @@ use nftkube::admin::http::get;
 use nftkube::netns::NetNs;
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -122,6 +124,42 @@ fn probe_repeatedly(
     (count, slowest)
 }
 
+/// Starts the agent with a soft open-files limit of 256 (under the hard one), as many service managers
+/// leave it: the agent must raise it.
+fn with_low_soft_open_files_limit(cmd: &mut std::process::Command) {
+    // SAFETY: the closure runs in the forked child before exec and only calls getrlimit and setrlimit,
+    // which are async-signal-safe, on a local struct.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            lim.rlim_cur = lim.rlim_max.min(256);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The soft and hard open-files limits of process `pid`, from `/proc/PID/limits`.
+fn open_files_limits(pid: u32) -> (String, String) {
+    let limits =
+        std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("reading the limits");
+    let line = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .expect("a Max open files line");
+    let mut values = line.split_whitespace();
+    let mut next = || values.next().expect("a limit").to_string();
+    (next(), next())
+}
+
 /// The value of one sample line of the agent's `/metrics`, read from the node namespace.
 fn metric(sb: &Sandbox, sample: &str) -> Option<f64> {
     let (_, _, text) = sb
@@ -139,12 +177,19 @@ fn a_pod_holding_hundreds_of_idle_connections_cannot_starve_health_probes() {
     let m = Manifests::examples();
     m.write("lb.yaml", &local_lb());
     let healthz_on_all = format!("0.0.0.0:{HEALTHZ_PORT}");
-    let mut agent = Agent::start(
-        sb.node(),
+    let mut cmd = command_in(sb.node(), nftkube_bin());
+    cmd.args(proxy_args(
         &m.dir,
         &["--healthz-bind-address", &healthz_on_all],
-    );
+    ));
+    with_low_soft_open_files_limit(&mut cmd);
+    let mut agent = Agent::spawn(cmd, sb.node());
     agent.wait_syncs(1, SYNC);
+    let (soft, hard) = open_files_limits(agent.pid().expect("the agent's pid"));
+    assert_eq!(
+        soft, hard,
+        "the agent did not raise its soft open-files limit"
+    );
     let node_ip = sandbox::node_ip_v4().to_string();
     let hc = addr(&node_ip, HC_PORT);
     let healthz = addr(&node_ip, HEALTHZ_PORT);
