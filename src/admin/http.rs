@@ -730,4 +730,41 @@ mod tests {
         assert_closed(&held, |i| i == 0 || i == 5);
         assert!(refused(Refusal::ListenerFull) > full_before);
     }
+
+    /// The table's bookkeeping: an evicted connection's own release later is a no-op, and counts stay
+    /// right through admissions, evictions, refusals and releases.
+    #[test]
+    fn the_table_counts_each_connection_once() {
+        let limits = Limits {
+            connections: 3,
+            per_source: 2,
+            ..Limits::default()
+        };
+        let mut table = ConnectionTable::new(limits);
+        let (a, b, c) = (
+            IpAddr::from([10, 0, 0, 1]),
+            IpAddr::from([10, 0, 0, 2]),
+            IpAddr::from([10, 0, 0, 3]),
+        );
+        let kind = ServerKind::Metrics;
+        let (a0, mut a0_closed) = table.admit(a, kind).unwrap();
+        let (a1, _a1_closed) = table.admit(a, kind).unwrap();
+        assert_eq!(table.admit(a, kind).unwrap_err(), Refusal::PerSource);
+        let (b0, _b0_closed) = table.admit(b, kind).unwrap();
+        // Full: c's connection takes the place of a's oldest, whose task is told to close it.
+        let (c0, _c0_closed) = table.admit(c, kind).unwrap();
+        assert!(a0_closed
+            .try_recv()
+            .is_err_and(|e| e == oneshot::error::TryRecvError::Closed));
+        assert_eq!((table.total, table.held_by(a)), (3, 1));
+        // Everyone holds one: b's second connection is the one refused.
+        assert_eq!(table.admit(b, kind).unwrap_err(), Refusal::ListenerFull);
+        table.release(a, a0);
+        assert_eq!(table.total, 3);
+        for (source, id) in [(a, a1), (b, b0), (c, c0)] {
+            table.release(source, id);
+        }
+        assert_eq!(table.total, 0);
+        assert!(table.by_source.is_empty());
+    }
 }
