@@ -412,8 +412,8 @@ fn admit_and_serve(
     let (id, evicted) = match admitted {
         Ok(admitted) => admitted,
         Err(why) => {
+            // Counted, not logged: a flood must not become a flood of log lines.
             count_refusal(kind, why);
-            tracing::debug!(%source, listener = kind.label(), reason = why.label(), "admin connection closed at once");
             return; // dropping the stream closes it
         }
     };
@@ -425,7 +425,7 @@ fn admit_and_serve(
     tokio::spawn(async move {
         tokio::select! {
             () = handle_connection(stream, handler, limits) => {}
-            _ = evicted => tracing::debug!(%source, "admin connection closed to make room"),
+            _ = evicted => {} // counted when it was evicted
         }
         drop(slot);
     });
