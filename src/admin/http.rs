@@ -24,7 +24,7 @@
 //! - [`Limits::lifetime`]: no connection lives longer, whatever it does (a client that never reads its
 //!   answer).
 //!
-//! Connections closed by the first two rules are counted in [`CONNECTIONS_REFUSED`]
+//! Connections closed by the first two rules are counted in `CONNECTIONS_REFUSED`
 //! (`nftkube_admin_connections_refused_total{listener, reason}`).
 //!
 //! It runs on the admin thread's tokio runtime, so thousands of healthCheckNodePort listeners cost tasks,
@@ -77,7 +77,8 @@ impl Default for Limits {
     }
 }
 
-/// Which server a listener belongs to: the `listener` label of [`CONNECTIONS_REFUSED`].
+/// Which server a listener belongs to: the `listener` label of
+/// `nftkube_admin_connections_refused_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ServerKind {
     /// `/healthz` and `/livez`.
@@ -132,7 +133,7 @@ type RefusedLabels = [(&'static str, &'static str); 2];
 
 /// Connections the limits closed, by listener kind and reason
 /// (`nftkube_admin_connections_refused_total{listener, reason}`).
-pub static CONNECTIONS_REFUSED: LazyLock<Family<RefusedLabels, Counter>> =
+pub(crate) static CONNECTIONS_REFUSED: LazyLock<Family<RefusedLabels, Counter>> =
     LazyLock::new(Family::default);
 
 fn count_refusal(kind: ServerKind, why: Refusal) {
@@ -142,7 +143,7 @@ fn count_refusal(kind: ServerKind, why: Refusal) {
 }
 
 /// Registers [`CONNECTIONS_REFUSED`], every label pair present from the start at 0.
-pub fn register_metrics(registry: &mut Registry) {
+pub(crate) fn register_metrics(registry: &mut Registry) {
     for kind in ServerKind::ALL {
         for why in Refusal::ALL {
             let _ = CONNECTIONS_REFUSED
