@@ -143,6 +143,12 @@ fn open_source(opts: &ProxyOptions, bell: &Doorbell) -> anyhow::Result<ProxySour
 /// Nothing is programmed before the source has delivered a complete snapshot (`Event::Synced`): an API
 /// that cannot be reached at startup leaves whatever an earlier run programmed untouched.
 pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
+    // Before any listener or socket: every mode (nftables, userspace, with or without the relay) serves
+    // connections. Not fatal: the agent works within the soft limit, only with fewer connections.
+    match raise_open_files_limit() {
+        Ok(limit) => tracing::info!(limit, "open-files limit"),
+        Err(e) => tracing::warn!("{e}"),
+    }
     let bell = inbox.doorbell();
     let source = open_source(opts, &bell)?;
     let socket = NftSocket::open()
@@ -342,6 +348,38 @@ pub(crate) fn release_free_memory() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Raising the soft open-files limit failed.
+#[derive(Debug, thiserror::Error)]
+#[error("raising the soft open-files limit (RLIMIT_NOFILE) to the hard one: {0}")]
+pub(crate) struct OpenFilesLimitError(#[source] std::io::Error);
+
+/// Raises the soft open-files limit to the hard one; returns the soft limit now in force. The relay holds
+/// two descriptors per relayed connection, and the admin servers one per connection (up to their limits,
+/// on each of possibly thousands of healthCheckNodePorts): the usual soft default of 1024 would run out
+/// long before the hard limit the administrator granted. Go raises it so for kube-proxy at start too.
+pub(crate) fn raise_open_files_limit() -> Result<u64, OpenFilesLimitError> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given, a valid local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(OpenFilesLimitError(std::io::Error::last_os_error()));
+    }
+    if lim.rlim_cur >= lim.rlim_max {
+        return Ok(lim.rlim_cur);
+    }
+    let raised = libc::rlimit {
+        rlim_cur: lim.rlim_max,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: setrlimit only reads the struct it is given, a valid local.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(OpenFilesLimitError(std::io::Error::last_os_error()));
+    }
+    Ok(raised.rlim_cur)
 }
 
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.

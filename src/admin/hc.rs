@@ -174,7 +174,13 @@ pub async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHealth>) {
                     });
                     let tasks = listeners
                         .into_iter()
-                        .map(|l| tokio::spawn(http::serve(l, handler.clone())))
+                        .map(|l| {
+                            tokio::spawn(http::serve(
+                                l,
+                                handler.clone(),
+                                http::ServerKind::HealthCheck,
+                            ))
+                        })
                         .collect();
                     tracing::info!(port, service = %svc.service, "health check server started");
                     running.insert(*port, Running { entry, tasks });

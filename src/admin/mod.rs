@@ -5,6 +5,14 @@
 //! Everything runs on one thread with a single-threaded tokio runtime, started from the proxy loop's
 //! thread so that it inherits that thread's network namespace (it never changes namespace itself). The
 //! proxy loop reports to it through an [`Observer`]: events received, syncs requested and committed.
+//!
+//! Every listener accepts all connections and applies [`http::Limits`] after accepting (per source address,
+//! then per listener): no client can keep another from being answered. `/livez` shares the healthz
+//! listener even when that is bound to a non-loopback address (`0.0.0.0:10256`): the limits count each
+//! source apart, and loopback is a source no pod can use, so pods flooding the node address cannot delay
+//! the kubelet's `/livez` on 127.0.0.1 (the kernel test `health_starvation` checks it). A loopback listener
+//! of its own would need another port (127.0.0.1:10256 cannot be bound beside 0.0.0.0:10256), which
+//! kube-proxy's probes do not expect.
 
 pub mod hc;
 pub mod health;
@@ -58,6 +66,7 @@ pub struct Admin {
 
 type Listener = (
     &'static str,
+    http::ServerKind,
     SocketAddr,
     Option<std::net::TcpListener>,
     Handler,
@@ -85,22 +94,27 @@ impl Admin {
             _ => Response::text(404, "404 page not found\n"),
         });
         let mut listeners: Vec<Listener> = Vec::new();
-        for (what, addr, handler) in [
-            ("healthz", opts.healthz, healthz),
-            ("metrics", opts.metrics, metrics_handler),
+        for (what, kind, addr, handler) in [
+            ("healthz", http::ServerKind::Healthz, opts.healthz, healthz),
+            (
+                "metrics",
+                http::ServerKind::Metrics,
+                opts.metrics,
+                metrics_handler,
+            ),
         ] {
             let Some(addr) = addr else { continue };
             match bind(addr) {
                 Ok(l) => {
                     tracing::info!(%addr, "{what} server listening");
-                    listeners.push((what, addr, Some(l), handler));
+                    listeners.push((what, kind, addr, Some(l), handler));
                 }
                 Err(e) if opts.bind_address_hard_fail => {
                     anyhow::bail!("cannot serve {what} on {addr}: {e} (bindAddressHardFail is set)")
                 }
                 Err(e) => {
                     tracing::error!(%addr, "cannot serve {what}, retrying every 5 s: {e}");
-                    listeners.push((what, addr, None, handler));
+                    listeners.push((what, kind, addr, None, handler));
                 }
             }
         }
@@ -113,8 +127,8 @@ impl Admin {
             .name("admin".into())
             .spawn(move || {
                 rt.block_on(async move {
-                    for (what, addr, listener, handler) in listeners {
-                        tokio::spawn(serve_or_retry(what, addr, listener, handler));
+                    for (what, kind, addr, listener, handler) in listeners {
+                        tokio::spawn(serve_or_retry(what, kind, addr, listener, handler));
                     }
                     tokio::spawn(hc::run(hc_rx, health));
                     let _ = stop_rx.await;
@@ -168,6 +182,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 
 async fn serve_or_retry(
     what: &'static str,
+    kind: http::ServerKind,
     addr: SocketAddr,
     mut listener: Option<std::net::TcpListener>,
     handler: Handler,
@@ -175,7 +190,7 @@ async fn serve_or_retry(
     loop {
         if let Some(l) = listener.take() {
             match tokio::net::TcpListener::from_std(l) {
-                Ok(l) => return http::serve(l, handler).await,
+                Ok(l) => return http::serve(l, handler, kind).await,
                 Err(e) => tracing::error!(%addr, "cannot serve {what}: {e}"),
             }
         }
@@ -194,6 +209,7 @@ async fn serve_or_retry(
 pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
     let mut registry = metrics::registry();
     health::register_metrics(&mut registry);
+    http::register_metrics(&mut registry);
     registry.register_collector(Box::new(Counts { ct }));
     registry
 }
@@ -462,6 +478,8 @@ mod tests {
             "nftkube_api_watch_errors_total{resource=\"Service\"}",
             "nftkube_api_watch_errors_total{resource=\"EndpointSlice\"}",
             "nftkube_api_watch_errors_total{resource=\"Node\"}",
+            "nftkube_admin_connections_refused_total{listener=\"healthz\",reason=\"per_source_limit\"}",
+            "nftkube_admin_connections_refused_total{listener=\"health_check\",reason=\"evicted\"}",
         ] {
             assert!(
                 text.lines().any(|l| l

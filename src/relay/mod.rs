@@ -133,9 +133,12 @@ impl std::fmt::Debug for Relay {
 
 impl Relay {
     /// Starts the runtime in the calling thread's network namespace. Raises the soft open-files limit to the
-    /// hard one (each relayed connection holds two descriptors; Go raises it so for kube-proxy too).
+    /// hard one (each relayed connection holds two descriptors), as the agent does at start: a relay may be
+    /// started without the agent (tests, benches).
     pub fn start(opts: &RelayOptions) -> Result<Relay, RelayError> {
-        raise_nofile_limit();
+        if let Err(e) = crate::agent::raise_open_files_limit() {
+            tracing::debug!("{e}");
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(opts.worker_threads.max(1))
             .thread_name("relay")
@@ -271,28 +274,6 @@ impl Relay {
     /// Its counters.
     pub fn stats(&self) -> &Stats {
         &self.limits.stats
-    }
-}
-
-fn raise_nofile_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read and write the local struct passed, nothing else.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0
-            && lim.rlim_cur < lim.rlim_max
-            && libc::setrlimit(
-                libc::RLIMIT_NOFILE,
-                &libc::rlimit {
-                    rlim_cur: lim.rlim_max,
-                    rlim_max: lim.rlim_max,
-                },
-            ) != 0
-        {
-            tracing::debug!("raising the soft open-files limit failed");
-        }
     }
 }
 
