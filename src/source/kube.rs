@@ -27,7 +27,6 @@
 
 use std::collections::BTreeMap;
 use std::hash::Hash;
-use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
@@ -43,7 +42,7 @@ use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::convert::{self, ServiceConversion, SliceConversion};
 use super::{fingerprint, Event, NodeInfo};
 use crate::model::{
-    Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort, SharedName,
+    parse_ip_sloppy, Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort, SharedName,
     SharedValues, SliceInfo,
 };
 
@@ -206,10 +205,11 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
         .flatten()
     {
         if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
-            match a.address.parse::<IpAddr>() {
-                Ok(ip) if !addresses.contains(&ip) => addresses.push(ip),
-                Ok(_) => {}
-                Err(_) => {
+            // Read as kube-proxy reads node addresses (ParseIPSloppy), so both pick the same node IPs.
+            match parse_ip_sloppy(&a.address) {
+                Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
+                Some(_) => {}
+                None => {
                     tracing::debug!(address = a.address, "ignoring a node address that is no IP")
                 }
             }
