@@ -1,7 +1,8 @@
 //! Addresses as the API server accepts them (Go's ParseIPSloppy / ParseCIDRSloppy: leading zeros are decimal,
 //! `::ffff:a.b.c.d` is IPv4), through the real agent and manifests: a LoadBalancer restricted with a
-//! leading-zero range closes for clients outside it, and a restriction the agent cannot read closes the
-//! LoadBalancer instead of leaving its older, open version in effect.
+//! leading-zero range closes for clients outside it, a restriction the agent cannot read closes the
+//! LoadBalancer instead of leaving its older, open version in effect, and mapped addresses serve and restrict
+//! as their IPv4 addresses.
 
 use kernel_tests::sandbox;
 use kernel_tests::*;
@@ -11,9 +12,9 @@ use std::time::Duration;
 const SYNC: Duration = Duration::from_secs(15);
 const SHORT: Duration = Duration::from_millis(700);
 
-/// A LoadBalancer at 192.168.250.70 with these source ranges; its endpoint is written as an IPv4-mapped
-/// address (pod1, 10.244.1.2), as an IPv4 slice may hold it.
-fn manifest(ranges: &str) -> String {
+/// A LoadBalancer at 192.168.250.70 with these source ranges; its endpoint is pod1 (10.244.1.2), written
+/// as `endpoint`.
+fn manifest(ranges: &str, endpoint: &str) -> String {
     format!(
         r#"
 apiVersion: v1
@@ -34,10 +35,12 @@ metadata: {{name: sloppy-1, namespace: demo, labels: {{kubernetes.io/service-nam
 addressType: IPv4
 ports: [{{name: tcp, port: 8080, protocol: TCP}}]
 endpoints:
-- {{addresses: ["::ffff:10.244.1.2"]}}
+- {{addresses: ["{endpoint}"]}}
 "#
     )
 }
+
+const POD1: &str = "10.244.1.2";
 
 fn served(ns: &nftkube::netns::NetNs, dst: SocketAddr) -> bool {
     kernel_tests::served(ns, dst, SHORT)
@@ -52,14 +55,14 @@ fn a_leading_zero_source_range_closes_an_open_load_balancer_to_outsiders() {
     let m = Manifests::examples();
 
     // Open: the pod client (10.244.0.2) and the outside client (192.168.200.2) both get through.
-    m.write("sloppy.yaml", &manifest(""));
+    m.write("sloppy.yaml", &manifest("", POD1));
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     wait_until(SYNC, || served(sb.ext(), lb) && served(sb.client(), lb))
         .unwrap_or_else(|_| panic!("the open LoadBalancer never served; log:\n{}", agent.log()));
 
     // The owner restricts it to the pod client's /24, written with leading zeros (the API server accepts
     // this and kube-proxy programs 10.244.0.0/24): the outside client is shut out, the pod is not.
-    m.write("sloppy.yaml", &manifest(r#""010.244.000.0/24""#));
+    m.write("sloppy.yaml", &manifest(r#""010.244.000.0/24""#, POD1));
     wait_until(SYNC, || !served(sb.ext(), lb)).unwrap_or_else(|_| {
         panic!(
             "the restriction never took effect: the LB stayed open to outsiders; log:\n{}",
@@ -75,7 +78,7 @@ fn a_leading_zero_source_range_closes_an_open_load_balancer_to_outsiders() {
     // everyone rather than keep a version wider than the update asked; the cluster IP stays.
     m.write(
         "sloppy.yaml",
-        &manifest(r#""192.168.200.002/32", "010.244.0.0/99""#),
+        &manifest(r#""192.168.200.002/32", "010.244.0.0/99""#, POD1),
     );
     wait_until(SYNC, || !served(sb.client(), lb)).unwrap_or_else(|_| {
         panic!(
@@ -90,7 +93,7 @@ fn a_leading_zero_source_range_closes_an_open_load_balancer_to_outsiders() {
     );
 
     // Readable again: only the outside client's address (leading zeros again) is allowed.
-    m.write("sloppy.yaml", &manifest(r#""192.168.200.002/32""#));
+    m.write("sloppy.yaml", &manifest(r#""192.168.200.002/32""#, POD1));
     wait_until(SYNC, || served(sb.ext(), lb)).unwrap_or_else(|_| {
         panic!(
             "the LB never reopened for the allowed client; log:\n{}",
@@ -104,12 +107,16 @@ fn a_leading_zero_source_range_closes_an_open_load_balancer_to_outsiders() {
 }
 
 #[test]
-fn a_leading_zero_source_range_restricts_from_the_first_sync() {
+fn mapped_addresses_serve_and_restrict_from_the_first_sync() {
     let sb = sandbox("nk-slop0", 1);
     route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
     let lb: SocketAddr = "192.168.250.70:80".parse().unwrap();
     let m = Manifests::examples();
-    m.write("sloppy.yaml", &manifest(r#""::ffff:192.168.200.0/120""#));
+    // The endpoint as an IPv4 slice may hold it, IPv4-mapped (the API server's IsValidIPv4Address takes it).
+    m.write(
+        "sloppy.yaml",
+        &manifest(r#""::ffff:192.168.200.0/120""#, "::ffff:10.244.1.2"),
+    );
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     wait_until(SYNC, || served(sb.ext(), lb))
         .unwrap_or_else(|_| panic!("the allowed client never served; log:\n{}", agent.log()));
