@@ -21,7 +21,8 @@
 //!   while the next is read (a first list interrupted and started again deletes, when it completes, what
 //!   the earlier attempt emitted and it no longer has).
 //! - **Small memory.** Objects are converted to model types as they arrive and dropped; per object only
-//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model).
+//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model), and for the
+//!   Services with external or LoadBalancer IPs their ports too (what closing them takes: see below).
 //! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
 //!   object (if any) stays in effect, except where that would leave traffic flowing that neither version
 //!   allows ([`super::fail_closed`]): a Service whose update or last good version has
@@ -332,7 +333,7 @@ impl Tracker {
         match self.kind {
             Kind::EndpointSlice => {
                 tracing::warn!(
-                    "EndpointSlice {}: {reason}; its endpoints are withdrawn until a usable version comes",
+                    "EndpointSlice {}: {reason}; its endpoints (if any were in effect) are withdrawn until a usable version comes",
                     display_key(key)
                 );
                 Ok(None)
@@ -340,8 +341,8 @@ impl Tracker {
             Kind::Service => match self.exposed.closed_on_failure(key, restricts_sources) {
                 Some(ports) => {
                     tracing::warn!(
-                        "Service {}: {reason}; it restricts sources, so its external and LoadBalancer IPs \
-                         are closed until a usable version comes",
+                        "Service {}: {reason}; it or its version in effect has loadBalancerSourceRanges, so \
+                         its external and LoadBalancer IPs are closed until a usable version comes",
                         display_key(key)
                     );
                     Ok(Some(Model::Service(ports)))

@@ -171,8 +171,8 @@ impl Reconcile<'_> {
             );
         } else if let Some(closed) = self.closed_on_failure(&key) {
             tracing::warn!(
-                "Service {}/{}: could not be read and restricts sources; its external and LoadBalancer IPs \
-                 are closed until a usable version comes",
+                "Service {}/{}: could not be read, and it or its version in effect has \
+                 loadBalancerSourceRanges; its external and LoadBalancer IPs are closed until a usable version comes",
                 key.namespace,
                 key.name
             );
