@@ -4,8 +4,10 @@
 //! LoadBalancer instead of leaving its older, open version in effect, and mapped addresses serve and restrict
 //! as their IPv4 addresses.
 
+use kernel_tests::fake_api::{objects_from_yaml, FakeApi};
 use kernel_tests::sandbox;
 use kernel_tests::*;
+use serde_json::json;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
@@ -104,6 +106,18 @@ fn a_leading_zero_source_range_closes_an_open_load_balancer_to_outsiders() {
         !served(sb.client(), lb),
         "a client outside 192.168.200.002/32 got through"
     );
+
+    // An EndpointSlice the agent cannot read: its old endpoint is withdrawn (the IP may be another pod's now).
+    m.write(
+        "sloppy.yaml",
+        &manifest(r#""192.168.200.002/32""#, "10.244.1.2.9"),
+    );
+    wait_until(SYNC, || !served(sb.ext(), lb)).unwrap_or_else(|_| {
+        panic!(
+            "the unreadable slice's old endpoint kept serving; log:\n{}",
+            agent.log()
+        )
+    });
 }
 
 #[test]
@@ -123,5 +137,74 @@ fn mapped_addresses_serve_and_restrict_from_the_first_sync() {
     assert!(
         !served(sb.client(), lb),
         "a client outside ::ffff:192.168.200.0/120 (192.168.200.0/24) got through"
+    );
+}
+
+/// Applies every object of a manifest to the fake API server.
+fn apply_manifest(api: &FakeApi, text: &str) {
+    for obj in objects_from_yaml(text) {
+        api.apply(obj);
+    }
+}
+
+#[test]
+fn the_api_source_reads_leading_zeros_closes_on_an_unreadable_restriction_and_withdraws_bad_slices()
+{
+    let sb = sandbox("nk-slapi", 1);
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
+    let lb: SocketAddr = "192.168.250.70:80".parse().unwrap();
+    let cluster_ip: SocketAddr = "10.96.0.70:80".parse().unwrap();
+    let api = FakeApi::in_namespace(sb.node());
+    api.apply(
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
+           "status": {"addresses": [{"type": "InternalIP", "address": "192.168.200.1"}]}}),
+    );
+    apply_manifest(&api, &manifest("", POD1));
+    let mut cmd = command_in(sb.node(), nftkube_bin());
+    cmd.args(proxy_args_from(&["--master".into(), api.url().into()], &[]));
+    let agent = Agent::spawn(cmd, sb.node());
+    wait_until(SYNC, || served(sb.ext(), lb) && served(sb.client(), lb))
+        .unwrap_or_else(|_| panic!("the open LoadBalancer never served; log:\n{}", agent.log()));
+
+    // Restricted with leading zeros: the outsider is shut out, the pod client is not.
+    apply_manifest(&api, &manifest(r#""010.244.000.0/24""#, POD1));
+    wait_until(SYNC, || !served(sb.ext(), lb)).unwrap_or_else(|_| {
+        panic!(
+            "the restriction never took effect: the LB stayed open to outsiders; log:\n{}",
+            agent.log()
+        )
+    });
+    assert!(
+        served(sb.client(), lb),
+        "a client inside the range was refused"
+    );
+
+    // Unreadable restriction: the LB closes for everyone, the cluster IP keeps serving.
+    apply_manifest(&api, &manifest(r#""010.244.000.0/99""#, POD1));
+    wait_until(SYNC, || !served(sb.client(), lb)).unwrap_or_else(|_| {
+        panic!(
+            "an unreadable restriction left the LB open; log:\n{}",
+            agent.log()
+        )
+    });
+    assert!(
+        served(sb.client(), cluster_ip),
+        "the cluster IP was closed too"
+    );
+
+    // An EndpointSlice update that cannot be read: its endpoint is withdrawn, not kept.
+    apply_manifest(&api, &manifest(r#""010.244.000.0/24""#, "10.244.1.2.9"));
+    wait_until(SYNC, || !served(sb.client(), cluster_ip)).unwrap_or_else(|_| {
+        panic!(
+            "the unreadable slice's old endpoint kept serving; log:\n{}",
+            agent.log()
+        )
+    });
+    assert!(
+        agent
+            .log()
+            .contains("its endpoints (if any were in effect) are withdrawn"),
+        "{}",
+        agent.log()
     );
 }
