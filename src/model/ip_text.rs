@@ -336,6 +336,75 @@ mod tests {
         }
     }
 
+    /// Random address-like texts (dotted quads and colon groups, with "::", IPv4 tails, zeros, big numbers
+    /// and stray characters): never a panic, and whatever Rust's strict parser accepts, the sloppy one reads
+    /// as the same address (a mapped one as its IPv4 address).
+    #[test]
+    fn agrees_with_the_strict_parser_where_it_accepts_and_never_panics() {
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let mut accepted = [0usize; 2];
+        for _ in 0..100_000 {
+            let mut text = String::new();
+            let dotted = next(2) == 0;
+            let fields = match (dotted, next(4)) {
+                (true, 0) => 1 + next(5),
+                (true, _) => 4,
+                (false, _) => 1 + next(9),
+            };
+            for i in 0..fields {
+                if i > 0 {
+                    text.push(if dotted { '.' } else { ':' });
+                }
+                if !dotted && next(6) == 0 {
+                    text.push(':');
+                }
+                let value = [next(10), next(256), next(300), next(0x10000), next(0x20000)]
+                    [next(5) as usize];
+                let field = match (dotted, next(4)) {
+                    (true, 0) => format!("0{value}"),
+                    (true, _) => value.to_string(),
+                    (false, 0) => format!("{value:05x}"),
+                    (false, _) => format!("{value:x}"),
+                };
+                text.push_str(&field);
+            }
+            match next(8) {
+                0 => text.push_str(&format!(
+                    ":{}.{}.{}.{}",
+                    next(256),
+                    next(256),
+                    next(256),
+                    next(256)
+                )),
+                1 => text.insert_str(0, "::ffff:"),
+                2 => text.push_str(["/", "%", " ", "x", "."][next(5) as usize]),
+                _ => {}
+            }
+            let sloppy = parse_ip_sloppy(&text);
+            if let Some((address, prefix)) = text.split_once('/') {
+                let _ = parse_cidr_sloppy(address, prefix);
+            }
+            if let Ok(strict) = text.parse::<IpAddr>() {
+                accepted[usize::from(strict.is_ipv6())] += 1;
+                let want = match strict {
+                    IpAddr::V6(v6) => as_ipv4_if_mapped(v6),
+                    v4 => v4,
+                };
+                assert_eq!(sloppy, Some(want), "{text:?}");
+            }
+        }
+        assert!(
+            accepted.iter().all(|n| *n > 500),
+            "the generator hardly made addresses: {accepted:?}"
+        );
+    }
+
     #[test]
     fn long_garbage_is_refused_in_linear_time() {
         let zeros = "0".repeat(1 << 20);
