@@ -1,11 +1,13 @@
 //! Service and endpoint model: what the cluster asks for, independent of where it came from.
 mod detect_local;
 mod intern;
+mod ip_text;
 mod node;
 mod tracker;
 mod types;
 pub use detect_local::*;
 pub use intern::*;
+pub(crate) use ip_text::parse_ip_sloppy;
 pub use node::*;
 pub use tracker::*;
 pub use types::*;

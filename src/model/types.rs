@@ -6,6 +6,8 @@ use std::net::IpAddr;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use super::ip_text::{parse_cidr_sloppy, parse_ip_sloppy, CidrTextError};
+
 /// Layer-4 protocol of a service port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {
@@ -212,27 +214,23 @@ impl Cidr {
 
 impl FromStr for Cidr {
     type Err = ParseError;
+    /// `address/prefix` as the API server and kube-proxy read it (Go's `ParseCIDRSloppy`: leading zeros are
+    /// decimal, an IPv4-mapped network is IPv4; see [`super::ip_text`]); a bare address is its host prefix.
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let (addr, prefix) = match s.split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (s, None),
+            Some((addr, prefix)) => {
+                parse_cidr_sloppy(addr.trim(), prefix.trim()).map_err(|e| match e {
+                    CidrTextError::Address => ParseError::CidrAddress(s.into()),
+                    CidrTextError::Prefix => ParseError::CidrPrefix(s.into()),
+                })?
+            }
+            None => {
+                let addr =
+                    parse_ip_sloppy(s.trim()).ok_or_else(|| ParseError::CidrAddress(s.into()))?;
+                (addr, if addr.is_ipv4() { 32 } else { 128 })
+            }
         };
-        let addr: IpAddr = addr
-            .trim()
-            .parse()
-            .map_err(|_| ParseError::CidrAddress(s.into()))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix = match prefix {
-            Some(p) => p
-                .trim()
-                .parse::<u8>()
-                .ok()
-                .filter(|p| *p <= max)
-                .ok_or_else(|| ParseError::CidrPrefix(s.into()))?,
-            None => max,
-        };
-        let (base, _) = Cidr { addr, prefix }.range();
-        Ok(Cidr { addr: base, prefix })
+        Ok(Cidr { addr, prefix })
     }
 }
 

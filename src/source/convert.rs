@@ -16,8 +16,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::validate;
 use crate::model::{
-    Cidr, Created, IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, ServiceType,
-    SharedValues, SliceEndpoint, SliceInfo, SlicePort, Topology, TrafficPolicy,
+    parse_ip_sloppy, Cidr, Created, IpFamily, NamespacedName, Protocol, ServicePort,
+    ServicePortName, ServiceType, SharedValues, SliceEndpoint, SliceInfo, SlicePort, Topology,
+    TrafficPolicy,
 };
 
 /// Label of an EndpointSlice naming the service it belongs to.
@@ -92,8 +93,10 @@ fn object_key(
     Ok(NamespacedName::new(namespace, name))
 }
 
+/// An address as the API server validated it (Go's `ParseIPSloppy`: leading zeros decimal, an IPv4-mapped
+/// address IPv4; see `model::ip_text`): refusing what it stored would keep an older version in effect.
 fn parse_ip(what: &str, s: &str) -> Result<IpAddr, String> {
-    s.parse().map_err(|_| format!("invalid {what} {s:?}"))
+    parse_ip_sloppy(s).ok_or_else(|| format!("invalid {what} {s:?}"))
 }
 
 fn parse_port(what: &str, p: i32) -> Result<u16, String> {
@@ -690,6 +693,53 @@ mod tests {
         assert!(e.reason.contains("missing metadata.name"));
     }
 
+    #[test]
+    fn addresses_read_as_the_api_server_accepts_them() {
+        let mut s = base(serde_json::json!({
+            "type": "LoadBalancer",
+            "clusterIPs": ["::ffff:10.96.0.9", "fd00:0000::0009"],
+            "externalIPs": ["192.000.002.001", "::ffff:192.0.2.2"],
+            "loadBalancerSourceRanges": ["010.20.0.0/16", "::ffff:10.30.0.0/112"],
+            "ports": [{"port": 80, "nodePort": 30080}],
+        }));
+        s.status = Some(
+            serde_json::from_value(serde_json::json!({"loadBalancer": {"ingress": [
+                {"ip": "198.051.100.001"}, {"ip": "::ffff:198.51.100.2"},
+            ]}}))
+            .unwrap(),
+        );
+        let p = &ports(&s)[0];
+        let strings = |v: &[IpAddr]| v.iter().map(IpAddr::to_string).collect::<Vec<_>>();
+        // The mapped cluster IP is IPv4: it lands in the ip table, not ip6.
+        assert_eq!(strings(&p.cluster_ips), ["10.96.0.9", "fd00::9"]);
+        assert_eq!(IpFamily::of(&p.cluster_ips[0]), IpFamily::V4);
+        assert_eq!(strings(&p.external_ips), ["192.0.2.1", "192.0.2.2"]);
+        assert_eq!(
+            strings(&p.load_balancer_ips),
+            ["198.51.100.1", "198.51.100.2"]
+        );
+        let ranges: Vec<String> = p
+            .load_balancer_source_ranges
+            .iter()
+            .map(Cidr::to_string)
+            .collect();
+        assert_eq!(ranges, ["10.20.0.0/16", "10.30.0.0/16"]);
+    }
+
+    #[test]
+    fn garbage_addresses_are_still_refused_with_the_field_named() {
+        let cases = [
+            (serde_json::json!({"clusterIP": "10.0.0.0256", "ports": [{"port": 80}]}), "invalid clusterIP \"10.0.0.0256\""),
+            (serde_json::json!({"clusterIP": "10.0.0.1", "externalIPs": ["::ffff:1.2.3"], "ports": [{"port": 80}]}), "invalid externalIP \"::ffff:1.2.3\""),
+            (serde_json::json!({"clusterIP": "10.0.0.1", "loadBalancerSourceRanges": ["010.20.0.0/+16"], "ports": [{"port": 80}]}), "invalid loadBalancerSourceRanges entry: invalid CIDR \"010.20.0.0/+16\": bad prefix length"),
+            (serde_json::json!({"clusterIP": "10.0.0.1", "loadBalancerSourceRanges": ["10.20.0.0x/16"], "ports": [{"port": 80}]}), "bad address"),
+        ];
+        for (spec, want) in cases {
+            let e = err(&base(spec.clone()));
+            assert!(e.reason.contains(want), "{spec}: got {e}, want {want}");
+        }
+    }
+
     fn slice(json: serde_json::Value) -> EndpointSlice {
         serde_json::from_value(json).unwrap()
     }
@@ -783,6 +833,38 @@ mod tests {
         );
         let e = endpoint_slice(&mk(serde_json::json!([]))).unwrap_err();
         assert_eq!(e.reason, "endpoints[0]: no addresses");
+    }
+
+    #[test]
+    fn endpoint_addresses_read_as_the_api_server_accepts_them() {
+        let mk = |address_type: &str, addrs: serde_json::Value| {
+            slice(serde_json::json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "svc"}},
+                "addressType": address_type,
+                "ports": [{"name": "p", "port": 80}],
+                "endpoints": [{"addresses": addrs}],
+            }))
+        };
+        let first = |s: &EndpointSlice| match endpoint_slice(s).unwrap() {
+            SliceConversion::Slice(info) => info.endpoints[0].address,
+            SliceConversion::Skipped(r) => panic!("skipped: {r}"),
+        };
+        // A mapped address in an IPv4 slice is that IPv4 address (the API server's IsValidIPv4Address).
+        let ip = first(&mk("IPv4", serde_json::json!(["::ffff:10.244.1.5"])));
+        assert_eq!(ip, "10.244.1.5".parse::<IpAddr>().unwrap());
+        let ip = first(&mk("IPv4", serde_json::json!(["010.244.001.005"])));
+        assert_eq!(ip, "10.244.1.5".parse::<IpAddr>().unwrap());
+        let ip = first(&mk("IPv6", serde_json::json!(["fd00::0005"])));
+        assert_eq!(ip, "fd00::5".parse::<IpAddr>().unwrap());
+        // ... and so no IPv6 address: the API server refuses it in an IPv6 slice, and so do we.
+        let e = endpoint_slice(&mk("IPv6", serde_json::json!(["::ffff:10.244.1.5"]))).unwrap_err();
+        assert!(e.reason.contains("does not match addressType IPv6"), "{e}");
+        let e = endpoint_slice(&mk("IPv4", serde_json::json!(["10.244.1.5x"]))).unwrap_err();
+        assert_eq!(
+            e.reason,
+            "endpoints[0]: invalid endpoint address \"10.244.1.5x\""
+        );
     }
 
     #[test]

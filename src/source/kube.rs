@@ -21,13 +21,16 @@
 //!   while the next is read (a first list interrupted and started again deletes, when it completes, what
 //!   the earlier attempt emitted and it no longer has).
 //! - **Small memory.** Objects are converted to model types as they arrive and dropped; per object only
-//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model).
+//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model), and for the
+//!   Services with external or LoadBalancer IPs their ports too (what closing them takes: see below).
 //! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
-//!   object (if any) stays in effect.
+//!   object (if any) stays in effect, except where that would leave traffic flowing that neither version
+//!   allows ([`super::fail_closed`]): a Service whose update or last good version has
+//!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
+//!   EndpointSlice's endpoints are withdrawn.
 
 use std::collections::BTreeMap;
 use std::hash::Hash;
-use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
@@ -41,10 +44,11 @@ use kube::runtime::WatchStreamExt;
 
 use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::convert::{self, ServiceConversion, SliceConversion};
+use super::fail_closed::{asks_source_ranges, ExposedServices};
 use super::{fingerprint, Event, NodeInfo};
 use crate::model::{
-    Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort, SharedName,
-    SharedValues, SliceInfo,
+    parse_ip_sloppy, Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort,
+    SharedName, SharedValues, SliceInfo,
 };
 
 /// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
@@ -103,6 +107,8 @@ pub struct Converted {
     key: Option<NamespacedName>,
     model: Result<Option<Model>, String>,
     trigger: Option<SystemTime>,
+    /// A Service whose spec lists `loadBalancerSourceRanges` (whether they convert or not).
+    restricts_sources: bool,
 }
 
 impl Converted {
@@ -121,6 +127,7 @@ impl Converted {
             key,
             model,
             trigger: None,
+            restricts_sources: asks_source_ranges(svc),
         }
     }
 
@@ -145,6 +152,7 @@ impl Converted {
             key,
             model,
             trigger,
+            restricts_sources: false,
         }
     }
 
@@ -156,6 +164,7 @@ impl Converted {
                 .map(|n| Some(Model::Node(n)))
                 .map_err(|e| e.to_string()),
             trigger: None,
+            restricts_sources: false,
         }
     }
 }
@@ -206,10 +215,11 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
         .flatten()
     {
         if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
-            match a.address.parse::<IpAddr>() {
-                Ok(ip) if !addresses.contains(&ip) => addresses.push(ip),
-                Ok(_) => {}
-                Err(_) => {
+            // Read as kube-proxy reads node addresses (ParseIPSloppy), so both pick the same node IPs.
+            match parse_ip_sloppy(&a.address) {
+                Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
+                Some(_) => {}
+                None => {
                     tracing::debug!(address = a.address, "ignoring a node address that is no IP")
                 }
             }
@@ -263,6 +273,8 @@ struct Tracker {
     relist: Option<Relist>,
     /// The first list completed.
     listed: bool,
+    /// The emitted Services that outside traffic reaches, to close them if an update cannot be read.
+    exposed: ExposedServices,
 }
 
 impl Tracker {
@@ -273,6 +285,7 @@ impl Tracker {
             namespaces: Interner::default(),
             relist: None,
             listed: false,
+            exposed: ExposedServices::default(),
         }
     }
 
@@ -298,11 +311,46 @@ impl Tracker {
         self.emitted.remove::<dyn NameKey>(key);
         let shared = self.shared_key(key, Some(model));
         self.emitted.insert(shared, print);
+        if let Model::Service(ports) = model {
+            self.exposed.emitted(key, ports);
+        }
     }
 
     /// Forgets `key`; whether it had been emitted.
     fn forget(&mut self, key: &NamespacedName) -> bool {
+        self.exposed.deleted(key);
         self.emitted.remove::<dyn NameKey>(key).is_some()
+    }
+
+    /// What to do with an object of this kind that did not convert: Err keeps its last good version (and
+    /// is logged by the caller); Ok is what to use instead (see [`super::fail_closed`]).
+    fn on_failure(
+        &self,
+        key: &NamespacedName,
+        reason: String,
+        restricts_sources: bool,
+    ) -> Result<Option<Model>, String> {
+        match self.kind {
+            Kind::EndpointSlice => {
+                tracing::warn!(
+                    "EndpointSlice {}: {reason}; its endpoints (if any were in effect) are withdrawn until a usable version comes",
+                    display_key(key)
+                );
+                Ok(None)
+            }
+            Kind::Service => match self.exposed.closed_on_failure(key, restricts_sources) {
+                Some(ports) => {
+                    tracing::warn!(
+                        "Service {}: {reason}; it or its version in effect has loadBalancerSourceRanges, so \
+                         its external and LoadBalancer IPs are closed until a usable version comes",
+                        display_key(key)
+                    );
+                    Ok(Some(Model::Service(ports)))
+                }
+                None => Err(reason),
+            },
+            Kind::Node => Err(reason),
+        }
     }
 }
 
@@ -372,8 +420,12 @@ impl Coordinator {
                 let first_list = !tracker.listed;
                 let emitted = tracker.emitted_print(&key);
                 let seen = tracker.shared_key(&key, None);
+                let model = obj.model.or_else(|reason| {
+                    *skipped += 1;
+                    tracker.on_failure(&key, reason, obj.restricts_sources)
+                });
                 let relist = tracker.relist.get_or_insert_with(Relist::default);
-                match obj.model {
+                match model {
                     Ok(Some(model)) if first_list => {
                         relist.seen.insert(seen);
                         let print = fingerprint(&model);
@@ -400,7 +452,6 @@ impl Coordinator {
                         relist.changed.remove(&key);
                     }
                     Err(reason) => {
-                        *skipped += 1;
                         warn_malformed(kind, &key, &reason);
                         // Keep the last good version: seen, unchanged.
                         relist.seen.insert(seen);
@@ -445,7 +496,11 @@ impl Coordinator {
                     );
                     return out;
                 };
-                match obj.model {
+                let model = obj.model.or_else(|reason| {
+                    *skipped += 1;
+                    tracker.on_failure(&key, reason, obj.restricts_sources)
+                });
+                match model {
                     Ok(Some(model)) => {
                         let print = fingerprint(&model);
                         if tracker.emitted_print(&key) != Some(print) {
@@ -458,10 +513,7 @@ impl Coordinator {
                             out.push(deleted_event(kind, key));
                         }
                     }
-                    Err(reason) => {
-                        *skipped += 1;
-                        warn_malformed(kind, &key, &reason);
-                    }
+                    Err(reason) => warn_malformed(kind, &key, &reason),
                 }
             }
             watcher::Event::Delete(obj) => {
@@ -1061,6 +1113,132 @@ mod tests {
             names(&c.handle(Kind::Service, s(W::Apply(svc("a", "10.96.0.2"))))),
             ["svc+ ns/a 1"]
         );
+    }
+
+    /// A LoadBalancer Service "ns/lb" at 192.0.2.10 with these source ranges (raw text).
+    fn lb(ranges: &[&str]) -> Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "lb", "namespace": "ns"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                     "loadBalancerSourceRanges": ranges,
+                     "ports": [{"name": "http", "port": 80, "nodePort": 30080}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}},
+        }))
+        .unwrap()
+    }
+
+    /// The one ServiceApplied of `events`: its LoadBalancer IPs and source ranges, as text.
+    fn lb_frontends(events: &[Event]) -> (Vec<String>, Vec<String>) {
+        let [Event::ServiceApplied { ports, .. }] = events else {
+            panic!("want one ServiceApplied, got {:?}", names(events))
+        };
+        let text = |v: &[std::net::IpAddr]| v.iter().map(ToString::to_string).collect();
+        let ranges = ports[0].load_balancer_source_ranges.iter();
+        (
+            text(&ports[0].load_balancer_ips),
+            ranges.map(ToString::to_string).collect(),
+        )
+    }
+
+    fn synced_coordinator() -> Coordinator {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        for k in [Kind::Service, Kind::EndpointSlice] {
+            c.handle(k, s(W::Init));
+            c.handle(k, s(W::InitDone));
+        }
+        c
+    }
+
+    #[test]
+    fn a_leading_zero_source_range_restricts_as_the_api_server_reads_it() {
+        let mut c = synced_coordinator();
+        let out = c.handle(Kind::Service, s(W::Apply(lb(&[]))));
+        assert_eq!(lb_frontends(&out), (vec!["192.0.2.10".into()], vec![]));
+        // The owner restricts the open LB with text the API server accepts: it takes effect.
+        let out = c.handle(Kind::Service, s(W::Apply(lb(&["010.20.0.0/16"]))));
+        assert_eq!(
+            lb_frontends(&out),
+            (vec!["192.0.2.10".into()], vec!["10.20.0.0/16".into()])
+        );
+        assert_eq!(c.skipped, 0);
+    }
+
+    #[test]
+    fn a_restricting_update_that_cannot_be_read_closes_the_load_balancer() {
+        let mut c = synced_coordinator();
+        c.handle(Kind::Service, s(W::Apply(lb(&[]))));
+        // The update restricts sources but cannot be read: the older, open version must not stay.
+        let out = c.handle(Kind::Service, s(W::Apply(lb(&["10.20.0.0/99"]))));
+        assert_eq!(lb_frontends(&out), (vec![], vec![]));
+        assert_eq!(c.skipped, 1);
+        // Still broken: still closed, nothing new.
+        assert!(c
+            .handle(Kind::Service, s(W::Apply(lb(&["10.20.0.0/98"]))))
+            .is_empty());
+        // A usable version opens it as asked.
+        let out = c.handle(Kind::Service, s(W::Apply(lb(&["10.20.0.0/16"]))));
+        assert_eq!(
+            lb_frontends(&out),
+            (vec!["192.0.2.10".into()], vec!["10.20.0.0/16".into()])
+        );
+        // A restricted LB whose next update breaks elsewhere (no ranges any more) closes too: the update
+        // may lift the restriction, but it cannot widen anything while it cannot be read.
+        let mut broken = lb(&[]);
+        broken.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.300".into());
+        let out = c.handle(Kind::Service, s(W::Apply(broken)));
+        assert_eq!(lb_frontends(&out).0, Vec::<String>::new());
+        // An unrestricted, unrelated failure keeps the last good version, as before.
+        let out = c.handle(Kind::Service, s(W::Apply(lb(&[]))));
+        assert_eq!(lb_frontends(&out).0, ["192.0.2.10"]);
+        let mut broken = lb(&[]);
+        broken.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.300".into());
+        assert!(c.handle(Kind::Service, s(W::Apply(broken))).is_empty());
+    }
+
+    #[test]
+    fn a_relist_with_an_unreadable_restricting_update_closes_the_load_balancer() {
+        let mut c = synced_coordinator();
+        c.handle(Kind::Service, s(W::Apply(lb(&[]))));
+        c.handle(Kind::Service, s(W::Init));
+        assert!(c
+            .handle(Kind::Service, s(W::InitApply(lb(&["bogus"]))))
+            .is_empty());
+        let out = c.handle(Kind::Service, s(W::InitDone));
+        assert_eq!(lb_frontends(&out), (vec![], vec![]));
+    }
+
+    #[test]
+    fn a_slice_that_cannot_be_read_withdraws_its_endpoints() {
+        let mut c = synced_coordinator();
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice("x-1", "x", &["10.244.1.2"], None))),
+        );
+        assert_eq!(names(&out), ["slice+ ns/x-1 1"]);
+        // The pod is gone and its IP reused; the update cannot be read: the old endpoint must go.
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice("x-1", "x", &["10.244.1.2.7"], None))),
+        );
+        assert_eq!(names(&out), ["slice- ns/x-1"]);
+        assert_eq!(c.skipped, 1);
+        // A mapped address is read as the API server reads it: that IPv4 endpoint.
+        let out = c.handle(
+            Kind::EndpointSlice,
+            e(W::Apply(slice("x-1", "x", &["::ffff:10.244.1.3"], None))),
+        );
+        let [Event::SliceApplied(info)] = &out[..] else {
+            panic!("{:?}", names(&out))
+        };
+        assert_eq!(info.endpoints[0].address.to_string(), "10.244.1.3");
+        // The same through a relist.
+        c.handle(Kind::EndpointSlice, e(W::Init));
+        c.handle(
+            Kind::EndpointSlice,
+            e(W::InitApply(slice("x-1", "x", &["nope"], None))),
+        );
+        let out = c.handle(Kind::EndpointSlice, e(W::InitDone));
+        assert_eq!(names(&out), ["slice- ns/x-1"]);
     }
 
     #[test]

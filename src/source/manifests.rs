@@ -5,7 +5,10 @@
 //! - A malformed document is reported ([`SourceError`], also logged with `tracing::warn`) and skipped;
 //!   every other document of the file, and every other file, still loads.
 //! - If a document fails for an identifiable object (kind Service / EndpointSlice with a name), the last
-//!   good version of that object stays: no Deleted event for it.
+//!   good version of that object stays: no Deleted event for it. Except where that version would leave
+//!   traffic flowing that neither version allows ([`super::fail_closed`]): a Service whose failed document
+//!   or last good version has `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a
+//!   usable version comes, and an EndpointSlice is deleted (its endpoints withdrawn).
 //! - If a file has a document that cannot be identified (YAML syntax error, no kind, no name) or the
 //!   file cannot be read, every object it produced before is kept: we cannot tell a removed object from
 //!   a broken one. Deletions from that file take effect once it loads cleanly again.
@@ -25,6 +28,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::Value;
 
 use super::convert::{self, ServiceConversion, SliceConversion};
+use super::fail_closed::{asks_source_ranges, value_asks_source_ranges, ExposedServices};
 use super::{fingerprint, Event};
 use crate::model::{NamespacedName, ServicePort, SharedValues, SliceInfo};
 
@@ -115,21 +119,13 @@ struct Emitted {
     path: Arc<PathBuf>,
 }
 
-impl Emitted {
-    fn of(object: &Object, origin: Origin) -> Emitted {
-        Emitted {
-            print: fingerprint(object),
-            path: origin.path,
-        }
-    }
-}
-
 /// One poll's walk over what was emitted and what was read, both in key order: the events between them
 /// (in key order) and what is emitted afterwards (in key order again).
 struct Reconcile<'a> {
     snap: &'a Snapshot,
     emitted: Vec<(ObjectKey, Emitted)>,
     events: Vec<Event>,
+    exposed: &'a mut ExposedServices,
 }
 
 impl Reconcile<'_> {
@@ -150,21 +146,43 @@ impl Reconcile<'_> {
                 self.emitted.push((key, e));
             }
             // New or changed: the new key shares its strings with the version the store gets now.
-            (_, Some((key, (object, origin)))) => {
-                self.emitted
-                    .push((key.clone(), Emitted::of(&object, origin)));
-                self.events.push(applied(key, object));
-            }
+            (_, Some((key, (object, origin)))) => self.apply(key, object, origin.path),
             (None, None) => {}
         }
     }
 
-    /// Emitted before, absent now: deleted, unless a failure may be hiding it.
+    fn apply(&mut self, key: ObjectKey, object: Object, path: Arc<PathBuf>) {
+        if let Object::Service(ports) = &object {
+            self.exposed.emitted(&key.namespaced_name(), ports);
+        }
+        let print = fingerprint(&object);
+        self.emitted.push((key.clone(), Emitted { print, path }));
+        self.events.push(applied(key, object));
+    }
+
+    /// Emitted before, absent now: deleted, unless a failure may be hiding it (then it stays, or closes).
     fn gone(&mut self, key: ObjectKey, e: Emitted) {
         let snap = self.snap;
-        if snap.keep.contains(&key) || snap.tainted.contains(&*e.path) || snap.unreadable {
+        if snap.withdrawn.contains(&key) {
+            tracing::warn!(
+                "EndpointSlice {}/{}: could not be read; its endpoints are withdrawn until a usable version comes",
+                key.namespace,
+                key.name
+            );
+        } else if let Some(closed) = self.closed_on_failure(&key) {
+            tracing::warn!(
+                "Service {}/{}: could not be read, and it or its version in effect has \
+                 loadBalancerSourceRanges; its external and LoadBalancer IPs are closed until a usable version comes",
+                key.namespace,
+                key.name
+            );
+            return self.apply(key, closed, e.path);
+        } else if snap.keep.contains(&key) || snap.tainted.contains(&*e.path) || snap.unreadable {
             self.emitted.push((key, e));
             return;
+        }
+        if key.kind == ObjectKind::Service {
+            self.exposed.deleted(&key.namespaced_name());
         }
         self.events.push(match key.kind {
             ObjectKind::Service => Event::ServiceDeleted(key.namespaced_name()),
@@ -173,6 +191,14 @@ impl Reconcile<'_> {
                 name: key.name.to_string(),
             },
         });
+    }
+
+    /// For a Service whose document failed: the version to emit instead of keeping the last good one.
+    fn closed_on_failure(&self, key: &ObjectKey) -> Option<Object> {
+        let restricts_sources = *self.snap.failed_services.get(key)?;
+        self.exposed
+            .closed_on_failure(&key.namespaced_name(), restricts_sources)
+            .map(Object::Service)
     }
 }
 
@@ -194,6 +220,10 @@ struct Snapshot {
     errors: Vec<SourceError>,
     /// Objects whose document failed: keep their last good version.
     keep: BTreeSet<ObjectKey>,
+    /// Services whose document failed (also in `keep`), and whether it lists `loadBalancerSourceRanges`.
+    failed_services: BTreeMap<ObjectKey, bool>,
+    /// EndpointSlices whose document failed: withdrawn rather than kept.
+    withdrawn: BTreeSet<ObjectKey>,
     /// Files with a failure we cannot attribute to an object: keep everything they produced.
     tainted: BTreeSet<PathBuf>,
     /// The path itself could not be read: keep everything.
@@ -218,6 +248,8 @@ pub struct ManifestSource {
     clean: bool,
     /// How many files the last read opened: all of them, or only the changed ones.
     files_read: usize,
+    /// The emitted Services that outside traffic reaches, to close them if an update cannot be read.
+    exposed: ExposedServices,
 }
 
 impl ManifestSource {
@@ -229,6 +261,7 @@ impl ManifestSource {
             emitted: Vec::new(),
             clean: false,
             files_read: 0,
+            exposed: ExposedServices::default(),
         }
     }
 
@@ -262,8 +295,9 @@ impl ManifestSource {
         self.fingerprint = Some(self.fingerprint());
         let mut first = FirstRead::default();
         self.read_into(&mut |part| send(first.take(part)));
-        let (emitted, errors) = first.finish();
+        let (emitted, exposed, errors) = first.finish();
         self.emitted = emitted;
+        self.exposed = exposed;
         self.clean = errors.is_empty();
         send(vec![Event::Synced]);
         errors
@@ -316,7 +350,9 @@ impl ManifestSource {
         let objects = std::mem::take(&mut snap.objects);
         let emitted = std::mem::take(&mut self.emitted);
         // What a file not read again emitted is unchanged (and, by the check above, not read now).
-        let (emitted, events) = reconcile(&snap, emitted, objects, |e| !from_changed(&e.path));
+        let (emitted, events) = reconcile(&snap, emitted, objects, &mut self.exposed, |e| {
+            !from_changed(&e.path)
+        });
         self.emitted = emitted;
         Some(events)
     }
@@ -325,7 +361,7 @@ impl ManifestSource {
     fn reconcile_all(&mut self, mut snap: Snapshot) -> (Vec<Event>, Vec<SourceError>) {
         let objects = std::mem::take(&mut snap.objects);
         let emitted = std::mem::take(&mut self.emitted);
-        let (emitted, events) = reconcile(&snap, emitted, objects, |_| false);
+        let (emitted, events) = reconcile(&snap, emitted, objects, &mut self.exposed, |_| false);
         self.emitted = emitted;
         (events, snap.errors)
     }
@@ -448,6 +484,7 @@ impl ManifestSource {
 struct FirstRead {
     seen: BTreeMap<ObjectKey, (u64, Origin)>,
     errors: Vec<SourceError>,
+    exposed: ExposedServices,
 }
 
 impl FirstRead {
@@ -462,6 +499,9 @@ impl FirstRead {
                 self.errors.push(err);
                 continue;
             }
+            if let Object::Service(ports) = &object {
+                self.exposed.emitted(&key.namespaced_name(), ports);
+            }
             self.seen
                 .insert(key.clone(), (fingerprint(&object), origin));
             events.push(applied(key, object));
@@ -469,8 +509,8 @@ impl FirstRead {
         events
     }
 
-    /// What was emitted, in key order, and every error.
-    fn finish(self) -> (Vec<(ObjectKey, Emitted)>, Vec<SourceError>) {
+    /// What was emitted, in key order, the exposed Services among it, and every error.
+    fn finish(self) -> (Vec<(ObjectKey, Emitted)>, ExposedServices, Vec<SourceError>) {
         let emitted = self
             .seen
             .into_iter()
@@ -479,7 +519,7 @@ impl FirstRead {
                 (key, Emitted { print, path })
             })
             .collect();
-        (emitted, self.errors)
+        (emitted, self.exposed, self.errors)
     }
 }
 
@@ -489,12 +529,14 @@ fn reconcile(
     snap: &Snapshot,
     emitted: Vec<(ObjectKey, Emitted)>,
     objects: BTreeMap<ObjectKey, (Object, Origin)>,
+    exposed: &mut ExposedServices,
     untouched: impl Fn(&Emitted) -> bool,
 ) -> (Vec<(ObjectKey, Emitted)>, Vec<Event>) {
     let mut r = Reconcile {
         snap,
         emitted: Vec::with_capacity(emitted.len().max(objects.len())),
         events: Vec::new(),
+        exposed,
     };
     let mut old = emitted.into_iter().peekable();
     let mut new = objects.into_iter().peekable();
@@ -687,6 +729,10 @@ fn merge(into: &mut Snapshot, part: Snapshot) {
     into.unreadable |= part.unreadable;
     into.errors.extend(part.errors);
     into.keep.extend(part.keep);
+    for (key, restricts_sources) in part.failed_services {
+        *into.failed_services.entry(key).or_default() |= restricts_sources;
+    }
+    into.withdrawn.extend(part.withdrawn);
     into.tainted.extend(part.tainted);
     for (key, (object, origin)) in part.objects {
         match into.objects.get(&key) {
@@ -1011,10 +1057,11 @@ impl DocContext<'_> {
             return false;
         };
         let kind = typed.kind();
+        let restricts_sources = matches!(&typed, Typed::Service(svc) if asks_source_ranges(svc));
         let api_version = api_version.unwrap_or_default();
         let name = meta.name.as_deref().unwrap_or_default();
         let namespace = meta.namespace.as_deref().filter(|n| !n.is_empty());
-        self.named_object(kind, name, namespace, item, |shared| {
+        self.named_object(kind, name, namespace, item, restricts_sources, |shared| {
             check_api_version(kind, &api_version)?;
             convert_typed(typed, shared)
         });
@@ -1035,18 +1082,26 @@ impl DocContext<'_> {
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty());
         let (name, namespace) = (name.to_owned(), namespace.map(str::to_owned));
-        self.named_object(kind, &name, namespace.as_deref(), item, |shared| {
-            convert_object(kind, api_version, value, shared)
-        });
+        let restricts_sources = kind == "Service" && value_asks_source_ranges(&value);
+        self.named_object(
+            kind,
+            &name,
+            namespace.as_deref(),
+            item,
+            restricts_sources,
+            |shared| convert_object(kind, api_version, value, shared),
+        );
     }
 
-    /// An object of `kind` named `name` in `namespace` (None: "default"), converted by `convert`.
+    /// An object of `kind` named `name` in `namespace` (None: "default"), converted by `convert`;
+    /// `restricts_sources`: a Service that lists `loadBalancerSourceRanges`.
     fn named_object(
         &mut self,
         kind: &str,
         name: &str,
         namespace: Option<&str>,
         item: Option<usize>,
+        restricts_sources: bool,
         convert: impl FnOnce(&mut SharedValues) -> Result<Option<Object>, String>,
     ) {
         let namespace = namespace.unwrap_or("default");
@@ -1085,7 +1140,16 @@ impl DocContext<'_> {
             }
             Ok(None) => {}
             Err(reason) => {
-                self.snap.keep.insert(key);
+                match key.kind {
+                    ObjectKind::Service => {
+                        let failed = self.snap.failed_services.entry(key.clone()).or_default();
+                        *failed |= restricts_sources;
+                        self.snap.keep.insert(key);
+                    }
+                    ObjectKind::Slice => {
+                        self.snap.withdrawn.insert(key);
+                    }
+                }
                 self.error(Some(object_name), with_item(item, reason));
             }
         }
@@ -1628,6 +1692,118 @@ mod tests {
         dir.remove("svc.yaml");
         let (events, _) = src.poll();
         assert_eq!(names(&events), ["svc- demo/a"]);
+    }
+
+    /// A LoadBalancer Service "demo/lb" at 192.0.2.10, with these source ranges (YAML flow list).
+    fn lb_service(ranges: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: lb\n  namespace: demo\n\
+             spec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  loadBalancerSourceRanges: {ranges}\n\
+             \x20 ports:\n  - name: tcp\n    port: 80\n    nodePort: 30080\n\
+             status:\n  loadBalancer:\n    ingress:\n    - ip: 192.0.2.10\n"
+        )
+    }
+
+    /// The LoadBalancer IPs and source ranges of the one ServiceApplied in `events`.
+    fn lb_frontends(events: &[Event]) -> (Vec<String>, Vec<String>) {
+        let [Event::ServiceApplied { ports, .. }] = events else {
+            panic!("want one ServiceApplied, got {:?}", names(events))
+        };
+        let ips = ports[0].load_balancer_ips.iter().map(ToString::to_string);
+        let ranges = ports[0].load_balancer_source_ranges.iter();
+        (ips.collect(), ranges.map(ToString::to_string).collect())
+    }
+
+    #[test]
+    fn a_restricting_update_is_read_as_the_api_server_reads_it_or_closes_the_load_balancer() {
+        let dir = TempDir::new("fail-closed");
+        dir.write("lb.yaml", &lb_service("[]"));
+        let mut src = ManifestSource::new(dir.0.clone());
+        let (events, _) = src.initial();
+        assert_eq!(
+            lb_frontends(&events[..1]),
+            (vec!["192.0.2.10".into()], vec![])
+        );
+        // Leading zeros, as the API server accepts them: the restriction takes effect.
+        dir.write("lb.yaml", &lb_service("[\"010.20.0.0/16\"]"));
+        let (events, errors) = src.poll();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            lb_frontends(&events),
+            (vec!["192.0.2.10".into()], vec!["10.20.0.0/16".into()])
+        );
+        // Open again, then a restriction that cannot be read: closed, not left open.
+        dir.write("lb.yaml", &lb_service("[]"));
+        src.poll();
+        dir.write("lb.yaml", &lb_service("[\"10.20.0.0/99\"]"));
+        let (events, errors) = src.poll();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(lb_frontends(&events), (vec![], vec![]));
+        // Still broken: nothing more. Fixed: open as asked.
+        dir.write("lb.yaml", &lb_service("[\"10.20.0.0/98\"]"));
+        assert!(src.poll().0.is_empty());
+        dir.write("lb.yaml", &lb_service("[\"10.20.0.0/16\"]"));
+        let (events, _) = src.poll();
+        assert_eq!(lb_frontends(&events).0, ["192.0.2.10"]);
+        // A restriction of the wrong shape (no list): read as no Service at all, still closes it.
+        dir.write("lb.yaml", &lb_service("\"10.20.0.0/16\""));
+        let (events, errors) = src.poll();
+        assert!(errors[0].reason.contains("invalid Service"), "{errors:?}");
+        assert_eq!(lb_frontends(&events), (vec![], vec!["10.20.0.0/16".into()]));
+    }
+
+    #[test]
+    fn a_json_list_item_that_cannot_be_read_closes_the_load_balancer_too() {
+        let dir = TempDir::new("fail-closed-json");
+        let item = |ranges: serde_json::Value| {
+            serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [{
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "lb", "namespace": "demo"},
+                "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                         "loadBalancerSourceRanges": ranges,
+                         "ports": [{"name": "tcp", "port": 80, "nodePort": 30080}]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}},
+            }]})
+            .to_string()
+        };
+        dir.write("lb.json", &item(serde_json::json!([])));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        dir.write(
+            "lb.json",
+            &item(serde_json::json!(["::ffff:10.20.0.0/112"])),
+        );
+        let (events, _) = src.poll();
+        assert_eq!(lb_frontends(&events).1, ["10.20.0.0/16"]);
+        dir.write(
+            "lb.json",
+            &item(serde_json::json!(["10.20.0.0/16", "nope"])),
+        );
+        let (events, _) = src.poll();
+        assert_eq!(lb_frontends(&events).0, Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_slice_that_cannot_be_read_withdraws_its_endpoints() {
+        let dir = TempDir::new("withdraw");
+        dir.write("s.yaml", &slice("echo-1", "echo", &["10.244.1.2"]));
+        let mut src = ManifestSource::new(dir.0.clone());
+        src.initial();
+        // A mapped address is that IPv4 endpoint.
+        dir.write("s.yaml", &slice("echo-1", "echo", &["::ffff:10.244.1.3"]));
+        let (events, _) = src.poll();
+        let [Event::SliceApplied(info)] = &events[..] else {
+            panic!("{:?}", names(&events))
+        };
+        assert_eq!(info.endpoints[0].address.to_string(), "10.244.1.3");
+        // Unreadable: the endpoint that may now be another pod's is withdrawn, not kept.
+        dir.write("s.yaml", &slice("echo-1", "echo", &["10.244.1.3.4"]));
+        let (events, errors) = src.poll();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(names(&events), ["slice- demo/echo-1"]);
+        assert!(src.poll().0.is_empty());
+        dir.write("s.yaml", &slice("echo-1", "echo", &["10.244.1.4"]));
+        assert_eq!(names(&src.poll().0), ["slice+ demo/echo-1 (1 eps)"]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod backoff;
 pub mod convert;
+mod fail_closed;
 mod in_order;
 pub mod kube;
 pub mod manifests;
