@@ -1,6 +1,7 @@
 //! The proxy agent: its options, the loop that keeps the kernel in sync with the source (`run`), and the
 //! one-shot commands (`plan`, `cleanup`).
 
+mod quarantine;
 mod run;
 pub mod runner;
 pub mod wake;
@@ -269,15 +270,17 @@ fn start_monitor(
 }
 
 /// One sync: full (every service rendered, the kernel read back and repaired) when the engine cannot trust
-/// its memory, otherwise partial (only the changed services rendered, nothing read from the kernel).
+/// its memory, otherwise partial (only the changed services rendered, nothing read from the kernel). A full
+/// sync leaves out the `withheld` services (refused by the kernel, their retry not yet due).
 pub fn sync_once<B: crate::nft::Backend>(
     engine: &mut SyncEngine<B>,
     state: &ClusterState,
     changed: &BTreeSet<NamespacedName>,
+    withheld: &BTreeSet<NamespacedName>,
     cfg: &RenderConfig,
 ) -> Result<SyncReport, SyncError> {
     if engine.needs_full_sync() {
-        let pieces = render_all(state, cfg);
+        let pieces = render_all(state, withheld, cfg);
         let report = engine.sync_full(render::skeleton(cfg), pieces);
         release_free_memory();
         return report;
@@ -313,8 +316,16 @@ fn render_service(
 /// Every service's pieces, for a full sync. Service by service, so the endpoints of the whole cluster are
 /// never materialised at once, and on every CPU: contiguous runs of services rendered apart and joined in
 /// name order (below [`SERVICES_PER_THREAD`] services a thread costs more than it saves).
-fn render_all(state: &ClusterState, cfg: &RenderConfig) -> BTreeMap<ServicePortName, Vec<Piece>> {
-    let names: Vec<NamespacedName> = state.service_names().into_iter().collect();
+fn render_all(
+    state: &ClusterState,
+    withheld: &BTreeSet<NamespacedName>,
+    cfg: &RenderConfig,
+) -> BTreeMap<ServicePortName, Vec<Piece>> {
+    let names: Vec<NamespacedName> = state
+        .service_names()
+        .into_iter()
+        .filter(|n| !withheld.contains(n))
+        .collect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_thread = names.len().div_ceil(threads).max(SERVICES_PER_THREAD);
     let render_run = |run: &[NamespacedName]| {
@@ -539,7 +550,7 @@ mod tests {
         }
         assert_eq!(one_by_one.len(), services);
         let one_by_one: BTreeMap<_, _> = one_by_one.into_iter().collect();
-        assert_eq!(render_all(&state, &cfg), one_by_one);
+        assert_eq!(render_all(&state, &BTreeSet::new(), &cfg), one_by_one);
     }
 
     #[test]

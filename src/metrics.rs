@@ -163,6 +163,10 @@ pub static PENDING_CHANGES: GaugeU64 = GaugeU64::gauge();
 /// Frontend claims refused at the last successful sync: another service port of higher precedence holds the
 /// address and port.
 pub static REFUSED_CLAIMS: GaugeU64 = GaugeU64::gauge();
+/// Service ports the kernel refuses, left out of it while every other one is programmed.
+pub static QUARANTINED_PORTS: GaugeU64 = GaugeU64::gauge();
+/// Service ports the kernel refused, each time it did.
+pub static KERNEL_REJECTED_PORTS: CounterU64 = CounterU64::counter();
 
 /// Unix time now, in milliseconds.
 pub fn now_unix_ms() -> u64 {
@@ -254,6 +258,11 @@ pub fn registry() -> Registry {
             &NETLINK_BYTES_TOTAL,
         ),
         (
+            "nftkube_kernel_rejected_service_ports",
+            "Service ports the kernel refused on their own (left out, everything else committed)",
+            &KERNEL_REJECTED_PORTS,
+        ),
+        (
             "nftkube_repairs",
             "Full syncs triggered by someone else changing our tables",
             &REPAIRS,
@@ -281,6 +290,11 @@ pub fn registry() -> Registry {
             "nftkube_pending_service_changes",
             "Services changed in the model and not yet committed",
             &PENDING_CHANGES,
+        ),
+        (
+            "nftkube_quarantined_service_ports",
+            "Service ports the kernel refuses, left out while every other one is programmed",
+            &QUARANTINED_PORTS,
         ),
         (
             "nftkube_refused_frontend_claims",

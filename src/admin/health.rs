@@ -60,7 +60,13 @@ struct State {
     last_updated: Option<SystemTime>,
     oldest_queued: Option<Instant>,
     node_eligible: bool,
+    /// Services the kernel refused, with its answer (see `agent::quarantine`), the first few of them.
+    rejected: Vec<(String, String)>,
+    rejected_total: usize,
 }
+
+/// How many refused services a health answer names: enough to act on, bounded whatever the cluster.
+const REJECTED_SHOWN: usize = 10;
 
 /// The proxy loop's health, shared with the admin server.
 #[derive(Debug)]
@@ -78,6 +84,8 @@ impl ProxyHealth {
                 last_updated: None,
                 oldest_queued: None,
                 node_eligible: true,
+                rejected: Vec::new(),
+                rejected_total: 0,
             }),
         }
     }
@@ -89,6 +97,15 @@ impl ProxyHealth {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The services the kernel refuses (left out of the kernel while every other one is programmed): the
+    /// answers name them, and stay healthy, since syncs go on.
+    pub fn set_rejected(&self, mut rejected: Vec<(String, String)>) {
+        let mut state = self.lock();
+        state.rejected_total = rejected.len();
+        rejected.truncate(REJECTED_SHOWN);
+        state.rejected = rejected;
     }
 
     /// A sync was requested (kube-proxy's `QueuedUpdate`); the oldest pending request counts.
@@ -150,6 +167,18 @@ impl ProxyHealth {
         });
         if let Some(eligible) = node {
             v["nodeEligible"] = eligible.into();
+        }
+        let state = self.lock();
+        if state.rejected_total > 0 {
+            let shown: serde_json::Map<String, serde_json::Value> = state
+                .rejected
+                .iter()
+                .map(|(name, why)| (name.clone(), why.clone().into()))
+                .collect();
+            v["rejectedServices"] = serde_json::json!({
+                "count": state.rejected_total,
+                "services": shown,
+            });
         }
         v.to_string()
     }

@@ -473,6 +473,8 @@ mod tests {
             "nftkube_service_ports",
             "nftkube_pending_service_changes",
             "nftkube_refused_frontend_claims",
+            "nftkube_quarantined_service_ports",
+            "nftkube_kernel_rejected_service_ports_total",
             "nftkube_repairs_total",
             "nftkube_sync_object_changes_total",
             "nftkube_api_watch_errors_total{resource=\"Service\"}",

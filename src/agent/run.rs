@@ -21,7 +21,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::quarantine::Quarantine;
 use super::runner::SyncRunner;
+use crate::model::NamespacedName;
 
 /// Periodic checks skip reading the kernel back while its generation id is the one our last sync left (and
 /// the monitor saw nothing foreign); still, the tables are read back in full at least this often (the
@@ -75,6 +77,8 @@ pub(super) struct ProxyLoop<'a> {
     /// need not read them again.
     pub addresses_fresh: bool,
     pub relay: Relays,
+    /// Services the kernel refused, left out and retried on their own.
+    pub quarantine: Quarantine,
 }
 
 impl ProxyLoop<'_> {
@@ -107,6 +111,7 @@ impl ProxyLoop<'_> {
             next_full_read: now + opts.full_read_period,
             addresses_fresh: false,
             relay: Relays::default(),
+            quarantine: Quarantine::default(),
         }
     }
 
@@ -133,6 +138,9 @@ impl ProxyLoop<'_> {
             if now >= self.next_check {
                 self.periodic_check(now);
             }
+            if self.quarantine.next_retry().is_some_and(|t| now >= t) {
+                self.pending = true;
+            }
             if self.sync_due(now) {
                 self.sync(now);
             }
@@ -153,6 +161,9 @@ impl ProxyLoop<'_> {
                 at = at.max(retry);
             }
             deadline = deadline.min(at);
+        }
+        if let Some(retry) = self.quarantine.next_retry().filter(|t| *t > now) {
+            deadline = deadline.min(retry);
         }
         Some(deadline)
     }
@@ -282,7 +293,10 @@ impl ProxyLoop<'_> {
     }
 
     fn sync(&mut self, now: Instant) {
-        let changes = self.state.take_changes();
+        let mut changes = self.state.take_changes();
+        // Refused services whose retry is due are tried again, as if they had changed.
+        changes.changed_services.extend(self.quarantine.due(now));
+        let withheld = self.quarantine.withheld(now);
         self.runner.ran(now);
         self.observer.sync_started();
         // Node addresses can change; full syncs pick that up for NodePorts (unless a periodic check just did).
@@ -295,6 +309,7 @@ impl ProxyLoop<'_> {
                 &mut self.engine,
                 &self.state,
                 &changes.changed_services,
+                &withheld,
                 &self.cfg,
             ),
         };
@@ -305,6 +320,16 @@ impl ProxyLoop<'_> {
         }
         match synced {
             Ok(report) => {
+                let tried = |n: &NamespacedName| match report.full {
+                    true => !withheld.contains(n),
+                    false => changes.changed_services.contains(n),
+                };
+                self.quarantine.after_sync(&report, tried, now);
+                metrics::QUARANTINED_PORTS.set(self.quarantine.ports() as u64);
+                metrics::KERNEL_REJECTED_PORTS.inc_by(report.rejected.len() as u64);
+                self.observer
+                    .health
+                    .set_rejected(self.quarantine.describe());
                 if report.full {
                     // The health check servers follow the addresses NodePorts are now served on.
                     self.observer

@@ -101,6 +101,52 @@ pub fn stale_against_removed(
         .collect()
 }
 
+/// Frontends that gained ClientIP affinity in a partial sync (a service turned it on, or one with affinity
+/// took the frontend over from another), with their endpoints now. Entries of such a frontend were
+/// recorded for another holder or another time: those that point elsewhere are stale.
+#[derive(Debug, Default)]
+pub struct GainedAffinity {
+    frontends: HashSet<Vec<u8>>,
+    nodeports: HashSet<Vec<u8>>,
+    current: EndpointPairs,
+}
+
+impl GainedAffinity {
+    /// Notes an element added to an affinity set: its key is the frontend (or NodePort) that gained it.
+    pub fn gained(&mut self, set: &str, e: &Element) {
+        match set {
+            MAP_AFFINITY_SERVICES => self.frontends.insert(e.key.to_vec()),
+            MAP_AFFINITY_NODEPORTS => self.nodeports.insert(e.key.to_vec()),
+            _ => false,
+        };
+    }
+
+    /// Notes an endpoint slot the frontend has now.
+    pub fn current(&mut self, set: &str, e: &Element) {
+        self.current.add(set, e);
+    }
+
+    /// Nothing gained.
+    pub fn is_empty(&self) -> bool {
+        self.frontends.is_empty() && self.nodeports.is_empty()
+    }
+
+    /// Entries of a gained frontend whose endpoint it does not have.
+    pub fn stale(&self, family: Family, entries: &[Element]) -> Vec<Element> {
+        entries
+            .iter()
+            .filter(|e| {
+                let Some((frontend, nodeport, _)) = entry_parts(family, e) else {
+                    return false;
+                };
+                let gained = self.frontends.contains(frontend) || self.nodeports.contains(nodeport);
+                gained && !self.current.covers(family, e)
+            })
+            .cloned()
+            .collect()
+    }
+}
+
 /// (frontend key without the slot, endpoint value) of an endpoint-slot element.
 fn slot_pair(e: &Element) -> Option<(Vec<u8>, Vec<u8>)> {
     let Some(ElementValue::Data(endpoint)) = &e.value else {
@@ -179,5 +225,17 @@ mod tests {
         // Removed from one slot and added in another (an endpoint-count change): not stale.
         removed.remove(MAP_SERVICE_ENDPOINTS, &slot(&vip, 0, 2));
         assert!(removed.is_empty());
+    }
+
+    #[test]
+    fn a_frontend_that_gains_affinity_keeps_only_entries_of_its_endpoints() {
+        let vip = vec![vec![10, 96, 0, 1], vec![6], 80u16.to_be_bytes().to_vec()];
+        let other = vec![vec![10, 96, 0, 2], vec![6], 80u16.to_be_bytes().to_vec()];
+        let mut gained = GainedAffinity::default();
+        gained.gained(MAP_AFFINITY_SERVICES, &data(concat_key(&vip), vec![]));
+        gained.current(MAP_SERVICE_ENDPOINTS, &slot(&vip, 0, 3));
+        let entries = [entry(1, &vip, 3), entry(2, &vip, 2), entry(3, &other, 2)];
+        // The entry to endpoint 2 was a former holder's; another frontend's entries are not looked at.
+        assert_eq!(gained.stale(Family::Ip, &entries), vec![entries[1].clone()]);
     }
 }

@@ -12,7 +12,8 @@ use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
 use crate::render::names::{
-    DISPATCH_MAPS, MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
+    DISPATCH_MAPS, MAP_AFFINITY, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES,
+    MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
 };
 use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
@@ -364,11 +365,14 @@ impl<B: Backend> SyncEngine<B> {
         });
         let ports: Vec<ServicePortName> = updates.iter().map(|(p, _)| p.clone()).collect();
         let (delta, former) = index.replace(updates);
+        // A frontend taken over or handed over changes the affinity of ports not in `updates`.
+        let gained = gained_affinity(index, &delta);
+        let affinity_touched = affinity_touched || !gained.is_empty() || removes_affinity(&delta);
         let (tx, reused, ready) = self.delta_plan(&delta);
         let removed_endpoints = if affinity_touched {
             removed_endpoint_pairs(&delta)
         } else {
-            Vec::new()
+            BTreeMap::new()
         };
         let changes = tx.len();
         let (bytes, commit_time) = match self.commit(tx) {
@@ -390,10 +394,23 @@ impl<B: Backend> SyncEngine<B> {
             self.unused_chains.remove(&c);
         }
         self.unused_chains.extend(delta.chains_unused);
-        for (family, removed) in removed_endpoints {
+        let families: BTreeSet<Family> = removed_endpoints
+            .keys()
+            .chain(gained.keys())
+            .copied()
+            .collect();
+        for family in families {
             match self.backend.read_set(family, TABLE, MAP_AFFINITY) {
                 Ok(entries) => {
-                    let stale = affinity::stale_against_removed(family, &entries, &removed);
+                    let mut stale = match removed_endpoints.get(&family) {
+                        Some(removed) => affinity::stale_against_removed(family, &entries, removed),
+                        None => Vec::new(),
+                    };
+                    if let Some(gained) = gained.get(&family) {
+                        stale.extend(gained.stale(family, &entries));
+                        stale.sort();
+                        stale.dedup();
+                    }
                     self.prune_affinity(vec![(family, stale)]);
                 }
                 Err(e) => {
@@ -607,7 +624,7 @@ fn stale_affinity_entries(
 }
 
 /// Per family, the (frontend, endpoint) pairs a partial sync removes and does not add back.
-fn removed_endpoint_pairs(delta: &Delta) -> Vec<(Family, affinity::EndpointPairs)> {
+fn removed_endpoint_pairs(delta: &Delta) -> BTreeMap<Family, affinity::EndpointPairs> {
     let mut out: BTreeMap<Family, affinity::EndpointPairs> = BTreeMap::new();
     for ((family, set), elements) in &delta.elements_removed {
         for e in elements {
@@ -622,6 +639,33 @@ fn removed_endpoint_pairs(delta: &Delta) -> Vec<(Family, affinity::EndpointPairs
         }
     }
     out.into_iter().filter(|(_, p)| !p.is_empty()).collect()
+}
+
+/// Whether a delta takes a frontend out of an affinity map (its holder loses it, or drops affinity).
+fn removes_affinity(delta: &Delta) -> bool {
+    delta
+        .elements_removed
+        .keys()
+        .any(|(_, set)| [MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS].contains(set))
+}
+
+/// Per family, the frontends a delta puts into an affinity map, with their endpoints now.
+fn gained_affinity(index: &Index, delta: &Delta) -> BTreeMap<Family, affinity::GainedAffinity> {
+    let mut out: BTreeMap<Family, affinity::GainedAffinity> = BTreeMap::new();
+    for ((family, set), elements) in &delta.elements_added {
+        if ![MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS].contains(set) {
+            continue;
+        }
+        let gained = out.entry(*family).or_default();
+        let piece_set = crate::render::names::PieceSet::named(set);
+        for e in elements {
+            gained.gained(set, e);
+            for (slot_set, slot) in index.frontend_slots(*family, piece_set, e) {
+                gained.current(slot_set, slot);
+            }
+        }
+    }
+    out
 }
 
 /// Deletes the given tables if they exist, in one transaction. Returns how many were deleted.
@@ -1002,6 +1046,55 @@ mod tests {
             w.partial(&mut e, &[&v]);
             check(&e, &w, "victim created again");
         }
+    }
+
+    /// One partial sync in which a frontend changes hands and its claimant changes precedence: the same
+    /// element bytes are removed and added several times over, and the kernel gets the net change (found by
+    /// the kernel test: the frontend lost every element, or the batch failed with EEXIST).
+    #[test]
+    fn a_hand_over_and_a_precedence_change_in_one_sync_leave_the_frontend_served() {
+        let claimant = |name: &str, created: i64, lb: bool, endpoint: &str| {
+            let mut sp = port(name, &format!("10.96.1.{}", name.len()), Protocol::Tcp);
+            sp.created = Created::from_unix_seconds(created);
+            match lb {
+                true => sp.load_balancer_ips = vec!["10.96.0.1".parse().unwrap()],
+                false => sp.external_ips = vec!["10.96.0.1".parse().unwrap()],
+            }
+            (sp, eps(&[endpoint]))
+        };
+        let victim = || {
+            (
+                port("kubernetes", "10.96.0.1", Protocol::Tcp),
+                eps(&["10.0.0.1"]),
+            )
+        };
+        // The holder goes and the waiting one's age changes, in one sync.
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let (v, ve) = victim();
+        let v = w.set(v, ve);
+        let (x, xe) = claimant("zzz", 1_000, false, "10.0.0.2");
+        let x = w.set(x, xe);
+        w.full(&mut e);
+        w.remove(&v);
+        let (x2, xe2) = claimant("zzz", 2_000, false, "10.0.0.2");
+        w.set(x2, xe2);
+        w.partial(&mut e, &[&v, &x]);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        assert!(kernel_text(&e).contains(&first_slot("10.96.0.1 . tcp . 80", "10.0.0.2 . 8080")));
+        // The holder's kind changes as a ClusterIP arrives, in one sync.
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let (x, xe) = claimant("aaa", 1_000, true, "10.0.0.2");
+        let x = w.set(x, xe);
+        w.full(&mut e);
+        let (x2, xe2) = claimant("aaa", 1_000, false, "10.0.0.2");
+        w.set(x2, xe2);
+        let (v, ve) = victim();
+        let v = w.set(v, ve);
+        w.partial(&mut e, &[&x, &v]);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        assert!(kernel_text(&e).contains(&first_slot("10.96.0.1 . tcp . 80", "10.0.0.1 . 8080")));
     }
 
     /// For random services whose ClusterIPs, LoadBalancer and external IPs overlap, the kernel gives each

@@ -168,6 +168,24 @@ impl Index {
         self.replace(former.0);
     }
 
+    /// The endpoint slots the frontend of `element` has in the kernel now (its holder's), by set.
+    pub fn frontend_slots(
+        &self,
+        family: Family,
+        set: PieceSet,
+        element: &Element,
+    ) -> Vec<(&'static str, &Element)> {
+        let key = self.claims.key(family, set, element);
+        let Some(holder) = self.claims.holder_of(key) else {
+            return Vec::new();
+        };
+        self.frontend_elements(holder, key)
+            .into_iter()
+            .filter(|(_, set, _)| set.has_slot_keys())
+            .map(|(_, set, e)| (set.name(), e))
+            .collect()
+    }
+
     /// The given ports' pieces as they are now, for another try.
     pub fn current(&self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
         ports
@@ -387,25 +405,25 @@ fn push_elements<'e>(
     }
 }
 
-/// Drops what a delta both removes and adds, element for element (key and value): a frontend handed over
-/// and taken back within one replace, or a port's elements released and claimed again. What is left is the
-/// kernel's net change, with each element at most once on each side.
+/// Keeps of a delta the kernel's net change. An element's presence flips with each step the index took
+/// (a frontend handed over and taken back within one replace, a port's elements released and claimed again
+/// under another precedence), so what counts is how often it was added less how often it was removed:
+/// +1 adds it, -1 deletes it, 0 leaves it as it was.
 fn cancel_out(delta: &mut Delta) {
     for (set, removed) in delta.elements_removed.iter_mut() {
         let Some(added) = delta.elements_added.get_mut(set) else {
             continue;
         };
-        let added_once: HashSet<&Element> = added.iter().collect();
-        let in_both: HashSet<Element> = removed
-            .iter()
-            .filter(|e| added_once.contains(e))
-            .cloned()
-            .collect();
-        if in_both.is_empty() {
-            continue;
+        let mut net: HashMap<Element, i64> = HashMap::new();
+        for e in added.iter() {
+            *net.entry(e.clone()).or_default() += 1;
         }
-        removed.retain(|e| !in_both.contains(e));
-        added.retain(|e| !in_both.contains(e));
+        for e in removed.iter() {
+            *net.entry(e.clone()).or_default() -= 1;
+        }
+        let mut once = HashSet::new();
+        added.retain(|e| net[e] > 0 && once.insert(e.clone()));
+        removed.retain(|e| net[e] < 0 && once.insert(e.clone()));
     }
     delta.elements_removed.retain(|_, v| !v.is_empty());
     delta.elements_added.retain(|_, v| !v.is_empty());
