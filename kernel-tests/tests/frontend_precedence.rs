@@ -359,12 +359,19 @@ fn attacker_by_load_balancer(pods: &[usize]) -> String {
         )
 }
 
-/// KNOWN BUG (found writing this test; ignored until fixed): the holder's kind changes and a claimant of
-/// higher precedence arrives in one partial sync. The attacker holds 10.96.0.1:443 through its LoadBalancer
-/// ingress IP (no victim); then one manifest change turns the attacker's claim into an external IP and
-/// creates the victim. The kernel refuses that partial sync's batch (EEXIST on `service-endpoints` and
-/// `service-ips`), "sync failed" is logged, and the attacker keeps the VIP until the retry's full sync a
-/// second later. Each change alone, or the victim with an endpoint change of the attacker, syncs fine.
+/// KNOWN BUG (found writing this test; ignored until fixed): the holder's precedence changes and a claimant
+/// of higher precedence arrives in one partial sync. The attacker holds 10.96.0.1:443 through its
+/// LoadBalancer ingress IP (no victim); then one manifest change turns the attacker's claim into an external
+/// IP and creates the victim. The kernel refuses that partial sync's batch (EEXIST on `service-endpoints`
+/// and `service-ips`), "sync failed" is logged, and the attacker keeps the VIP until the retry's full sync a
+/// second later. A new creationTimestamp of the attacker instead of the kind change does the same. Each
+/// change alone, or the victim with an endpoint change of the attacker, syncs fine.
+///
+/// Why (src/sync/index.rs): a piece's precedence is part of its identity, so the holder's elements are
+/// released (removed) and acquired again (added) with the same bytes; the victim's takeover then removes
+/// the holder's new elements once more. Net: one removal. `cancel_out` drops an element that is on both
+/// sides whatever the counts, so neither side keeps it: the holder's element stays in the kernel and the
+/// victim's element of the same key is refused.
 #[test]
 #[ignore = "known bug: EEXIST when the holder's kind changes as a better claimant arrives (see the comment)"]
 fn a_holder_changing_kind_as_a_cluster_ip_arrives_is_one_clean_partial_sync() {
