@@ -346,6 +346,100 @@ fn an_external_ip_added_later_does_not_take_a_programmed_cluster_ip() {
     );
 }
 
+/// A dual-stack Service `ns/name` (port 443/TCP → 8080) with one IPv4 and one IPv6 slice of pod `pod`.
+fn dual_stack(
+    ns: &str,
+    name: &str,
+    cluster_ips: [&str; 2],
+    external_ips: &[&str],
+    created: &str,
+    pod: usize,
+) -> String {
+    let [v4, v6] = cluster_ips;
+    let externals = external_ips
+        .iter()
+        .map(|ip| format!("\"{ip}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let slice = |n: u8, family: &str, ip: String| {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata: {{name: {name}-{n}, namespace: {ns}, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+             addressType: {family}\nports: [{{name: https, port: 8080, protocol: TCP}}]\n\
+             endpoints: [{{addresses: [\"{ip}\"], conditions: {{ready: true}}}}]\n"
+        )
+    };
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: {ns}, creationTimestamp: "{created}"}}
+spec:
+  clusterIP: {v4}
+  clusterIPs: [{v4}, "{v6}"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
+  externalIPs: [{externals}]
+  ports: [{{name: https, port: {PORT}, targetPort: 8080, protocol: TCP}}]
+{}{}"#,
+        slice(1, "IPv4", sandbox::pod_ip_v4(pod).to_string()),
+        slice(2, "IPv6", sandbox::pod_ip_v6(pod).to_string()),
+    )
+}
+
+/// Dual stack: the attacker names the victim's ClusterIP of each family. Each family's frontend is a claim
+/// of its own: two wait while both services exist, and both go to the attacker while the victim is gone.
+#[test]
+fn each_family_is_its_own_contested_frontend() {
+    const VIP6: &str = "fd00:96::1";
+    let sb = sandbox("nk-prec6", 2);
+    let m = manifests();
+    let victim = dual_stack(
+        "default",
+        "kubernetes",
+        [VIP, VIP6],
+        &[],
+        VICTIM_CREATED,
+        VICTIM_POD,
+    );
+    m.write("victim.yaml", &victim);
+    m.write(
+        "attacker.yaml",
+        &dual_stack(
+            "aaa",
+            "x",
+            [ATTACKER_CIP, "fd00:96::77"],
+            &[VIP, VIP6],
+            ATTACKER_CREATED,
+            ATTACKER_POD,
+        ),
+    );
+    let agent = Agent::start(sb.node(), &m.dir, &[]);
+    agent.wait_syncs(1, SYNC);
+    expect_pod(&sb, &agent, VIP, VICTIM_POD, "dual stack, IPv4");
+    expect_pod_from(sb.client(), &agent, VIP6, VICTIM_POD, "dual stack, IPv6");
+    expect_waiting_claims(&sb, &agent, 2.0, "dual stack");
+
+    m.remove("victim.yaml");
+    expect_pod(&sb, &agent, VIP, ATTACKER_POD, "victim deleted, IPv4");
+    expect_pod_from(
+        sb.client(),
+        &agent,
+        VIP6,
+        ATTACKER_POD,
+        "victim deleted, IPv6",
+    );
+    expect_waiting_claims(&sb, &agent, 0.0, "victim deleted");
+    m.write("victim.yaml", &victim);
+    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim back, IPv4");
+    expect_pod_from(sb.client(), &agent, VIP6, VICTIM_POD, "victim back, IPv6");
+    expect_waiting_claims(&sb, &agent, 2.0, "victim back");
+    assert!(
+        !agent.log().contains("sync failed"),
+        "a sync failed; log:\n{}",
+        agent.log()
+    );
+}
+
 /// `aaa/x` claiming 10.96.0.1 through its LoadBalancer status instead of `externalIPs`.
 fn attacker_by_load_balancer(pods: &[usize]) -> String {
     attacker(pods)
