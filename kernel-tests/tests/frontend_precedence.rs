@@ -2,15 +2,21 @@
 //! the `kubernetes` Service's ClusterIP 10.96.0.1:443 against another namespace's Service whose `externalIPs`
 //! name that address (CVE-2020-8554 class). A ClusterIP outranks an external IP whatever the names, the ages
 //! and the order of arrival; a waiting claim takes the frontend when its holder goes, and gives it back when
-//! the holder returns (see `src/render/claims.rs`).
+//! the holder returns (see `src/render/claims.rs`). `nftkube_refused_frontend_claims` counts one waiting
+//! claim per family the attacker contests.
 //!
-//! Why this fails on the code before the precedence fix (4271f00): there the first claimant in namespace/name
-//! order held a contested frontend. The attacker lives in namespace `aaa`, which sorts before `default`, so
-//! at the first full sync (both services present at start, and every restart) its external IP element took
-//! 10.96.0.1:443 and every connection to the API server's VIP reached the attacker's pod: the very first
-//! check below (`at the first sync`) sees pod 2 instead of pod 1. The attacker is also given an older
-//! creationTimestamp than the victim, so that only the frontend's kind can decide for the victim: a fix
-//! that ranked by age alone would fail the same check.
+//! Why this fails on the code before the precedence fix (4271f00's parent): there the first claimant in
+//! namespace/name order held a contested frontend. The attacker lives in namespace `aaa`, which sorts before
+//! `default`, so at a full sync (both services present at start, and every restart) its external IP element
+//! took 10.96.0.1:443 and every connection to the API server's VIP reached the attacker's pod: the first
+//! traffic check of the first and third tests (`first sync`, `dual stack, IPv4`) sees pod 2 instead of pod 1.
+//! The attacker is also given an older creationTimestamp than the victim, so that only the frontend's kind
+//! can decide for the victim: a fix that ranked by age alone would fail the same checks. (The second test,
+//! the attacker arriving later in a partial sync, kept the victim on the old code too: there the frontend's
+//! first holder kept it. It fails there on the gauge only, which did not exist.)
+//!
+//! The tests marked `#[ignore]` at the end reproduce bugs of the precedence code found while writing these;
+//! each says what happens and why. Run them with `--include-ignored`.
 
 use kernel_tests::sandbox::{self, parse_answer, tcp_request};
 use kernel_tests::*;
