@@ -15,8 +15,8 @@
 //! the attacker arriving later in a partial sync, kept the victim on the old code too: there the frontend's
 //! first holder kept it. It fails there on the gauge only, which did not exist.)
 //!
-//! The tests marked `#[ignore]` at the end reproduce bugs of the precedence code found while writing these;
-//! each says what happens and why. Run them with `--include-ignored`.
+//! The last three tests reproduce bugs of the first precedence code, found while writing these and fixed
+//! since; each says what happened and why.
 
 use kernel_tests::sandbox::{self, parse_answer, tcp_request};
 use kernel_tests::*;
@@ -459,7 +459,7 @@ fn attacker_by_load_balancer(pods: &[usize]) -> String {
         )
 }
 
-/// KNOWN BUG (found writing this test; ignored until fixed): the holder's precedence changes and a claimant
+/// Regression (the first precedence code failed it): the holder's precedence changes and a claimant
 /// of higher precedence arrives in one partial sync. The attacker holds 10.96.0.1:443 through its
 /// LoadBalancer ingress IP (no victim); then one manifest change turns the attacker's claim into an external
 /// IP and creates the victim. The kernel refuses that partial sync's batch (EEXIST on `service-endpoints`
@@ -467,13 +467,12 @@ fn attacker_by_load_balancer(pods: &[usize]) -> String {
 /// second later. A new creationTimestamp of the attacker instead of the kind change does the same. Each
 /// change alone, or the victim with an endpoint change of the attacker, syncs fine.
 ///
-/// Why (src/sync/index.rs): a piece's precedence is part of its identity, so the holder's elements are
+/// Why it happened (fixed in src/sync/index.rs, `cancel_out` now keeps each element's net count): a piece's precedence is part of its identity, so the holder's elements are
 /// released (removed) and acquired again (added) with the same bytes; the victim's takeover then removes
 /// the holder's new elements once more. Net: one removal. `cancel_out` drops an element that is on both
 /// sides whatever the counts, so neither side keeps it: the holder's element stays in the kernel and the
 /// victim's element of the same key is refused.
 #[test]
-#[ignore = "known bug: EEXIST when the holder's kind changes as a better claimant arrives (see the comment)"]
 fn a_holder_changing_kind_as_a_cluster_ip_arrives_is_one_clean_partial_sync() {
     let sb = sandbox("nk-prec3", 3);
     let m = manifests();
@@ -504,18 +503,18 @@ fn a_holder_changing_kind_as_a_cluster_ip_arrives_is_one_clean_partial_sync() {
     expect_waiting_claims(&sb, &agent, 1.0, "victim created");
 }
 
-/// KNOWN BUG (found writing this test; ignored until fixed): a handover in a partial sync keeps the
+/// Regression (the first precedence code failed it): a handover in a partial sync keeps the
 /// affinity entries of the frontend. The attacker has sessionAffinity ClientIP and holds 10.96.0.1:443 (no
 /// victim); the client's connections record `client . 10.96.0.1 . tcp . 443 : pod2`. The victim is created
 /// and takes the frontend; the waiting attacker's endpoints move from pod 2 to pod 3; the victim is deleted,
 /// and the attacker gets the frontend back with its affinity chain, which finds the old entry: the client
 /// keeps reaching pod 2, an endpoint of no service any more (for the affinity timeout, 3 h, or until a full
-/// sync prunes it). The partial sync prunes affinity entries only for the ports it was given
+/// sync prunes it). The partial sync pruned affinity entries only for the ports it was given (fixed: a frontend
+/// that gains affinity in a delta, or loses it, has its entries checked against its endpoints now)
 /// (`affinity_touched`, `removed_endpoint_pairs` in `sync_partial`), not for the ports a takeover or a
 /// handover changed. (Likewise when the holder had affinity, dropped it and was then deleted: the client
 /// then keeps reaching the deleted holder's endpoint.)
 #[test]
-#[ignore = "known bug: stale affinity entries survive a handover in a partial sync (see the comment)"]
 fn a_handed_over_frontend_forgets_stale_affinity_entries() {
     let sb = sandbox("nk-prec4", 3);
     let m = manifests();
@@ -543,19 +542,17 @@ fn a_handed_over_frontend_forgets_stale_affinity_entries() {
     expect_pod(&sb, &agent, VIP, OTHER_POD, "victim deleted");
 }
 
-/// KNOWN BUG (found writing this test; ignored until fixed), the mirror of the EEXIST one above and worse:
-/// silent. The victim holds 10.96.0.1:443 and `zzz/x` (a namespace that sorts after `default`) waits with
+/// Regression (the first precedence code failed it), the mirror of the EEXIST one above and worse: silent. The victim holds 10.96.0.1:443 and `zzz/x` (a namespace that sorts after `default`) waits with
 /// `externalIPs: [10.96.0.1]`. One manifest change deletes the victim and gives `zzz/x` a new
 /// creationTimestamp (a kind change does the same). The partial sync "completes", the gauge reads 0, and
 /// 10.96.0.1:443 has no element in any set: connections time out. The periodic check does not notice (the
 /// generation is the one the agent left), so it lasts until the next full sync (a restart, a repair).
 ///
-/// Why: the victim is updated first; its release hands the frontend over and adds `zzz/x`'s elements of
+/// Why it happened (same fix): the victim is updated first; its release hands the frontend over and adds `zzz/x`'s elements of
 /// the index (its old pieces); `zzz/x`'s own update then releases those old pieces (removed once) and
 /// acquires its new ones with the same bytes (added a second time). Net: one addition; `cancel_out` drops
 /// the element from both sides.
 #[test]
-#[ignore = "known bug: a handover and the new holder's precedence change in one partial sync leave no element (see the comment)"]
 fn a_frontend_handed_over_to_a_claimant_whose_precedence_changes_is_served() {
     let sb = sandbox("nk-prec5", 2);
     let m = manifests();
