@@ -165,6 +165,8 @@ pub static PENDING_CHANGES: GaugeU64 = GaugeU64::gauge();
 pub static REFUSED_CLAIMS: GaugeU64 = GaugeU64::gauge();
 /// Service ports the kernel refuses, left out of it while every other one is programmed.
 pub static QUARANTINED_PORTS: GaugeU64 = GaugeU64::gauge();
+/// Endpoints left out of a frontend past the cap of one count, each time their service port is rendered.
+pub static ENDPOINTS_OVER_CAP: CounterU64 = CounterU64::counter();
 /// Service ports the kernel refused, each time it did.
 pub static KERNEL_REJECTED_PORTS: CounterU64 = CounterU64::counter();
 
@@ -256,6 +258,11 @@ pub fn registry() -> Registry {
             "nftkube_sync_netlink_bytes",
             "Netlink bytes sent by committed syncs",
             &NETLINK_BYTES_TOTAL,
+        ),
+        (
+            "nftkube_endpoints_over_cap",
+            "Endpoints left out of a frontend past its cap of 32767, each time the service port is rendered",
+            &ENDPOINTS_OVER_CAP,
         ),
         (
             "nftkube_kernel_rejected_service_ports",

@@ -475,6 +475,7 @@ mod tests {
             "nftkube_refused_frontend_claims",
             "nftkube_quarantined_service_ports",
             "nftkube_kernel_rejected_service_ports_total",
+            "nftkube_endpoints_over_cap_total",
             "nftkube_repairs_total",
             "nftkube_sync_object_changes_total",
             "nftkube_api_watch_errors_total{resource=\"Service\"}",

@@ -98,8 +98,8 @@ pub(super) fn service_pieces(
     for f in [IpFamily::V4, IpFamily::V6] {
         let mut all = topology_filter(usable_endpoints(endpoints, f), cfg);
         let mut local = usable_endpoints(&local_endpoints, f);
-        all.truncate(MAX_ENDPOINTS);
-        local.truncate(MAX_ENDPOINTS);
+        cap_endpoints(svc, f, &mut all);
+        cap_endpoints(svc, f, &mut local);
         let mut family = FamilyPieces {
             svc,
             cfg,
@@ -115,6 +115,21 @@ pub(super) fn service_pieces(
     // Kept for the life of the service in the sync index: no spare capacity.
     pieces.shrink_to_fit();
     pieces
+}
+
+/// Keeps the first `MAX_ENDPOINTS` of a frontend's endpoints (the slot space of one count): the rest are
+/// logged and counted, never dropped silently.
+fn cap_endpoints(svc: &ServicePort, f: IpFamily, eps: &mut Vec<Endpoint>) {
+    if eps.len() <= MAX_ENDPOINTS {
+        return;
+    }
+    let over = eps.len() - MAX_ENDPOINTS;
+    tracing::warn!(
+        service = %svc.name, family = ?f, endpoints = eps.len(), left_out = over,
+        "more endpoints than one frontend can hold; the first {MAX_ENDPOINTS} are used"
+    );
+    crate::metrics::ENDPOINTS_OVER_CAP.inc_by(over as u64);
+    eps.truncate(MAX_ENDPOINTS);
 }
 
 /// The pieces of one service port in one family, section by section.
@@ -421,6 +436,28 @@ mod tests {
             zone_hints: vec![],
             node_hints: vec![],
         }
+    }
+
+    #[test]
+    fn endpoints_past_the_cap_are_counted_not_dropped_silently() {
+        let (spn, sp) = svc("big", "10.96.0.1", 80, Protocol::Tcp);
+        let eps: Vec<Endpoint> = (0..MAX_ENDPOINTS as u32 + 3)
+            .map(|i| {
+                ep(
+                    &std::net::Ipv4Addr::from(0x0a00_0000 + i).to_string(),
+                    8080,
+                    true,
+                )
+            })
+            .collect();
+        let before = crate::metrics::ENDPOINTS_OVER_CAP.get();
+        let pieces = service_pieces(&sp, &eps, &RenderConfig::default());
+        assert!(crate::metrics::ENDPOINTS_OVER_CAP.get() >= before + 3);
+        let slots = pieces
+            .iter()
+            .filter(|p| matches!(p, Piece::Element { set, .. } if set.has_slot_keys()))
+            .count();
+        assert_eq!(slots, MAX_ENDPOINTS, "{spn}");
     }
 
     #[test]
