@@ -2,18 +2,22 @@
 //! agent, real packets. A LoadBalancer Service with a 300-character `metadata.name`,
 //! `loadBalancerSourceRanges` and an ingress IP (with its EndpointSlice); a Service in a 300-character
 //! namespace; a Service with a 40-character port name. Each is refused at conversion with the rule it breaks
-//! (`src/source/validate.rs`, logged with the file and a prefix of the name, never the whole of it), and
+//! (`src/source/validate.rs`, logged with the file and the rule, whose message shows a prefix of the name;
+//! the ignored test at the end shows that the line still carries the whole name elsewhere), and
 //! everything else is programmed: at start, and when such an object arrives while the agent runs beside an
 //! ordinary change. /healthz and /livez stay 200, and no chain in the kernel has a name longer than the
 //! kernel's limit (255 bytes).
 //!
-//! Why this fails on the code before the fix (5055fc4): the manifest source took any name, and the long
-//! LoadBalancer's firewall chain `fw-…` was named after it, past the kernel's 255 bytes. The kernel refused
-//! that chain with ERANGE, which failed the whole batch: with the object present at start nothing was ever
-//! programmed (the first `wait_syncs` below never sees a sync complete, and the echo service never answers),
-//! the engine retried full syncs forever and /healthz and /livez turned 503. An object arriving later froze
-//! every later change in the same way (the new ordinary service and the endpoint change of part 2 never reach
-//! traffic).
+//! Why this fails on the code before the fix (checked against 5055fc4 with `NFTKUBE_BIN`): the manifest source
+//! took any name, and the long LoadBalancer's firewall chain was named after it
+//! (`fw-TAYV74C6-demo/lb-aaaa…/tcp/tcp-ip`, past the kernel's 255 bytes). The kernel refused that `add chain`
+//! with ERANGE ("Numerical result out of range (os error 34)"), which failed the whole batch ("sync failed, the
+//! previous rules stay in place: nf_tables transaction rejected, nothing applied"), retried every second or
+//! so. With the object present at start nothing was ever programmed: the first `wait_syncs` below never sees a
+//! sync complete (the echo service never answers). Started without it and given it later (the second part),
+//! the old agent took the object and froze: the new ordinary service written beside it never answered within
+//! `LATENCY` (every later sync failed whole, the endpoint change's too). (The review also saw /healthz and /livez
+//! turn 503 in that state: the health checks here would catch it; the runs against 5055fc4 stopped before.)
 
 use kernel_tests::sandbox::{self, tcp_requests};
 use kernel_tests::*;
