@@ -6,7 +6,8 @@
 //! the ignored test at the end shows that the line still carries the whole name elsewhere), and
 //! everything else is programmed: at start, and when such an object arrives while the agent runs beside an
 //! ordinary change. /healthz and /livez stay 200, and no chain in the kernel has a name longer than the
-//! kernel's limit (255 bytes).
+//! kernel's limit (255 bytes). A LoadBalancer with the longest names the API server takes (63-character
+//! namespace and name, 15-character port name) and source ranges is programmed and served as any other.
 //!
 //! Why this fails on the code before the fix (checked against 5055fc4 with `NFTKUBE_BIN`): the manifest source
 //! took any name, and the long LoadBalancer's firewall chain was named after it
@@ -47,6 +48,9 @@ const ECHO: &str = "10.96.0.10";
 /// control for the hostile one's.
 const LB_OK_CIP: &str = "10.96.0.80";
 const LB_OK_IP: &str = "192.168.250.80";
+/// The same with the longest valid names (see `max_names`).
+const LB_MAX_CIP: &str = "10.96.0.81";
+const LB_MAX_IP: &str = "192.168.250.81";
 /// The hostile objects' addresses: none may be served.
 const LONG_LB_CIP: &str = "10.96.0.90";
 const LONG_LB_IP: &str = "192.168.250.90";
@@ -89,18 +93,46 @@ fn load_balancer(
     node_port: u16,
     pod: usize,
 ) -> String {
+    load_balancer_in("demo", name, "tcp", cluster_ip, ingress, node_port, pod)
+}
+
+/// The same in namespace `ns`, with port name `port`.
+fn load_balancer_in(
+    ns: &str,
+    name: &str,
+    port: &str,
+    cluster_ip: &str,
+    ingress: &str,
+    node_port: u16,
+    pod: usize,
+) -> String {
     let client = sandbox::ext_ip_v4();
     let pod = sandbox::pod_ip_v4(pod);
     format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\n\
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: {ns}}}\n\
          spec:\n  type: LoadBalancer\n  clusterIP: {cluster_ip}\n  clusterIPs: [{cluster_ip}]\n\
          \x20 loadBalancerSourceRanges: [\"{client}/32\"]\n\
-         \x20 ports: [{{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: {node_port}}}]\n\
+         \x20 ports: [{{name: {port}, port: 80, targetPort: 8080, protocol: TCP, nodePort: {node_port}}}]\n\
          status:\n  loadBalancer:\n    ingress: [{{ip: {ingress}}}]\n\
          ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-         metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}\n\
-         addressType: IPv4\nports: [{{name: tcp, port: 8080, protocol: TCP}}]\n\
+         metadata: {{name: {name}-1, namespace: {ns}, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+         addressType: IPv4\nports: [{{name: {port}, port: 8080, protocol: TCP}}]\n\
          endpoints:\n- {{addresses: [\"{pod}\"]}}\n"
+    )
+}
+
+/// The longest names the API server takes (63-character namespace and name, 15-character port name): an
+/// ordinary LoadBalancer with source ranges, programmed as any other (its firewall chain keeps its readable
+/// name: the bound is not a cut of every long name).
+fn max_names() -> String {
+    load_balancer_in(
+        &"m".repeat(63),
+        &"z".repeat(63),
+        "abcdefghijklmno",
+        LB_MAX_CIP,
+        LB_MAX_IP,
+        30181,
+        1,
     )
 }
 
@@ -235,9 +267,12 @@ fn expect_healthy(sb: &sandbox::Sandbox, agent: &mut Agent, when: &str) {
         .filter(|(f, t, c)| *f == Family::Ip && t == "nftkube" && c.starts_with("fw-"))
         .map(|(_, _, c)| c.as_str())
         .collect();
+    let max_id = format!("{}/{}/tcp/abcdefghijklmno", "m".repeat(63), "z".repeat(63));
     assert!(
-        firewalls.len() == 1 && firewalls[0].contains("demo/lb-ok/"),
-        "{when}: expected lb-ok's firewall chain only: {firewalls:?}"
+        firewalls.len() == 2
+            && firewalls.iter().any(|c| c.contains("-demo/lb-ok/"))
+            && firewalls.iter().any(|c| c.contains(&max_id)),
+        "{when}: expected the firewall chains of lb-ok and of the longest valid names only: {firewalls:?}"
     );
 }
 
@@ -281,6 +316,7 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
         "lb-ok.yaml",
         &load_balancer("lb-ok", LB_OK_CIP, LB_OK_IP, 30180, 3),
     );
+    m.write("max-names.yaml", &max_names());
     m.write("hostile.yaml", &hostile());
 
     // 1. At start: the ordinary services are programmed by the first sync.
@@ -303,6 +339,14 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
         "first sync: lb-ok's source ranges not enforced"
     );
     assert!(served_at(sb.client(), addr(LB_OK_CIP, 80)));
+    // The longest valid names: the same.
+    assert!(
+        served_at(sb.ext(), addr(LB_MAX_IP, 80)),
+        "first sync: the longest valid names from outside; log:\n{}",
+        agent.log()
+    );
+    assert!(!served_at(sb.client(), addr(LB_MAX_IP, 80)));
+    assert!(served_at(sb.client(), addr(LB_MAX_CIP, 80)));
     expect_not_served(
         &sb,
         &[LONG_LB_CIP, LONG_NS_CIP, LONG_PORT_CIP],
@@ -382,6 +426,10 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
     assert!(
         served_at(sb.ext(), addr(LB_OK_IP, 80)),
         "after the change: lb-ok"
+    );
+    assert!(
+        served_at(sb.ext(), addr(LB_MAX_IP, 80)),
+        "after the change: the longest valid names"
     );
     expect_not_served(
         &sb,
