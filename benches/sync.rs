@@ -111,6 +111,18 @@ fn main() {
 
         push("nftkube service added, median (ms)", col, ms(cold.added));
 
+        let refused = nftkube_cold_with_one_refused(&model);
+        push(
+            "nftkube cold full sync, one service refused by the kernel (s)",
+            col,
+            secs(refused),
+        );
+        push(
+            "  ratio: with one refused / nftkube cold",
+            col,
+            ratio(refused, cold.full),
+        );
+
         let lat = latency_to_last_service(n);
         push(
             "new-connection latency to the last service, median (µs)",
@@ -359,6 +371,38 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// The library path in a fresh namespace: a cold full sync, then partial syncs of the last service.
+/// A cold full sync in which the kernel refuses one service's objects (a chain named past the kernel's 255
+/// bytes, added to the pieces of the service in the middle): the time to find that service and commit every
+/// other one.
+fn nftkube_cold_with_one_refused(m: &Model) -> Duration {
+    let ns = NetNs::create(&unique_name("nkbench")).unwrap();
+    let (services, endpoints, cfg) = (m.services.clone(), m.endpoints.clone(), m.cfg.clone());
+    ns.run(move || {
+        let mut engine = SyncEngine::new(NftSocket::open().unwrap());
+        let start = Instant::now();
+        let mut pieces = render::all_pieces(&services, &endpoints, &cfg);
+        let middle = pieces.keys().nth(pieces.len() / 2).unwrap().clone();
+        let refused = nftkube::nft::ir::ChainState {
+            chain: nftkube::nft::ir::Chain::regular(&"x".repeat(300)),
+            rules: Vec::new(),
+        };
+        pieces.get_mut(&middle).unwrap().push(render::Piece::Chain {
+            family: nftkube::nft::ir::Family::Ip,
+            chain: std::sync::Arc::new(refused),
+        });
+        let r = engine.sync_full(render::skeleton(&cfg), pieces).unwrap();
+        let took = start.elapsed();
+        let rejected: Vec<_> = r.rejected.iter().map(|(port, _)| port).collect();
+        assert_eq!(
+            rejected,
+            [&middle],
+            "exactly the service with the bad chain is refused"
+        );
+        took
+    })
+    .unwrap()
+}
+
 fn nftkube_cold_and_changes(m: &Model) -> Cold {
     let ns = NetNs::create(&unique_name("nkbench")).unwrap();
     let services = m.services.clone();

@@ -2,8 +2,8 @@
 //! agent, real packets. A LoadBalancer Service with a 300-character `metadata.name`,
 //! `loadBalancerSourceRanges` and an ingress IP (with its EndpointSlice); a Service in a 300-character
 //! namespace; a Service with a 40-character port name. Each is refused at conversion with the rule it breaks
-//! (`src/source/validate.rs`, logged with the file and the rule, whose message shows a prefix of the name;
-//! the ignored test at the end shows that the line still carries the whole name elsewhere), and
+//! (`src/source/validate.rs`, logged with the file and the rule; the line shows prefixes of the name, never
+//! all of it: the last test), and
 //! everything else is programmed: at start, and when such an object arrives while the agent runs beside an
 //! ordinary change. /healthz and /livez stay 200, and no chain in the kernel has a name longer than the
 //! kernel's limit (255 bytes). A LoadBalancer with the longest names the API server takes (63-character
@@ -370,7 +370,7 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
             .any(|l| l.contains(&long_name('a')[..40])),
         "the refused name's prefix is not shown; log:\n{log}"
     );
-    // (That the whole name is not logged is checked by the ignored test below: it is, today.)
+    // (That the whole name is not logged is the last test's business.)
     expect_healthy(&sb, &mut agent, "first sync");
 
     // 2. While it runs: a file with another long-named LoadBalancer and a new ordinary service, then the
@@ -455,17 +455,12 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
     );
 }
 
-/// What the log shows of a refused 300-character name or namespace: the rule's message shows a 40-character
-/// prefix and the length (`validate::shown`), and the object's description was meant to be cut as well.
+/// What the log shows of a refused 300-character name or namespace: prefixes, never the whole name (the
+/// rule's message shows 40 characters and the length, the object's description 63 and '…').
 ///
-/// FAILS TODAY (a product bug, found by this test): the manifest source describes the failed document's
-/// object as `namespace/name` in full (`src/source/manifests.rs`, `DocContext::named_object`'s
-/// `object_name`), so every refusal line carries the whole 300-character name or namespace, e.g.
-/// `…/hostile.yaml document 0 (demo/lb-aaaa…[300 characters]): metadata.name "lb-aaaa…"… (300 bytes) is not
-/// a DNS-1035 label …`. `convert::object_key` cuts its own description to 63 characters, but the source
-/// reports its own. Ignored until that is fixed; run with `--ignored` to see it fail.
+/// A regression test: when it was written, the manifest source described the failed document's object as
+/// `namespace/name` in full (`DocContext::named_object`), so every refusal line carried the whole name.
 #[test]
-#[ignore = "product bug: the manifest source logs a refused object's whole namespace/name (see the doc comment)"]
 fn refusals_do_not_log_a_long_name_whole() {
     let sb = sandbox("nk-namelog", 1);
     let m = Manifests::examples();

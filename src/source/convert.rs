@@ -85,7 +85,7 @@ fn object_key(
         ));
     };
     // A refused name is not repeated whole in the object's description: the reason shows a prefix.
-    let short = |s: &str| s.chars().take(63).collect::<String>();
+    let short = validate::shortened;
     validate::dns1123_label("metadata.namespace", namespace)
         .map_err(|r| refused(format!("{}/{}", short(namespace), short(name)), r))?;
     name_rule("metadata.name", name)

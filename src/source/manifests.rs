@@ -1105,7 +1105,12 @@ impl DocContext<'_> {
         convert: impl FnOnce(&mut SharedValues) -> Result<Option<Object>, String>,
     ) {
         let namespace = namespace.unwrap_or("default");
-        let object_name = format!("{namespace}/{name}");
+        // As its errors show it: a name the API server would refuse may be any length.
+        let object_name = format!(
+            "{}/{}",
+            super::validate::shortened(namespace),
+            super::validate::shortened(name)
+        );
         let key = ObjectKey {
             kind: if kind == "Service" {
                 ObjectKind::Service

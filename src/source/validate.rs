@@ -24,6 +24,15 @@ fn shown(s: &str) -> String {
     }
 }
 
+/// A name as an object's description shows it: whole up to the longest name the API server accepts for a
+/// label (63 characters), cut with '…' beyond, so that a refused name never fills a log line.
+pub(crate) fn shortened(s: &str) -> std::borrow::Cow<'_, str> {
+    match s.char_indices().nth(LABEL_MAX) {
+        Some((at, _)) => format!("{}…", &s[..at]).into(),
+        None => s.into(),
+    }
+}
+
 /// A DNS-1123 label: at most 63 lower-case letters, digits and '-', starting and ending with a letter or
 /// digit (namespaces).
 pub(crate) fn dns1123_label(what: &str, s: &str) -> Result<(), String> {
@@ -127,6 +136,14 @@ mod tests {
         assert!(iana_svc_name("port name", "http-alt").is_ok());
         assert!(iana_svc_name("port name", "h2c").is_ok());
         assert!(label_value("label", "My_Service.v1").is_ok());
+    }
+
+    #[test]
+    fn a_description_shows_a_long_name_cut() {
+        assert_eq!(shortened("web"), "web");
+        let long = shortened(&"x".repeat(300)).into_owned();
+        assert_eq!(long.chars().count(), LABEL_MAX + 1);
+        assert!(long.ends_with('…'));
     }
 
     #[test]

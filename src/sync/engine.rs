@@ -250,10 +250,15 @@ impl<B: Backend> SyncEngine<B> {
         if !suspects.is_empty() {
             self.commit_isolating(suspects, &mut report)?;
         }
+        Ok(self.finish(report, start))
+    }
+
+    /// A sync went through: the generation it left, and the report's last figures.
+    fn finish(&mut self, mut report: SyncReport, start: Instant) -> SyncReport {
         self.note_generation();
         report.refused_claims = self.index.as_ref().map_or(0, Index::refused_claims);
         report.elapsed = start.elapsed();
-        Ok(report)
+        report
     }
 
     /// One full commit of `index` over what the kernel held (`current`); on success the deferred chain
@@ -306,10 +311,7 @@ impl<B: Backend> SyncEngine<B> {
         let start = Instant::now();
         let mut report = SyncReport::default();
         self.commit_isolating(updates, &mut report)?;
-        self.note_generation();
-        report.refused_claims = self.index.as_ref().map_or(0, Index::refused_claims);
-        report.elapsed = start.elapsed();
-        Ok(report)
+        Ok(self.finish(report, start))
     }
 
     /// Commits `updates`; when the kernel refuses them for what they hold, each half on its own, down to

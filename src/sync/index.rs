@@ -271,8 +271,7 @@ impl Index {
                                 service = %holder, former = %former, set = set.name(),
                                 "a service port of higher precedence takes this address and port over"
                             );
-                            let key = self.claims.key(*family, *set, element);
-                            let theirs = self.frontend_elements(&former, key);
+                            let theirs = self.elements_of_frontend(&former, *family, *set, element);
                             push_elements(&mut delta.elements_removed, theirs);
                         }
                     }
@@ -318,6 +317,17 @@ impl Index {
             } if !shared_set(*set) => Some(self.claims.key(*family, *set, element)),
             _ => None,
         }
+    }
+
+    /// The elements `holder` has on the frontend of `element` (see `frontend_elements`).
+    fn elements_of_frontend(
+        &self,
+        holder: &ServicePortName,
+        family: Family,
+        set: PieceSet,
+        element: &Element,
+    ) -> Vec<(Family, PieceSet, &Element)> {
+        self.frontend_elements(holder, self.claims.key(family, set, element))
     }
 
     /// The elements `holder` has on the frontend of claim `key` (what it has in the kernel while it holds it).
@@ -372,8 +382,7 @@ impl Index {
                                 service = %next, former = %holder, set = set.name(),
                                 "a waiting service port takes over the address and port let go"
                             );
-                            let key = self.claims.key(*family, *set, element);
-                            let theirs = self.frontend_elements(&next, key);
+                            let theirs = self.elements_of_frontend(&next, *family, *set, element);
                             push_elements(&mut delta.elements_added, theirs);
                         }
                     }
