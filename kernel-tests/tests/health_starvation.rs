@@ -147,6 +147,26 @@ fn with_low_soft_open_files_limit(cmd: &mut std::process::Command) {
     }
 }
 
+/// Raises this test process's soft open-files limit to its hard one: the pod's held connections and the
+/// churn's hold over a thousand descriptors together, past a default soft limit of 1024 (the VM matrix's).
+fn raise_own_open_files_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the local struct they are given.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = lim.rlim_max;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+    assert!(
+        lim.rlim_cur as usize >= 4 * HELD + 64,
+        "the hard open-files limit ({}) is too low for this test",
+        lim.rlim_cur
+    );
+}
+
 /// The soft and hard open-files limits of process `pid`, from `/proc/PID/limits`.
 fn open_files_limits(pid: u32) -> (String, String) {
     let limits =
@@ -173,6 +193,7 @@ fn metric(sb: &Sandbox, sample: &str) -> Option<f64> {
 
 #[test]
 fn a_pod_holding_hundreds_of_idle_connections_cannot_starve_health_probes() {
+    raise_own_open_files_limit();
     let sb = sandbox("nk-hcstarve", 2);
     let m = Manifests::examples();
     m.write("lb.yaml", &local_lb());
