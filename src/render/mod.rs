@@ -75,7 +75,7 @@ pub enum Piece {
         /// The element.
         element: Element,
         /// How strongly the element's service port claims its frontend (see `claims`; meaningless in
-        /// shared sets). Four bytes in what was padding: a piece is no larger for it.
+        /// shared sets). Five bytes in what was padding: a piece is no larger for it.
         precedence: claims::Precedence,
     },
     /// A chain (with its rules) some service needs.
