@@ -581,3 +581,19 @@ pub fn pod_backed_service(i: u32) -> SocketAddr {
     let ip = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + i);
     SocketAddr::new(ip.into(), 80)
 }
+
+/// A LoadBalancer service `demo/lb` with `externalTrafficPolicy: Local`, the given healthCheckNodePort and
+/// NodePort, and one ready endpoint on this node (pod 1): what a cloud load balancer's health checks probe.
+pub fn local_load_balancer(health_check_node_port: u16, node_port: u16) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: lb\n  namespace: demo\nspec:\n  type: LoadBalancer\n  \
+         clusterIP: 10.96.0.50\n  clusterIPs: [10.96.0.50]\n  ipFamilies: [IPv4]\n  ipFamilyPolicy: SingleStack\n  \
+         externalTrafficPolicy: Local\n  healthCheckNodePort: {health_check_node_port}\n  ports:\n  - name: tcp\n    port: 80\n    \
+         targetPort: 8080\n    protocol: TCP\n    nodePort: {node_port}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: lb-1\n  namespace: demo\n  \
+         labels:\n    kubernetes.io/service-name: lb\naddressType: IPv4\nports:\n- name: tcp\n  port: 8080\n  \
+         protocol: TCP\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  \
+         nodeName: node-1\n",
+        sandbox::pod_ip_v4(1)
+    )
+}

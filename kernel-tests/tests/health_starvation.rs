@@ -23,22 +23,6 @@ const HEALTHZ_PORT: u16 = 10256;
 /// Idle connections the pod holds to each port.
 const HELD: usize = 300;
 
-/// A LoadBalancer service with `externalTrafficPolicy: Local`, a healthCheckNodePort and a ready endpoint on
-/// this node.
-fn local_lb() -> String {
-    format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: lb\n  namespace: demo\nspec:\n  type: LoadBalancer\n  \
-         clusterIP: 10.96.0.50\n  clusterIPs: [10.96.0.50]\n  ipFamilies: [IPv4]\n  ipFamilyPolicy: SingleStack\n  \
-         externalTrafficPolicy: Local\n  healthCheckNodePort: {HC_PORT}\n  ports:\n  - name: tcp\n    port: 80\n    \
-         targetPort: 8080\n    protocol: TCP\n    nodePort: 30161\n---\n\
-         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: lb-1\n  namespace: demo\n  \
-         labels:\n    kubernetes.io/service-name: lb\naddressType: IPv4\nports:\n- name: tcp\n  port: 8080\n  \
-         protocol: TCP\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  \
-         nodeName: node-1\n",
-        sandbox::pod_ip_v4(1)
-    )
-}
-
 /// GET `path` on `to` from inside `ns`, with a probe's timeout: the status and how long it took.
 fn probe(ns: &NetNs, to: SocketAddr, path: &str) -> (Option<u16>, Duration) {
     let path = path.to_string();
@@ -196,7 +180,7 @@ fn a_pod_holding_hundreds_of_idle_connections_cannot_starve_health_probes() {
     raise_own_open_files_limit();
     let sb = sandbox("nk-hcstarve", 2);
     let m = Manifests::examples();
-    m.write("lb.yaml", &local_lb());
+    m.write("lb.yaml", &local_load_balancer(HC_PORT, 30161));
     let healthz_on_all = format!("0.0.0.0:{HEALTHZ_PORT}");
     let mut cmd = command_in(sb.node(), nftkube_bin());
     cmd.args(proxy_args(

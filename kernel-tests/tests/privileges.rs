@@ -162,22 +162,6 @@ fn only_cap_net_admin_is_kept_in_every_thread_while_the_agent_syncs_repairs_and_
     assert_only_net_admin(&agent);
 }
 
-/// A LoadBalancer service with `externalTrafficPolicy: Local`, a healthCheckNodePort and a ready endpoint on
-/// this node.
-fn local_lb(hc_port: u16) -> String {
-    format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: lb\n  namespace: demo\nspec:\n  type: LoadBalancer\n  \
-         clusterIP: 10.96.0.50\n  clusterIPs: [10.96.0.50]\n  ipFamilies: [IPv4]\n  ipFamilyPolicy: SingleStack\n  \
-         externalTrafficPolicy: Local\n  healthCheckNodePort: {hc_port}\n  ports:\n  - name: tcp\n    port: 80\n    \
-         targetPort: 8080\n    protocol: TCP\n    nodePort: 30160\n---\n\
-         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: lb-1\n  namespace: demo\n  \
-         labels:\n    kubernetes.io/service-name: lb\naddressType: IPv4\nports:\n- name: tcp\n  port: 8080\n  \
-         protocol: TCP\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  \
-         nodeName: node-1\n",
-        sandbox::pod_ip_v4(1)
-    )
-}
-
 /// The status of `GET /` on `to` from inside the node namespace; None when refused (or unanswered).
 fn hc_status(sb: &Sandbox, to: SocketAddr) -> Option<u16> {
     sb.node()
@@ -192,7 +176,7 @@ fn health_check_node_ports_listen_on_the_nodeport_addresses_and_follow_them() {
     let sb = sandbox("nk-hcaddr", 2);
     let m = Manifests::examples();
     let port = 32011;
-    m.write("lb.yaml", &local_lb(port));
+    m.write("lb.yaml", &local_load_balancer(port, 30160));
     // Periodic checks every second, each a full sync that reads the kernel back (`--full-read-period 0`):
     // they pick up the node's address changes, and "sync complete" lines mark that one has run.
     let agent = Agent::start(

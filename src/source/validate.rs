@@ -15,20 +15,24 @@ fn alphanumeric(b: u8) -> bool {
     b.is_ascii_lowercase() || b.is_ascii_digit()
 }
 
-/// Shortens what is shown of a refused name: the reason, not the whole input, is the message.
+/// What a rule's message shows of a refused name: quoted, and past 40 characters cut, with its length.
 fn shown(s: &str) -> String {
-    const SHOWN: usize = 40;
-    match s.char_indices().nth(SHOWN) {
-        Some((at, _)) => format!("{:?}… ({} bytes)", &s[..at], s.len()),
+    match cut(s, 40) {
+        Some(prefix) => format!("{prefix:?}… ({} bytes)", s.len()),
         None => format!("{s:?}"),
     }
+}
+
+/// The first `chars` characters of `s`, when it has more.
+fn cut(s: &str, chars: usize) -> Option<&str> {
+    s.char_indices().nth(chars).map(|(at, _)| &s[..at])
 }
 
 /// A name as an object's description shows it: whole up to the longest name the API server accepts for a
 /// label (63 characters), cut with '…' beyond, so that a refused name never fills a log line.
 pub(crate) fn shortened(s: &str) -> std::borrow::Cow<'_, str> {
-    match s.char_indices().nth(LABEL_MAX) {
-        Some((at, _)) => format!("{}…", &s[..at]).into(),
+    match cut(s, LABEL_MAX) {
+        Some(prefix) => format!("{prefix}…").into(),
         None => s.into(),
     }
 }

@@ -11,21 +11,20 @@
 
 use crate::nft::ir::{Element, ElementValue, Family};
 use crate::render::names::{
-    PieceSet, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES, MAP_NODEPORT_ENDPOINTS,
-    MAP_SERVICE_ENDPOINTS,
+    MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS,
 };
 use crate::render::Piece;
 use std::collections::HashSet;
 
+/// The maps that send a frontend's (or a NodePort's) new connections to have their endpoint recorded: a
+/// frontend with an element there has ClientIP affinity.
+pub const AFFINITY_MAPS: [&str; 2] = [MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS];
+
 /// Whether a service port's pieces give it ClientIP affinity (its frontends are in the affinity maps).
 pub fn has_affinity(pieces: &[Piece]) -> bool {
-    let affinity = [
-        PieceSet::named(MAP_AFFINITY_SERVICES),
-        PieceSet::named(MAP_AFFINITY_NODEPORTS),
-    ];
     pieces
         .iter()
-        .any(|p| matches!(p, Piece::Element { set, .. } if affinity.contains(set)))
+        .any(|p| matches!(p, Piece::Element { set, .. } if AFFINITY_MAPS.contains(&set.name())))
 }
 
 /// (frontend key without slot, endpoint) pairs of one family's endpoint maps.

@@ -12,8 +12,7 @@ use crate::nft::netlink::{CommitError, DumpError};
 use crate::nft::tx::{Op, Transaction};
 use crate::nft::Backend;
 use crate::render::names::{
-    DISPATCH_MAPS, MAP_AFFINITY, MAP_AFFINITY_NODEPORTS, MAP_AFFINITY_SERVICES,
-    MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
+    DISPATCH_MAPS, MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
 };
 use crate::render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
@@ -648,14 +647,14 @@ fn removes_affinity(delta: &Delta) -> bool {
     delta
         .elements_removed
         .keys()
-        .any(|(_, set)| [MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS].contains(set))
+        .any(|(_, set)| affinity::AFFINITY_MAPS.contains(set))
 }
 
 /// Per family, the frontends a delta puts into an affinity map, with their endpoints now.
 fn gained_affinity(index: &Index, delta: &Delta) -> BTreeMap<Family, affinity::GainedAffinity> {
     let mut out: BTreeMap<Family, affinity::GainedAffinity> = BTreeMap::new();
     for ((family, set), elements) in &delta.elements_added {
-        if ![MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS].contains(set) {
+        if !affinity::AFFINITY_MAPS.contains(set) {
             continue;
         }
         let gained = out.entry(*family).or_default();

@@ -199,15 +199,16 @@ mod tests {
 
     #[test]
     fn an_ended_process_does_not_run() {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        let start = process_start(&Path::new(PROC).join(pid.to_string()));
-        child.wait().unwrap();
-        // Reaped: /proc has no such process (unless the id was reused at once, by then with another start).
-        let owner = Owner {
-            pid,
-            start: start.unwrap_or(1),
-        };
-        assert!(!is_running(owner, Path::new(PROC)).unwrap());
+        // A process id nobody holds (from the top of the range, where ids are handed out last), with this
+        // process's start time: what a trace that ended leaves in its table's name.
+        let pid_max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+            .map_or(32_768, |s| s.trim().parse().unwrap_or(32_768));
+        let free = (2..pid_max)
+            .rev()
+            .find(|pid| !Path::new(PROC).join(pid.to_string()).exists())
+            .expect("a free process id");
+        let me = parse_table_name(&new_table_name()).unwrap();
+        let ended = Owner { pid: free, ..me };
+        assert!(!is_running(ended, Path::new(PROC)).unwrap());
     }
 }
