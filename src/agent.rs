@@ -146,7 +146,7 @@ fn open_source(opts: &ProxyOptions, bell: &Doorbell) -> anyhow::Result<ProxySour
 pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     // Before any listener or socket: every mode (nftables, userspace, with or without the relay) serves
     // connections. Not fatal: the agent works within the soft limit, only with fewer connections.
-    match raise_open_files_limit() {
+    match crate::process::raise_open_files_limit() {
         Ok(limit) => tracing::info!(limit, "open-files limit"),
         Err(e) => tracing::warn!("{e}"),
     }
@@ -282,7 +282,7 @@ pub fn sync_once<B: crate::nft::Backend>(
     if engine.needs_full_sync() {
         let pieces = render_all(state, withheld, cfg);
         let report = engine.sync_full(render::skeleton(cfg), pieces);
-        release_free_memory();
+        crate::process::release_free_memory();
         return report;
     }
     let mut updates = Vec::new();
@@ -352,47 +352,6 @@ fn render_all(
 /// Below this many services per thread, rendering them on another thread costs more than it saves.
 const SERVICES_PER_THREAD: usize = 2000;
 
-/// A full sync builds and drops large transient structures; hand the freed pages back to the system so the
-/// agent's resident size reflects what it keeps, not its peak.
-pub(crate) fn release_free_memory() {
-    // SAFETY: malloc_trim only walks glibc's own heap structures; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-/// Raising the soft open-files limit failed.
-#[derive(Debug, thiserror::Error)]
-#[error("raising the soft open-files limit (RLIMIT_NOFILE) to the hard one: {0}")]
-pub(crate) struct OpenFilesLimitError(#[source] std::io::Error);
-
-/// Raises the soft open-files limit to the hard one; returns the soft limit now in force. The relay holds
-/// two descriptors per relayed connection, and the admin servers one per connection (up to their limits,
-/// on each of possibly thousands of healthCheckNodePorts): the usual soft default of 1024 would run out
-/// long before the hard limit the administrator granted. Go raises it so for kube-proxy at start too.
-pub(crate) fn raise_open_files_limit() -> Result<u64, OpenFilesLimitError> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit only writes the struct it is given, a valid local.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Err(OpenFilesLimitError(std::io::Error::last_os_error()));
-    }
-    if lim.rlim_cur >= lim.rlim_max {
-        return Ok(lim.rlim_cur);
-    }
-    let raised = libc::rlimit {
-        rlim_cur: lim.rlim_max,
-        rlim_max: lim.rlim_max,
-    };
-    // SAFETY: setrlimit only reads the struct it is given, a valid local.
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
-        return Err(OpenFilesLimitError(std::io::Error::last_os_error()));
-    }
-    Ok(raised.rlim_cur)
-}
-
 /// Removes every table nftkube owns (`nftkube cleanup`), and nothing else.
 pub fn cleanup() -> anyhow::Result<usize> {
     let mut socket = NftSocket::open()?;
@@ -432,7 +391,7 @@ fn trace_tables(socket: &mut NftSocket) -> anyhow::Result<Vec<(Family, String)>>
         let names = socket.list_tables(family)?;
         let traces = names
             .into_iter()
-            .filter(|n| n.starts_with(crate::trace::live::TABLE_PREFIX));
+            .filter(|n| n.starts_with(crate::render::names::TRACE_TABLE_PREFIX));
         tables.extend(traces.map(|n| (family, n)));
     }
     Ok(tables)

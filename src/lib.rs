@@ -12,7 +12,7 @@ pub mod netns;
 pub mod nft;
 pub mod node;
 pub mod portmap;
-pub mod privs;
+pub mod process;
 pub mod relay;
 pub mod render;
 pub mod source;

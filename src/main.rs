@@ -1,3 +1,6 @@
+//! The `nftkube` binary: the agent (`proxy`), the CNI portmap plugin, the tracer and the tools around them,
+//! one command line over the library.
+
 // `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
 // The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
 // library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
@@ -11,6 +14,14 @@ use nftkube::cli::{Cli, Command};
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
+
+/// Writes a line to stderr. A stderr that cannot be written is ignored: `eprintln!` would panic.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 /// The library's flag: every netlink wait in progress watches it.
 use nftkube::netlink::SHUTDOWN;
@@ -88,27 +99,27 @@ fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
 ) -> anyhow::Result<()> {
-    one_heap_per_cpu();
+    nftkube::process::one_heap_per_cpu();
     let ports = opts
         .admin
         .iter()
         .flat_map(|a| [a.healthz, a.metrics])
         .flatten()
         .map(|a| a.port());
-    let keep = nftkube::privs::needed(ports);
+    let keep = nftkube::process::privs::needed(ports);
     // The conntrack probe creates a scratch network namespace (CAP_SYS_ADMIN): its thread does that, then
     // drops to `keep` itself before this returns, so every thread is reduced after the drop below; the rest
     // of the probe waits for the source's first snapshot and overlaps the first sync.
     let drop_probe_thread = move || {
-        nftkube::privs::drop_to(keep)
+        nftkube::process::privs::drop_to(keep)
             .map(drop)
             .map_err(|e| format!("dropping capabilities: {e}"))
     };
     opts.conntrack_probe = Some(nftkube::conntrack::PendingFeatures::start(
         drop_probe_thread,
     ));
-    let dropped =
-        nftkube::privs::drop_to(keep).map_err(|e| anyhow::anyhow!("dropping capabilities: {e}"))?;
+    let dropped = nftkube::process::privs::drop_to(keep)
+        .map_err(|e| anyhow::anyhow!("dropping capabilities: {e}"))?;
     tracing::info!(
         kept = format!("{:#x}", dropped.kept),
         bounding = format!("{:#x}", dropped.bounding),
@@ -119,32 +130,14 @@ fn start_proxy(
     nftkube::agent::run_proxy(&opts, inbox)
 }
 
-/// One malloc arena per CPU: not glibc's default of eight per CPU, and not one for every thread.
-/// - With an arena per thread, the memory the manifest source's threads freed could not be reused by the
-///   loop's render and index, which then took fresh pages: peak RSS 51 MiB instead of 42 at 10k services,
-///   184 instead of 152 at 50k.
-/// - With one arena (sessions 4 to 6), the threads that parse manifests and render a full sync on every CPU
-///   queued on its lock: at 1M endpoints from JSON a third of the render threads' time went to sleeping and
-///   waking on it, and the cold sync took 6.4 s instead of 4.6 s; at 10k services 350 ms instead of 300.
-///   The peak RSS was the same with an arena per CPU (two CPUs: 35 / 37 MiB at 10k, 291 / 292 MiB at 1M).
-///   From the API: 0.32 / 1.44 / 3.20 s with one arena at 10k / 50k / 100k services, 0.28 / 1.32 / 2.86 s
-///   with one per CPU, peak RSS 36 / 113 / 211 against 37 / 116 / 216 MiB.
-fn one_heap_per_cpu() {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: mallopt only sets a glibc allocator parameter; called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, i32::try_from(cpus).unwrap_or(i32::MAX));
-    }
-}
-
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
 fn usage_error(e: &str) -> ExitCode {
-    eprintln!("nftkube: {e}");
+    say!("nftkube: {e}");
     ExitCode::from(64)
 }
 
 /// `nftkube trace`: the trace on stdout; bad arguments exit 64, a failed trace 1.
-fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
+fn run_trace(args: &nftkube::cli::trace::TraceArgs) -> ExitCode {
     let result = if args.live {
         // Ctrl-C or SIGTERM ends the wait; the trace table is removed and what was seen is printed.
         // A second one exits at once, while the removal may still wait on netlink.
@@ -155,12 +148,12 @@ fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
             " (the trace table may be left behind: `nftkube cleanup --traces` removes it)",
         );
         if let Err(e) = started {
-            eprintln!("nftkube trace: starting the signal thread: {e}");
+            say!("nftkube trace: starting the signal thread: {e}");
             return ExitCode::FAILURE;
         }
-        nftkube::trace::live::run(args)
+        nftkube::cli::trace::run_live(args)
     } else {
-        nftkube::trace::run_offline(args)
+        nftkube::cli::trace::run_offline(args)
     };
     match result {
         Ok(out) => {
@@ -169,7 +162,7 @@ fn run_trace(args: &nftkube::trace::TraceArgs) -> ExitCode {
         }
         Err(nftkube::trace::TraceError::Usage(e)) => usage_error(&e),
         Err(e) => {
-            eprintln!("nftkube trace: {e}");
+            say!("nftkube trace: {e}");
             ExitCode::FAILURE
         }
     }
@@ -235,7 +228,7 @@ fn main() -> ExitCode {
             let Some(manifests) = args.render.manifests.clone() else {
                 return usage_error("plan needs --manifests DIR");
             };
-            let tables = nftkube::agent::plan(manifests, &cfg, |e| eprintln!("error: {e}"));
+            let tables = nftkube::agent::plan(manifests, &cfg, |e| say!("error: {e}"));
             for t in tables {
                 print!("{}", nftkube::nft::text::render_table(&t));
             }
@@ -248,19 +241,19 @@ fn main() -> ExitCode {
             } else {
                 nftkube::agent::cleanup()
             };
-            removed.map(|n| eprintln!("removed {n} table(s)"))
+            removed.map(|n| say!("removed {n} table(s)"))
         }
         Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
-            println!("nftkube {}", env!("CARGO_PKG_VERSION"));
+            let _ = writeln!(std::io::stdout(), "nftkube {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("nftkube: {e:#}");
+            say!("nftkube: {e:#}");
             ExitCode::FAILURE
         }
     }

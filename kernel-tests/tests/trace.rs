@@ -314,7 +314,7 @@ fn start_live(
 
 /// The trace table of process `pid` in `ns` (family ip): `nftkube-trace-PID-START-RANDOM`.
 fn trace_table_of(ns: &nftkube::netns::NetNs, pid: u32) -> Option<String> {
-    let prefix = format!("{}{pid}-", nftkube::trace::live::TABLE_PREFIX);
+    let prefix = format!("{}{pid}-", nftkube::render::names::TRACE_TABLE_PREFIX);
     ns.run(move || {
         nftkube::nft::netlink::NftSocket::open()
             .expect("nf_tables socket")
@@ -465,11 +465,8 @@ fn live_trace_reports_the_path_of_a_real_packet_and_removes_its_table() {
 /// Sends `sig` to the child `pid`.
 fn signal(pid: u32, sig: i32) {
     // SAFETY: kill has no memory-safety preconditions; the pid is the test's own child's, not yet reaped.
-    assert_eq!(
-        unsafe { libc::kill(pid as i32, sig) },
-        0,
-        "kill({pid}, {sig})"
-    );
+    let rc = unsafe { libc::kill(pid as i32, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
 }
 
 /// Whether process `pid` is stopped (state T in /proc/PID/stat).

@@ -204,7 +204,7 @@ impl ProxyLoop<'_> {
             apply_event(&mut self.state, ev);
         }
         if trim {
-            crate::agent::release_free_memory();
+            crate::process::release_free_memory();
         }
         self.request_sync();
     }

@@ -18,6 +18,7 @@
 
 pub mod cleaner;
 pub mod filter;
+pub mod options;
 pub mod plan;
 pub mod socket;
 pub mod unnated;
@@ -25,8 +26,9 @@ pub mod walker;
 pub mod wire;
 pub mod worker;
 
-pub use cleaner::{Cleaner, CleanerOptions, CleanupError, CleanupReport, Planner, Round};
+pub use cleaner::{Cleaner, Planner, Round};
 pub use filter::{Frontend, NodePort, Reason, StaleFilter};
+pub use options::{CleanerOptions, CleanupError, CleanupReport};
 pub use plan::{build_filter, FrontendIndex, FrontendKinds, Pending, Targets};
 pub use socket::{probe, start_probe, CtSocket, DeleteOutcome, Features};
 pub use unnated::Frontends;

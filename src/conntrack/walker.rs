@@ -2,8 +2,8 @@
 //! the dumps and deletes themselves. It knows nothing of the model: it is handed a [`StaleFilter`] (or the
 //! [`Frontends`] after a repair) and walks the conntrack table of the namespace it runs in.
 
-use super::cleaner::{CleanerOptions, CleanupError, CleanupReport};
 use super::filter::StaleFilter;
+use super::options::{CleanerOptions, CleanupError, CleanupReport};
 use super::socket::{probe, start_probe, CtSocket, Features, ProbeError, Probed};
 use super::unnated::Frontends;
 use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};

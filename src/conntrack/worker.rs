@@ -14,10 +14,9 @@
 //! the walk deletes only what both verdicts find stale (asked right before the deletes: a flow confirmed between that question and its
 //! delete, a window of microseconds, can still go; it is re-balanced by the rules on its next packet).
 
-use super::cleaner::{
-    log_black_holes, log_cleanup, Cleaner, CleanupError, CleanupReport, Planner, Queued,
-};
+use super::cleaner::{log_black_holes, log_cleanup, Cleaner, Planner, Queued};
 use super::filter::StaleFilter;
+use super::options::{CleanupError, CleanupReport};
 use super::plan::Targets;
 use super::unnated::Frontends;
 use super::walker::Walker;

@@ -10,7 +10,6 @@ use super::wire::consts::*;
 use crate::netlink::attr::{split, Attrs};
 use crate::netlink::socket::POLL_SLICE;
 use crate::netlink::{Membership, NlSocket};
-use crate::sync::quiet::EventSubscriber;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,6 +49,21 @@ fn is_new_generation(msg_type: u16) -> bool {
     msg_type >> 8 == NFNL_SUBSYS_NFTABLES && msg_type & 0xff == NFT_MSG_NEWGEN
 }
 
+/// A listener of nf_tables events in this process that the engine can pause (the drift monitor): the
+/// sync engine leaves the events group for the length of a large commit, see `sync::quiet`.
+pub trait EventSubscriber: Send {
+    /// Stops receiving events.
+    fn pause(&self) -> io::Result<()>;
+    /// Receives events again.
+    fn resume(&self) -> io::Result<()>;
+    /// Someone else may have committed while it was paused: do what a foreign change seen would.
+    fn missed_foreign_commit(&self);
+}
+
+/// Called after the drift flag is raised: the owner's doorbell (the agent passes the one that wakes its
+/// proxy loop). A plain closure, so that the monitor knows nothing of who listens.
+pub type OnDrift = Arc<dyn Fn() + Send + Sync>;
+
 /// What the monitor thread does with each read of its socket, apart from the socket itself.
 pub struct Watcher {
     /// The port id of the socket the sync engine commits through (it changes when that socket is replaced).
@@ -61,7 +75,7 @@ pub struct Watcher {
     /// A foreign change to our table was seen in a transaction whose NEWGEN has not come yet.
     pending: AtomicBool,
     /// Called after the drift flag is raised (wakes the proxy loop).
-    notify: Option<crate::source::Notify>,
+    notify: Option<OnDrift>,
 }
 
 impl Watcher {
@@ -77,7 +91,7 @@ impl Watcher {
     }
 
     /// Calls `notify` whenever drift is raised.
-    pub fn with_notify(mut self, notify: crate::source::Notify) -> Watcher {
+    pub fn with_notify(mut self, notify: OnDrift) -> Watcher {
         self.notify = Some(notify);
         self
     }
@@ -150,7 +164,7 @@ impl Watcher {
     }
 }
 
-fn raise(drift: &Drift, notify: Option<&crate::source::Notify>) {
+fn raise(drift: &Drift, notify: Option<&OnDrift>) {
     drift.detected.store(true, Ordering::SeqCst);
     if let Some(n) = notify {
         n();
@@ -162,7 +176,7 @@ fn raise(drift: &Drift, notify: Option<&crate::source::Notify>) {
 pub struct Pausable {
     membership: Membership,
     drift: Arc<Drift>,
-    notify: Option<crate::source::Notify>,
+    notify: Option<OnDrift>,
 }
 
 impl EventSubscriber for Pausable {

@@ -136,7 +136,7 @@ impl Relay {
     /// hard one (each relayed connection holds two descriptors), as the agent does at start: a relay may be
     /// started without the agent (tests, benches).
     pub fn start(opts: &RelayOptions) -> Result<Relay, RelayError> {
-        if let Err(e) = crate::agent::raise_open_files_limit() {
+        if let Err(e) = crate::process::raise_open_files_limit() {
             tracing::debug!("{e}");
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()

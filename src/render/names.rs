@@ -5,6 +5,10 @@ use crate::model::ServicePortName;
 /// The table every nftkube object lives in (one per address family).
 pub const TABLE: &str = "nftkube";
 
+/// What the name of every table of `nftkube trace --live` starts with (`nftkube cleanup` removes them all;
+/// with `--traces`, those of ended runs).
+pub const TRACE_TABLE_PREFIX: &str = "nftkube-trace-";
+
 /// Base chain: nat prerouting (dstnat), jumps to `services`.
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
 /// Base chain: nat output (dstnat), jumps to `services`.

@@ -129,7 +129,7 @@ async fn run(
         let changes = source.poll().0;
         // A read leaves the texts and parsed documents freed in this thread's heap and the parsers': glibc
         // keeps such pages, and the proxy loop's thread cannot reuse another thread's heap.
-        crate::agent::release_free_memory();
+        crate::process::release_free_memory();
         if outbox.send(changes).is_err() {
             return;
         }

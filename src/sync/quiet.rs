@@ -7,21 +7,9 @@
 //! anyone's, advances it by one, so if it moved by more than our own transactions, someone else committed
 //! while the monitor was deaf, and the engine reports that as the monitor would have.
 
-use std::io;
-
 /// Element operations from which a plan is committed with the subscriber paused. Below, the notifications
 /// cost less than the pause (two socket options and a generation read, some 30 µs).
 pub const QUIET_COMMIT_ELEMENTS: usize = 1000;
-
-/// A listener of nf_tables events in this process that the engine can pause (the drift monitor).
-pub trait EventSubscriber: Send {
-    /// Stops receiving events.
-    fn pause(&self) -> io::Result<()>;
-    /// Receives events again.
-    fn resume(&self) -> io::Result<()>;
-    /// Someone else may have committed while it was paused: do what a foreign change seen would.
-    fn missed_foreign_commit(&self);
-}
 
 /// The generation id after `commits` successful commits from `generation` (the kernel skips 0 when it
 /// wraps around).

@@ -5,7 +5,7 @@
 //! rules of other endpoint counts) stays on one path.
 
 use super::eval::{Eval, Interrupt};
-use super::expr::{find_element, find_set};
+use super::lookup::{cmp_holds, find_element, find_set};
 use super::report::Step;
 use super::TraceError;
 use crate::nft::ir::*;
@@ -153,18 +153,5 @@ fn choice_note(modulus: u32, offset: u32, group: &[u32]) -> String {
             "{gen} in {} values from {} (probability {n}/{modulus})",
             n, group[0]
         )
-    }
-}
-
-/// What `cmp` decides on these bytes.
-pub(super) fn cmp_holds(have: &[u8], op: CmpOp, data: &[u8]) -> bool {
-    let ord = have.cmp(data);
-    match op {
-        CmpOp::Eq => ord.is_eq(),
-        CmpOp::Neq => ord.is_ne(),
-        CmpOp::Lt => ord.is_lt(),
-        CmpOp::Lte => ord.is_le(),
-        CmpOp::Gt => ord.is_gt(),
-        CmpOp::Gte => ord.is_ge(),
     }
 }

@@ -3,6 +3,7 @@
 //! the one packet a run follows.
 
 use super::eval::{verdict_flow, Eval, ExprEnd, Flow, Interrupt};
+use super::lookup::{cmp_holds, find_element, find_set};
 use super::packet::{ip_octets, Origin};
 use super::regs::{Label, Random};
 use super::report::Step;
@@ -209,7 +210,7 @@ impl Eval<'_> {
 
     fn cmp(&self, sreg: u32, op: CmpOp, data: &[u8]) -> Result<ExprEnd, TraceError> {
         let have = self.regs.read(sreg, data.len())?;
-        let ok = super::decide::cmp_holds(have, op, data);
+        let ok = cmp_holds(have, op, data);
         if ok {
             return Ok(ExprEnd::Continue);
         }
@@ -496,29 +497,6 @@ impl Eval<'_> {
         };
         self.regs.write(dreg, &t.to_ne_bytes(), Some(label))
     }
-}
-
-/// The element with this key. Elements are ordered by key, then value (None first): the first at or after
-/// (key, None) is it, if any is.
-pub(super) fn find_element<'s>(set: &'s SetState, key: &[u8]) -> Option<&'s Element> {
-    let probe = Element {
-        key: key.into(),
-        value: None,
-    };
-    set.elements
-        .range(probe..)
-        .next()
-        .filter(|e| e.key.as_slice() == key)
-}
-
-pub(super) fn find_set<'t>(table: &'t TableState, name: &str) -> Result<&'t SetState, TraceError> {
-    table.sets.get(name).ok_or_else(|| {
-        TraceError::Ruleset(format!(
-            "table {} {}: set @{name} is looked up but does not exist",
-            table.family.as_str(),
-            table.name
-        ))
-    })
 }
 
 fn ifname_bytes(name: Option<&str>, step: &mut Step, which: &str) -> Vec<u8> {

@@ -6,7 +6,6 @@
 //! (`owner.rs`: process id, start time, a random part) and is created exclusively, so two runs never share a
 //! table; one a killed run left behind is removed by `nftkube cleanup --traces`.
 
-use super::args::TraceArgs;
 use super::packet::Proto;
 use super::TraceError;
 use crate::netlink::attr::messages;
@@ -95,10 +94,6 @@ impl Filter {
 fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
     crate::nft::build::ip_bytes(ip)
 }
-
-/// What every trace table's name starts with (`nftkube cleanup` removes them all; with `--traces`, those
-/// of ended runs).
-pub const TABLE_PREFIX: &str = "nftkube-trace-";
 
 /// A new trace table name for this run: `nftkube-trace-PID-START-RANDOM` (see `owner.rs`).
 pub fn table_name() -> String {
@@ -239,17 +234,28 @@ pub struct LiveTrace {
     pub stopped_by: String,
 }
 
+/// What `--live` traces and for how long: the command line's request, already checked.
+#[derive(Debug, Clone)]
+pub struct LiveRequest {
+    /// The packets to trace.
+    pub filter: Filter,
+    /// Stop after this many packets.
+    pub count: u64,
+    /// Stop after this long.
+    pub timeout: Duration,
+    /// JSON output instead of text.
+    pub json: bool,
+}
+
 /// Runs `--live`: install, listen, remove, and the output (text or JSON).
-pub fn run(args: &TraceArgs) -> Result<String, TraceError> {
-    args.validate()?;
-    let filter = Filter {
-        src: args.src.addr.ip(),
-        src_port: args.src.port_given.then_some(args.src.addr.port()),
-        dst: args.dst,
-        proto: args.proto,
-        iif: args.iif.clone(),
-    };
-    let table = trace_table(&table_name(), &filter);
+pub fn run(request: &LiveRequest) -> Result<String, TraceError> {
+    let LiveRequest {
+        filter,
+        count,
+        timeout,
+        json,
+    } = request;
+    let table = trace_table(&table_name(), filter);
     let rule_text = table
         .chains
         .get("prerouting")
@@ -262,14 +268,16 @@ pub fn run(args: &TraceArgs) -> Result<String, TraceError> {
     sock.add_membership(NFNLGRP_NFTRACE)
         .map_err(|e| TraceError::Kernel(format!("subscribing to trace events: {e}")))?;
     let installed = Installed::install(&table)?;
-    eprintln!(
+    use std::io::Write as _;
+    let _ = writeln!(
+        std::io::stderr(),
         "nftkube trace: tracing {} packet(s) matching `{rule_text}` for at most {:?} (table {} {})",
-        args.count,
-        args.timeout,
+        count,
+        timeout,
         table.family.as_str(),
         table.name
     );
-    let (events, stopped_by) = listen(&mut sock, &table.name, args.count as usize, args.timeout)?;
+    let (events, stopped_by) = listen(&mut sock, &table.name, *count as usize, *timeout)?;
     let packets = describe(events)?;
     drop(installed);
     let live = LiveTrace {
@@ -278,7 +286,7 @@ pub fn run(args: &TraceArgs) -> Result<String, TraceError> {
         packets,
         stopped_by,
     };
-    Ok(if args.output == "json" {
+    Ok(if *json {
         serde_json::to_string_pretty(&live).map_err(|e| TraceError::Output(e.to_string()))? + "\n"
     } else {
         render_text(&live)

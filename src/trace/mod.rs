@@ -10,18 +10,17 @@
 //! `--live` (`live.rs`) asks the kernel instead: a narrowly matching `meta nftrace set 1` rule in a table of
 //! its own, and the trace events of the next matching packets.
 
-mod args;
 mod attribution;
 mod decide;
 mod eval;
 mod expr;
 pub mod live;
+mod lookup;
 mod owner;
 pub mod packet;
 mod regs;
 mod report;
 
-pub use args::{run_offline, TraceArgs};
 pub use attribution::{Attribution, FromModel, KeysOnly};
 pub use packet::{NodeContext, Origin, Packet, Proto};
 

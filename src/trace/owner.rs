@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use super::live::TABLE_PREFIX;
+use crate::render::names::TRACE_TABLE_PREFIX as TABLE_PREFIX;
 
 /// The run a trace table belongs to, as its name says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -81,7 +81,7 @@ impl Proto {
 pub const DEFAULT_SOURCE_PORT: u16 = 40000;
 
 /// `IP[:PORT]` (`[v6]:PORT` for IPv6 with a port); the port defaults to `default_port`, None: a port is required.
-pub(crate) fn parse_endpoint(s: &str, default_port: Option<u16>) -> Result<SocketAddr, String> {
+pub fn parse_endpoint(s: &str, default_port: Option<u16>) -> Result<SocketAddr, String> {
     if let Ok(sa) = s.parse::<SocketAddr>() {
         return Ok(sa);
     }

@@ -1,7 +1,7 @@
 //! The queue with a fake walker: ordering, merging of waiting walks, retries, shutdown.
 
 use super::*;
-use crate::conntrack::cleaner::CleanerOptions;
+use crate::conntrack::options::CleanerOptions;
 use crate::conntrack::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
 use crate::conntrack::FrontendKinds;
 use crate::model::NodePortAddresses;

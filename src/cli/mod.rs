@@ -1,5 +1,9 @@
 //! Command-line interface. Flag names follow kube-proxy's where one exists.
 
+// clap turns the doc comments below into `--help` text, where `[IPv6]:PORT` and `[::1]` are meant
+// literally, not as links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use crate::agent::{self, ProxyOptions};
 use crate::config;
 use crate::model::{DetectLocal, DetectLocalError};
@@ -7,6 +11,8 @@ use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
+
+pub mod trace;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -34,7 +40,7 @@ pub enum Command {
     Plan(PlanArgs),
     /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
     /// every hook, chain, rule and lookup, the verdict, DNAT targets with probabilities, masquerade and why.
-    Trace(crate::trace::TraceArgs),
+    Trace(trace::TraceArgs),
     /// Remove every table nftkube owns, and nothing else (with --traces: only abandoned trace tables).
     Cleanup(CleanupArgs),
     /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.

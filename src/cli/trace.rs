@@ -1,9 +1,17 @@
-//! The `nftkube trace` command line, and running it: which ruleset, which packet, which output.
+//! The `nftkube trace` command line, and running it: which ruleset, which packet, which output. The tracer
+//! itself (`crate::trace`) takes plain requests and knows nothing of the command line.
 
-use super::attribution::{Attribution, FromModel, KeysOnly};
-use super::packet::{parse_endpoint, Origin, Packet, Proto, DEFAULT_SOURCE_PORT};
-use super::{kernel_ruleset, node_context, render_text, trace, Request, Ruleset, TraceError};
-use crate::cli::RenderArgs;
+// clap turns the doc comments below into `--help` text, where `[IPv6]:PORT` and `[::1]` are meant
+// literally, not as links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
+use super::RenderArgs;
+use crate::trace::live::{Filter, LiveRequest};
+use crate::trace::packet::{parse_endpoint, DEFAULT_SOURCE_PORT};
+use crate::trace::{
+    kernel_ruleset, node_context, render_text, trace, Attribution, FromModel, KeysOnly,
+    NodeContext, Origin, Packet, Proto, Request, Ruleset, TraceError,
+};
 use clap::Args;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -53,7 +61,9 @@ pub struct TraceArgs {
 /// `--src`: the address, and whether the port was given (`--live` matches the source port only then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Source {
+    /// The address, with the default port when none was given.
     pub addr: SocketAddr,
+    /// Whether the port was given.
     pub port_given: bool,
 }
 
@@ -91,6 +101,23 @@ impl TraceArgs {
         Ok(())
     }
 
+    /// The `--live` request these arguments make (validated).
+    fn live_request(&self) -> Result<LiveRequest, TraceError> {
+        self.validate()?;
+        Ok(LiveRequest {
+            filter: Filter {
+                src: self.src.addr.ip(),
+                src_port: self.src.port_given.then_some(self.src.addr.port()),
+                dst: self.dst,
+                proto: self.proto,
+                iif: self.iif.clone(),
+            },
+            count: self.count,
+            timeout: self.timeout,
+            json: self.output == "json",
+        })
+    }
+
     fn packet(&self) -> Packet {
         Packet {
             src: self.src.addr,
@@ -100,6 +127,11 @@ impl TraceArgs {
             iif: self.iif.clone(),
         }
     }
+}
+
+/// Runs `--live` (the kernel's own trace events) and returns its output (text or JSON).
+pub fn run_live(args: &TraceArgs) -> Result<String, TraceError> {
+    crate::trace::live::run(&args.live_request()?)
 }
 
 /// Runs an offline trace and returns its output (text or JSON).
@@ -140,7 +172,7 @@ pub fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
 fn manifests_ruleset(
     args: &TraceArgs,
     dir: &std::path::Path,
-) -> Result<(Ruleset, Box<dyn Attribution>, super::NodeContext), TraceError> {
+) -> Result<(Ruleset, Box<dyn Attribution>, NodeContext), TraceError> {
     let mut cfg = args
         .render
         .render_config()
@@ -159,7 +191,7 @@ fn manifests_ruleset(
         crate::source::apply_event(&mut state, ev);
     }
     let tables = crate::render::render(state.service_map(), &state.endpoints_map(), &cfg);
-    let node = super::NodeContext {
+    let node = NodeContext {
         local_addresses: cfg.node_ips.clone(),
         source: if args.node_ip.is_empty() {
             "this network namespace's addresses, and loopback".into()
