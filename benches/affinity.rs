@@ -24,6 +24,9 @@
 //! Run as root: `cargo bench --bench affinity -- 2,10,100` (also run by `bash ci/bench`).
 //! `NFTKUBE_BENCH_AFFINITY_PROBES` sets the timed probes per variant and E (default 1000).
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::model::*;
 use nftkube::netns::unique_name;
 use nftkube::nft::ir::{Element, ElementValue, Family};
@@ -108,11 +111,8 @@ struct Samples {
 
 fn main() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "benchmarks need root (network namespaces)"
-    );
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "benchmarks need root (network namespaces)");
     let counts: Vec<usize> = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with('-'))

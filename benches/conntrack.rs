@@ -15,6 +15,9 @@
 //! `cargo bench --bench conntrack -- [ENTRIES] [ROUNDS]` (default 150000 entries, 20 rounds; the kernel's
 //! `nf_conntrack_max`, shared by every namespace, bounds ENTRIES: 262144 on the development VM).
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::conntrack::wire::IPPROTO_UDP;
 use nftkube::conntrack::{
     Cleaner, CleanerOptions, CleanupQueue, CtSocket, DumpFilter, NewEntry, Tuple,
@@ -34,11 +37,8 @@ const PORT: u16 = 5353;
 
 fn main() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "benchmarks need root (network namespaces)"
-    );
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "benchmarks need root (network namespaces)");
     let args: Vec<u32> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))

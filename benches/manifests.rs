@@ -13,6 +13,9 @@
 //!
 //! `cargo bench --bench manifests -- [SIZES_IN_KB]` (default 100,1000). No root needed.
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::source::manifests::parse_file;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -13,6 +13,9 @@
 //! Run as root: `cargo bench --bench portmap -- 1,100,1000` (also run by `bash ci/bench`).
 //! `NFTKUBE_BENCH_PORTMAP_REPS` sets the timed rounds per size (default 30).
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::netns::{set_link_up, unique_name, NetNs};
 use serde_json::{json, Value};
 use std::io::Write;

@@ -17,6 +17,9 @@
 //! Run as root: `cargo bench --bench relay` (also run by `bash ci/bench`). `NFTKUBE_BENCH_RELAY_ROUNDS`
 //! (default 9) and `NFTKUBE_BENCH_RELAY_MB` (MB per bulk run, default 256) scale it.
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::netns::{unique_name, NetNs};
 use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::{Read, Write};
@@ -82,11 +85,8 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 fn main() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "the relay benchmark needs root"
-    );
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the relay benchmark needs root");
     raise_nofile_limit();
     let rounds = env_usize("NFTKUBE_BENCH_RELAY_ROUNDS", 9);
     let mb = env_usize("NFTKUBE_BENCH_RELAY_MB", 256);

@@ -11,6 +11,9 @@
 //! Only public API, so the same file measures an older build too. Run as root:
 //! `cargo bench --bench rtnetlink` (`NFTKUBE_BENCH_RTNL_ROUNDS`, default 2000).
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::netlink::{MsgBuilder, NlSocket, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
 use nftkube::netns::{self, unique_name, NetNs};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -84,11 +87,8 @@ fn us(d: Duration) -> f64 {
 
 fn main() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "benchmarks need root (network namespaces)"
-    );
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "benchmarks need root (network namespaces)");
     let rounds: usize = std::env::var("NFTKUBE_BENCH_RTNL_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -14,6 +14,9 @@
 //! marked as such above a size: upstream nft above `NFTKUBE_BENCH_SLOW_MAX` (default 10000),
 //! iptables-nft-restore above `NFTKUBE_BENCH_IPTABLES_NFT_MAX` (default 1000; over 15 minutes at 10k here).
 
+// A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use nftkube::model::*;
 use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::netlink::NftSocket;
@@ -32,11 +35,8 @@ const ENDPOINTS: usize = 5;
 
 fn main() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "benchmarks need root (network namespaces)"
-    );
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "benchmarks need root (network namespaces)");
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with('-'))

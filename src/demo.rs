@@ -6,6 +6,9 @@
 //! address it saw, prints the live ruleset read back from the kernel, and removes everything. The host's own
 //! namespace is never touched.
 
+// The demo talks to the terminal that started it.
+#![allow(clippy::disallowed_macros)]
+
 use crate::sandbox::{self, parse_answer, tcp_requests, udp_requests, Sandbox};
 use anyhow::Context;
 use nftkube::agent::{run_proxy, Inbox, ProxyOptions};
@@ -29,8 +32,9 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 
 pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
     anyhow::ensure!(
-        unsafe { libc::geteuid() } == 0,
+        euid == 0,
         "the demo needs root: it creates network namespaces (it never changes the host's own)"
     );
     anyhow::ensure!(

@@ -139,6 +139,7 @@ impl NetNs {
             .spawn(move || -> io::Result<()> {
                 // unshare moves only this thread, which ends right after: no other code ever runs in a namespace
                 // it did not ask for.
+                #[allow(clippy::disallowed_methods)] // the namespace's own creation thread
                 // SAFETY: plain syscall without pointers.
                 if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
                     return Err(io::Error::last_os_error());
@@ -179,8 +180,9 @@ impl NetNs {
         validate_name(name)?;
         let path = Path::new(NETNS_RUN_DIR).join(name);
         let cpath = c_path(&path)?;
-        // SAFETY: statfs writes into a zeroed, properly sized struct; cpath is NUL-terminated.
+        // SAFETY: statfs is plain old data, for which all-zero bytes are a valid value.
         let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: statfs writes into `st`, a properly sized struct; cpath is NUL-terminated.
         if unsafe { libc::statfs(cpath.as_ptr(), &mut st) } != 0 {
             return Err(NetnsError::io(
                 format!("opening network namespace {}", path.display()),
@@ -322,6 +324,7 @@ impl Drop for NetNs {
 }
 
 fn enter(fd: &OwnedFd, name: &str) -> io::Result<()> {
+    #[allow(clippy::disallowed_methods)] // the one caller: `NetNs::run`'s own thread
     // SAFETY: fd is an open namespace file; setns changes only the calling (fresh, dedicated) thread.
     if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         let e = io::Error::last_os_error();
@@ -852,6 +855,7 @@ pub fn get_sysctl(name: &str) -> Result<String, NetnsError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_macros)] // the tests report timings to the terminal
 mod tests {
     use super::*;
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};

@@ -1,5 +1,8 @@
 //! A panic on any thread ends the process (`nftkube::agent::exit_on_panic`, which `nftkube proxy` sets first).
 
+// The test runs a copy of itself and reads what it printed.
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use std::process::Command;
 
 /// Set in the copy of this test's binary that the test runs: that copy panics on a thread of its own.

@@ -29,12 +29,16 @@ use std::time::{Duration, Instant};
 /// The resources served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Resource {
+    /// core/v1 Services.
     Services,
+    /// discovery.k8s.io/v1 EndpointSlices.
     EndpointSlices,
+    /// core/v1 Nodes.
     Nodes,
 }
 
 impl Resource {
+    /// The collection's path on the API server.
     pub fn path(self) -> &'static str {
         match self {
             Resource::Services => "/api/v1/services",
@@ -202,6 +206,7 @@ impl FakeApi {
         format!("http://{}", self.addr)
     }
 
+    /// The address the server listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

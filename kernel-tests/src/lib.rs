@@ -28,8 +28,9 @@ pub mod matrix;
 pub use listing::assert_listable;
 use listing::ListingWatch;
 
-/// Ports the sandbox backends listen on; the examples' targetPorts.
+/// The TCP port the sandbox backends listen on; the examples' targetPort.
 pub const BACKEND_TCP_PORT: u16 = 8080;
+/// The UDP port the sandbox backends listen on; the examples' targetPort.
 pub const BACKEND_UDP_PORT: u16 = 5353;
 
 /// Panics unless root: these tests need namespaces and nf_tables. Never skip silently.
@@ -342,10 +343,12 @@ pub fn examples_dir() -> PathBuf {
 
 /// A private copy of the repository's examples/ that a test may edit; removed on drop.
 pub struct Manifests {
+    /// The directory the agent reads (`--manifests`).
     pub dir: PathBuf,
 }
 
 impl Manifests {
+    /// A fresh copy of examples/.
     pub fn examples() -> Manifests {
         let dir = std::env::temp_dir().join(unique_name("nftkube-manifests"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -359,6 +362,7 @@ impl Manifests {
         Manifests { dir }
     }
 
+    /// The path of `file` in the copy.
     pub fn path(&self, file: &str) -> PathBuf {
         self.dir.join(file)
     }
@@ -371,10 +375,12 @@ impl Manifests {
         std::fs::rename(&tmp, self.path(file)).unwrap();
     }
 
+    /// The content of `file`.
     pub fn read(&self, file: &str) -> String {
         std::fs::read_to_string(self.path(file)).unwrap()
     }
 
+    /// Deletes `file` (the agent sees its objects go).
     pub fn remove(&self, file: &str) {
         std::fs::remove_file(self.path(file)).unwrap();
     }
@@ -471,6 +477,7 @@ pub struct ContinuousClient {
 }
 
 impl ContinuousClient {
+    /// Starts connecting to `dst` from `ns`, one connection after another, until stopped.
     pub fn start(ns: &NetNs, dst: SocketAddr) -> ContinuousClient {
         let ns = NetNs::open_existing(ns.name()).expect("opening the client's namespace");
         let stop = Arc::new(AtomicBool::new(false));

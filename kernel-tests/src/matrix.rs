@@ -9,23 +9,35 @@ use std::fmt::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
+/// A service's traffic policies.
 pub enum Policy {
+    /// Both policies Cluster.
     Cluster,
+    /// externalTrafficPolicy: Local.
     EtpLocal,
+    /// internalTrafficPolicy: Local.
     ItpLocal,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
+/// The frontend a connection goes to.
 pub enum Dest {
+    /// The ClusterIP.
     ClusterIp,
+    /// The NodePort on the node's address.
     NodePort,
+    /// The LoadBalancer ingress IP.
     LbIp,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
+/// Where a connection comes from.
 pub enum Source {
+    /// A pod on this node.
     Pod,
+    /// The node itself.
     Node,
+    /// A client outside the cluster.
     Outside,
 }
 
@@ -71,6 +83,7 @@ endpoints:
     out
 }
 
+/// The address of `dest` of the service with `policy`.
 pub fn target(policy: Policy, dest: Dest) -> SocketAddr {
     let i = match policy {
         Policy::Cluster => 1,
@@ -126,8 +139,11 @@ pub fn client_addr(src: Source) -> Option<IpAddr> {
     }
 }
 
+/// Every policy, in matrix order.
 pub const POLICIES: [Policy; 3] = [Policy::Cluster, Policy::EtpLocal, Policy::ItpLocal];
+/// Every destination, in matrix order.
 pub const DESTS: [Dest; 3] = [Dest::ClusterIp, Dest::NodePort, Dest::LbIp];
+/// Every source, in matrix order.
 pub const SOURCES: [Source; 3] = [Source::Pod, Source::Node, Source::Outside];
 
 /// The namespace a source sends from.
@@ -142,8 +158,11 @@ pub fn source_ns(sb: &sandbox::Sandbox, src: Source) -> &nftkube::netns::NetNs {
 /// Where real connections went: the endpoints that answered, the client addresses they saw, failures.
 #[derive(Debug, Default)]
 pub struct Observed {
+    /// The endpoints (pod numbers) that answered.
     pub endpoints: BTreeSet<usize>,
+    /// The client addresses the endpoints saw.
     pub peers: BTreeSet<IpAddr>,
+    /// Connections that failed.
     pub errors: usize,
 }
 

@@ -18,6 +18,9 @@
 //! IPv6 pod prefixes put `i` in the *fourth* 16-bit group (fd00:244:0:{i}::/64) so that every pod lies inside
 //! the /48 cluster CIDR fd00:244::/48 (fd00:244:{i}::/64 would leave it for i ≥ 1). Pod 10 is `fd00:244:0:a::2`.
 
+// The test rig (and the demo's): it reports to the terminal of the test or demo that runs it.
+#![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
 use anyhow::Context;
 use nftkube::netns::{
     self, add_address, add_route, create_veth, set_link_up, set_sysctl, NetNs, NetnsError,
@@ -30,10 +33,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// The pods' IPv4 range (every pod's /24 lies in it).
 pub const CLUSTER_CIDR_V4: &str = "10.244.0.0/16";
+/// The pods' IPv6 range.
 pub const CLUSTER_CIDR_V6: &str = "fd00:244::/48";
 /// Service (ClusterIP) ranges the outside client routes to the node.
 pub const SERVICE_CIDR_V4: &str = "10.96.0.0/12";
+/// The Service (ClusterIP) IPv6 range.
 pub const SERVICE_CIDR_V6: &str = "fd00:96::/64";
 /// The node's link towards `ext` (and `ext`'s towards the node).
 pub const NODE_UPLINK: &str = "eth0";
@@ -44,15 +50,19 @@ pub const MAX_BACKENDS: usize = 255;
 
 const SERVER_POLL: Duration = Duration::from_millis(100);
 
+/// The node's IPv4 address on its uplink.
 pub fn node_ip_v4() -> Ipv4Addr {
     Ipv4Addr::new(192, 168, 200, 1)
 }
+/// The outside client's IPv4 address.
 pub fn ext_ip_v4() -> Ipv4Addr {
     Ipv4Addr::new(192, 168, 200, 2)
 }
+/// The node's IPv6 address on its uplink.
 pub fn node_ip_v6() -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 1)
 }
+/// The outside client's IPv6 address.
 pub fn ext_ip_v6() -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 2)
 }
@@ -73,6 +83,7 @@ pub fn pod_ip_v6(i: usize) -> Ipv6Addr {
 pub fn pod_gateway_v4(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, pod_octet(i), 1)
 }
+/// The node's side of pod `i`'s link in IPv6, fd00:244:0:{i}::1.
 pub fn pod_gateway_v6(i: usize) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0x244, 0, pod_octet(i) as u16, 0, 0, 0, 1)
 }
@@ -282,6 +293,7 @@ impl Sandbox {
         Ok(())
     }
 
+    /// What every namespace name of this sandbox starts with.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -289,9 +301,11 @@ impl Sandbox {
     pub fn backends(&self) -> usize {
         self.backends
     }
+    /// The node, where the agent runs.
     pub fn node(&self) -> &NetNs {
         &self.node
     }
+    /// The client outside the cluster, on the node's uplink.
     pub fn ext(&self) -> &NetNs {
         &self.ext
     }

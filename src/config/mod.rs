@@ -164,7 +164,7 @@ pub fn parse_duration_flag(s: &str) -> Result<Duration, DurationError> {
     parse_go_duration(s)
 }
 
-/// A healthz / metrics bind address: "IP:PORT", "[IPv6]:PORT", or an IP (the default port).
+/// A healthz / metrics bind address: `IP:PORT`, `[IPv6]:PORT`, or an IP (the default port).
 pub fn parse_bind_address(
     what: &str,
     s: &str,

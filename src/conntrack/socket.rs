@@ -291,6 +291,7 @@ fn probe_thread(
     moved: std::sync::mpsc::Sender<bool>,
     gate: impl FnOnce(),
 ) -> Result<Features, ProbeError> {
+    #[allow(clippy::disallowed_methods)] // the probe's own thread, which does nothing else
     // SAFETY: plain syscall without pointers; it moves only this thread, which ends right after.
     let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
         0 => Ok(()),

@@ -215,7 +215,7 @@ impl Cidr {
 impl FromStr for Cidr {
     type Err = ParseError;
     /// `address/prefix` as the API server and kube-proxy read it (Go's `ParseCIDRSloppy`: leading zeros are
-    /// decimal, an IPv4-mapped network is IPv4; see [`super::ip_text`]); a bare address is its host prefix.
+    /// decimal, an IPv4-mapped network is IPv4; see `super::ip_text`); a bare address is its host prefix.
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let (addr, prefix) = match s.split_once('/') {
             Some((addr, prefix)) => {

@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The names the binary answers to as a CNI plugin.
 pub const PLUGIN_NAMES: [&str; 2] = ["portmap", "nftkube-portmap"];
 
-/// Whether argv[0] (a path) names the plugin.
+/// Whether `argv[0]` (a path) names the plugin.
 pub fn invoked_as_plugin(argv0: &std::ffi::OsStr) -> bool {
     std::path::Path::new(argv0)
         .file_name()
@@ -39,7 +39,8 @@ pub fn main() -> u8 {
     if let Err(e) = std::io::stdin().read_to_end(&mut stdin) {
         let err =
             cni::CniError::new(cni::code::IO_FAILURE, "reading stdin").with_details(e.to_string());
-        println!("{}", err.to_json(cni::CURRENT_VERSION));
+        // Nothing more can be done for a runtime that closed our stdout.
+        let _ = writeln!(std::io::stdout(), "{}", err.to_json(cni::CURRENT_VERSION));
         return 1;
     }
     let out = plugin::run(|k| std::env::var(k).ok(), &stdin);

@@ -297,7 +297,11 @@ fn clear_flows(ports: &[HostPort]) {
     ports.sort();
     ports.dedup();
     if let Err(e) = flows::clear(&ports) {
-        eprintln!("nftkube portmap: UDP conntrack cleanup: {e}");
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "nftkube portmap: UDP conntrack cleanup: {e}"
+        );
     }
 }
 

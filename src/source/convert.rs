@@ -34,7 +34,7 @@ pub const MAX_AFFINITY_TIMEOUT: i32 = 86400;
 pub struct ConvertError {
     /// "Service" or "EndpointSlice".
     pub kind: &'static str,
-    /// "namespace/name" ("namespace/<unnamed>" if the name is missing).
+    /// "namespace/name" (`namespace/<unnamed>` if the name is missing).
     pub object: String,
     /// Why the object was not used.
     pub reason: String,

@@ -25,7 +25,7 @@
 //!   Services with external or LoadBalancer IPs their ports too (what closing them takes: see below).
 //! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
 //!   object (if any) stays in effect, except where that would leave traffic flowing that neither version
-//!   allows ([`super::fail_closed`]): a Service whose update or last good version has
+//!   allows (`super::fail_closed`): a Service whose update or last good version has
 //!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
 //!   EndpointSlice's endpoints are withdrawn.
 

@@ -6,7 +6,7 @@
 //!   every other document of the file, and every other file, still loads.
 //! - If a document fails for an identifiable object (kind Service / EndpointSlice with a name), the last
 //!   good version of that object stays: no Deleted event for it. Except where that version would leave
-//!   traffic flowing that neither version allows ([`super::fail_closed`]): a Service whose failed document
+//!   traffic flowing that neither version allows (`super::fail_closed`): a Service whose failed document
 //!   or last good version has `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a
 //!   usable version comes, and an EndpointSlice is deleted (its endpoints withdrawn).
 //! - If a file has a document that cannot be identified (YAML syntax error, no kind, no name) or the

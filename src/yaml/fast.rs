@@ -12,7 +12,7 @@
 //! It declines: anchors, aliases, tags, block scalars (`|`, `>`), multi-line scalars and flow
 //! collections, explicit keys (`?`), merge keys, duplicate keys, non-string keys, directives, tabs, carriage
 //! returns, anything non-ASCII or non-printable, nesting deeper than [`MAX_DEPTH`], long runs of comments
-//! ([`MAX_COMMENT_RUN`]), and numbers other than plain decimal integers. Every line is looked at once (a few
+//! (`MAX_COMMENT_RUN`), and numbers other than plain decimal integers. Every line is looked at once (a few
 //! constant passes), and containers are built on an explicit stack, so the work is linear in the text and the
 //! fallback at most doubles it.
 
