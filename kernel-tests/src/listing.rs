@@ -20,7 +20,9 @@ use std::time::Duration;
 /// One nft binary the invariant runs.
 #[derive(Debug)]
 pub struct Nft {
+    /// The program run.
     pub program: PathBuf,
+    /// Its version, as `nft --version` prints it.
     pub version: (u32, u32, u32),
 }
 
@@ -134,7 +136,9 @@ fn tolerated_stderr(nft: &Nft, what: &str, stderr: &str) -> bool {
 /// Whether the known faults are tolerated (always, but in the harness's own test that shows they are real).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Faults {
+    /// The known nft faults are rewritten away before comparing.
     Tolerated,
+    /// Every difference counts.
     Strict,
 }
 
@@ -351,6 +355,9 @@ impl Checked {
     }
 }
 
+/// How long a test waits for the listing check of a sync.
+const LISTING_CHECK: Duration = Duration::from_secs(90);
+
 impl ListingWatch {
     /// None without oracles (no nft to run). Resolves the nfts here, so a missing newest nft fails the test.
     pub fn start(ns: &NetNs, log: PathBuf) -> Option<ListingWatch> {
@@ -375,10 +382,12 @@ impl ListingWatch {
     /// Waits until the state after sync `n` (or a later one) has been checked; panics with the problems found.
     #[track_caller]
     pub fn assert_checked(&self, n: usize) {
-        crate::wait_until(Duration::from_secs(60), || {
-            self.checked.lock().unwrap().syncs >= n
-        })
-        .unwrap_or_else(|_| panic!("the listing check after sync {n} did not happen within 60 s"));
+        // Listing, reloading and listing again a state of hundreds of services takes tens of seconds under
+        // the VM matrix's software emulation.
+        crate::wait_until(LISTING_CHECK, || self.checked.lock().unwrap().syncs >= n)
+            .unwrap_or_else(|_| {
+                panic!("the listing check after sync {n} did not happen within {LISTING_CHECK:?}")
+            });
         let problems = self.checked.lock().unwrap().report();
         assert!(
             problems.is_empty(),

@@ -67,6 +67,10 @@ fn churn(ns: &NetNs, targets: &[SocketAddr], stop: &AtomicBool) -> usize {
             while held.len() > HELD * targets.len() {
                 held.pop_front();
             }
+            // A pod's CPU is capped by its cgroup; here the churner shares two cores with the agent and
+            // the probes. Unpaced it starved the whole machine under a parallel build (a loopback probe
+            // missed 1 s); paced it still opens thousands of connections a second, far past every cap.
+            std::thread::sleep(Duration::from_micros(500));
         }
         opened
     })
