@@ -1,7 +1,8 @@
 //! Sync benchmarks: nftkube against the anchors, every number measured in the same run, in fresh network
 //! namespaces (never the host's).
 //!
-//! For each N (ClusterIP services × 5 endpoints, the addresses of ../shared/anchors/gen_rulesets.py):
+//! For each N (ClusterIP services × 5 endpoints; the anchors, upstream's rulesets for the same services,
+//! come from `sync/anchors.rs`):
 //! - nftkube cold full sync (library: render + one netlink batch), and the same through the real binary
 //!   reading generated manifests (wall time to the first completed sync, and the agent's peak RSS; with
 //!   `NFTKUBE_BENCH_IDLE_SECONDS=S`, then its CPU time over S idle seconds, as a share of one core);
@@ -16,6 +17,9 @@
 
 // A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
+
+#[path = "sync/anchors.rs"]
+mod anchors;
 
 use nftkube::model::*;
 use nftkube::netns::{unique_name, NetNs};
@@ -162,17 +166,13 @@ fn main() {
             ratio(t, cold.full),
         );
 
-        let anchors = work.join("anchors");
-        let status = Command::new("python3")
-            .arg(root.join("../shared/anchors/gen_rulesets.py"))
-            .args(["-n", &n.to_string(), "-e", &ENDPOINTS.to_string(), "-o"])
-            .arg(&anchors)
-            .status()
-            .expect("python3");
-        assert!(status.success(), "gen_rulesets.py failed");
+        let anchor_dir = work.join("anchors");
+        let upstream = anchors::generate(n, ENDPOINTS);
+        upstream.assert_shape();
+        upstream.write_to(&anchor_dir).expect("writing the anchors");
 
         if n <= slow_max {
-            let (full, inc) = upstream_nft(&anchors);
+            let (full, inc) = upstream_nft(&anchor_dir);
             push("upstream nft mode: nft -f full sync (s)", col, secs(full));
             push(
                 "  ratio: upstream nft full / nftkube cold",
@@ -205,7 +205,7 @@ fn main() {
                 );
                 continue;
             }
-            match upstream_iptables(&anchors, restore) {
+            match upstream_iptables(&anchor_dir, restore) {
                 Some((full, partial)) => {
                     push(
                         &format!("upstream iptables-{label}: full restore (s)"),
@@ -517,23 +517,27 @@ fn timed_in_fresh_ns(argv: &[&str]) -> Duration {
 }
 
 /// Upstream's nftables mode: its first full sync, then its one-endpoint partial sync.
-fn upstream_nft(anchors: &Path) -> (Duration, Duration) {
+fn upstream_nft(dir: &Path) -> (Duration, Duration) {
     let ns = NetNs::create(&unique_name("nkbench")).unwrap();
     let full = run_timed(
         &ns,
-        &["nft", "-f", anchors.join("nft-full.nft").to_str().unwrap()],
+        &["nft", "-f", dir.join(anchors::NFT_FULL).to_str().unwrap()],
         None,
     );
     let inc = run_timed(
         &ns,
-        &["nft", "-f", anchors.join("nft-inc.nft").to_str().unwrap()],
+        &[
+            "nft",
+            "-f",
+            dir.join(anchors::NFT_PARTIAL).to_str().unwrap(),
+        ],
         None,
     );
     (full, inc)
 }
 
 /// Upstream's iptables mode with the given restore binary: jumps, full restore, partial restore.
-fn upstream_iptables(anchors: &Path, restore: &str) -> Option<(Duration, Duration)> {
+fn upstream_iptables(dir: &Path, restore: &str) -> Option<(Duration, Duration)> {
     if Command::new("sh")
         .args(["-c", &format!("command -v {restore}")])
         .output()
@@ -545,9 +549,9 @@ fn upstream_iptables(anchors: &Path, restore: &str) -> Option<(Duration, Duratio
         let flags = ["--noflush", "--counters"];
         let mut argv = vec![restore];
         argv.extend(flags);
-        run_timed(&ns, &argv, Some(&anchors.join("ipt-jumps.restore")));
-        let full = run_timed(&ns, &argv, Some(&anchors.join("ipt-full.restore")));
-        let partial = run_timed(&ns, &argv, Some(&anchors.join("ipt-partial-inc.restore")));
+        run_timed(&ns, &argv, Some(&dir.join(anchors::IPT_JUMPS)));
+        let full = run_timed(&ns, &argv, Some(&dir.join(anchors::IPT_FULL)));
+        let partial = run_timed(&ns, &argv, Some(&dir.join(anchors::IPT_PARTIAL)));
         Some((full, partial))
     } else {
         None
