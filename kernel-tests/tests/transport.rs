@@ -260,6 +260,20 @@ fn reads_stay_consistent_while_a_second_writer_commits() {
     })
     .unwrap();
 
+    // The writer's long pause must let a whole read fit: under the VM matrix's software emulation a read of
+    // these sets takes far longer than on hardware (with a fixed 30 ms pause every read there overlapped a
+    // commit, and all gave up).
+    let read_time = ns
+        .run(|| {
+            let t = std::time::Instant::now();
+            NftSocket::open()
+                .unwrap()
+                .read_tables(&[(Family::Ip, RACE_TABLE)])
+                .unwrap();
+            t.elapsed()
+        })
+        .unwrap();
+    let long_pause = (read_time * 3).max(Duration::from_millis(30));
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
     let writer = ns
@@ -274,8 +288,12 @@ fn reads_stay_consistent_while_a_second_writer_commits() {
                 }
                 commits += 1;
                 // Bursts and pauses, so that some reads fit between commits and others overlap them.
-                let pause = if commits.is_multiple_of(4) { 30 } else { 1 };
-                std::thread::sleep(Duration::from_millis(pause));
+                let pause = if commits.is_multiple_of(4) {
+                    long_pause
+                } else {
+                    Duration::from_millis(1)
+                };
+                std::thread::sleep(pause);
             }
             commits
         })
