@@ -1,4 +1,4 @@
-//! A first sync big enough to be committed in several transactions (README "How it syncs": chunks of at most
+//! A first sync big enough to be committed in several transactions (docs/sync.md "Chunked commits": chunks of at most
 //! `--max-transaction-elements`, 25 000 by default; 500 here, so that the test stays small enough for the
 //! emulated kernels of the VM matrix) never exposes a half state: services that already exist keep answering
 //! every connection while a restarted agent programs a thousand new ones around them.
