@@ -1,4 +1,4 @@
-//! The listing invariant (README "Supported nft versions"): every state nftkube programs lists with
+//! The listing invariant (docs/kernels-and-nft.md "The listing invariant"): every state nftkube programs lists with
 //! `nft list ruleset` and `nft -j list ruleset`, without error, signal or warning, under the distribution's nft
 //! and under the newest one Debian ships (`ci/nft-newest`), and the text listing reloads with `nft -f` into a
 //! fresh namespace that then lists identically.
@@ -92,7 +92,7 @@ fn parse_version(s: &str) -> Option<(u32, u32, u32)> {
     Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
 }
 
-/// The known faults of nft 1.0.x (README "Supported nft versions"), tolerated narrowly: only the lines and
+/// The known faults of nft 1.0.x (docs/kernels-and-nft.md "Tolerated nft bugs"), tolerated narrowly: only the lines and
 /// messages named here, and only for 1.0.x; anything else, and any other version, is checked as it is.
 ///
 /// 1. nft 1.0.6's register allocator cannot write a map update whose value is longer than 16 bytes: loading

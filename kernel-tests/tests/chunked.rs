@@ -1,5 +1,5 @@
-//! A first sync big enough to be committed in several transactions (README "How it syncs": chunks of at most
-//! `--max-transaction-elements`, 25 000 by default; 250 here, so that the test stays small enough for the
+//! A first sync big enough to be committed in several transactions (docs/sync.md "Chunked commits": chunks of
+//! at most `--max-transaction-elements`, 25 000 by default; 250 here, so that the test stays small enough for the
 //! emulated kernels of the VM matrix) never exposes a half state: services that already exist keep answering
 //! every connection while a restarted agent programs five hundred new ones around them (a thousand took over
 //! three minutes under the VM matrix's software emulation).

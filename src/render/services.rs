@@ -3,7 +3,7 @@
 //! `base.rs`, the `lb-*`, `pick` and firewall chains in `chains.rs`.
 //!
 //! The shape is chosen so that the kernel loads it in linear time and so that services come and go, and
-//! endpoints change, by **set elements only** (KERNEL-NOTES.md, "Candidate shapes", shape D):
+//! endpoints change, by **set elements only** (docs/kernel-facts.md, "Why set elements only", shape D):
 //! - `services` (reached from nat prerouting and output) looks up `daddr . l4proto . dport` in the verdict
 //!   map `service-ips`, whose element for a service port says `goto lb…`, the chain of its kind (ClusterIP,
 //!   external, NodePort, externalTrafficPolicy Local; with or without affinity): one lookup per new

@@ -1,6 +1,6 @@
 //! What a sync will commit, and its cutting into several transactions, so that no single commit holds the
 //! kernel's nf_tables mutex for long (a 50k-service first sync would otherwise be one multi-second batch;
-//! see KERNEL-NOTES on soft lockups). The diff removes dispatch elements first and adds them last, so every
+//! see docs/kernel-facts.md, "Large transactions hold the nf_tables mutex"). The diff removes dispatch elements first and adds them last, so every
 //! chunk leaves each service either fully programmed or not yet reachable; changes that are only consistent
 //! together (a chain's flush and its new rules, a table replaced with all its content) form a group, which a
 //! cut never splits: a group that does not fit what is left of a part starts the next one, and a group

@@ -20,7 +20,7 @@ use std::sync::Arc;
 pub struct Delta {
     /// Chains a service now needs that nobody needed.
     pub chains_added: Vec<(Family, Arc<ChainState>)>,
-    /// Chains no service needs any more (deleted in a later transaction, see KERNEL-NOTES on EBUSY).
+    /// Chains no service needs any more (deleted in a later transaction, see docs/kernel-facts.md, "Deleting chains: EBUSY before 6.2").
     pub chains_unused: Vec<(Family, String)>,
     /// Elements to delete, by family and set.
     pub elements_removed: BTreeMap<(Family, &'static str), Vec<Element>>,
