@@ -28,7 +28,6 @@
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
 
 use nftkube::model::*;
-use nftkube::netns::unique_name;
 use nftkube::nft::ir::{Element, ElementValue, Family};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
@@ -36,6 +35,7 @@ use nftkube::nft::Backend;
 use nftkube::render::names::{MAP_AFFINITY, TABLE};
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
+use nftkube_sandbox::netns::unique_name;
 use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};

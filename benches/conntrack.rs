@@ -23,10 +23,10 @@ use nftkube::conntrack::{
     Cleaner, CleanerOptions, CleanupQueue, CtSocket, DumpFilter, NewEntry, Tuple,
 };
 use nftkube::model::*;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 

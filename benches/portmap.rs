@@ -16,7 +16,7 @@
 // A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
 
-use nftkube::netns::{set_link_up, unique_name, NetNs};
+use nftkube_sandbox::netns::{set_link_up, unique_name, NetNs};
 use serde_json::{json, Value};
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -20,7 +20,7 @@
 // A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
 
-use nftkube::netns::{unique_name, NetNs};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};

@@ -15,7 +15,7 @@
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
 
 use nftkube::netlink::{MsgBuilder, NlSocket, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
-use nftkube::netns::{self, unique_name, NetNs};
+use nftkube_sandbox::netns::{self, unique_name, NetNs};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 

@@ -22,10 +22,10 @@
 mod anchors;
 
 use nftkube::model::*;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr};

@@ -9,11 +9,11 @@
 // The demo talks to the terminal that started it.
 #![allow(clippy::disallowed_macros)]
 
+use crate::sandbox::netns::{unique_name, NetNs};
 use crate::sandbox::{self, parse_answer, tcp_requests, udp_requests, Sandbox};
 use anyhow::Context;
 use nftkube::agent::{run_proxy, Inbox, ProxyOptions};
 use nftkube::model::{ClusterState, Protocol, ServicePort};
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{names::TABLE, RenderConfig};
@@ -87,7 +87,7 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("the agent thread panicked"))?;
     let prefix = sb.prefix().to_owned();
     drop(sb);
-    let left = std::fs::read_dir(nftkube::netns::NETNS_RUN_DIR)
+    let left = std::fs::read_dir(crate::sandbox::netns::NETNS_RUN_DIR)
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))

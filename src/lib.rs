@@ -8,7 +8,6 @@ pub mod conntrack;
 pub mod metrics;
 pub mod model;
 pub mod netlink;
-pub mod netns;
 pub mod nft;
 pub mod node;
 pub mod portmap;

@@ -14,11 +14,10 @@ const LAYERS: &[(&str, u8)] = &[
     ("model", 0),
     ("process", 0),
     ("metrics", 0),
-    // nf_tables, conntrack, routes and namespaces over netlink.
+    // nf_tables, conntrack and node facts over netlink.
     ("nft", 1),
     ("conntrack", 1),
     ("node", 1),
-    ("netns", 1),
     // From the model to tables; from the world to the model.
     ("render", 2),
     ("source", 2),

@@ -27,10 +27,10 @@ use kernel_tests::fake_api::FakeApi;
 use kernel_tests::sandbox::{self, parse_answer, tcp_request_here, Sandbox};
 use kernel_tests::{command_in, require_root, BACKEND_TCP_PORT};
 use nftkube::model::*;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::SyncEngine;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -387,7 +387,7 @@ fn cold_table(bin: &Path, sizes: &[usize], endpoints: usize) {
         if sources.contains(&"api") {
             let ns = NetNs::create(&unique_name("nklat")).unwrap();
             // The API is served on the namespace's loopback.
-            ns.run(|| nftkube::netns::set_link_up("lo"))
+            ns.run(|| nftkube_sandbox::netns::set_link_up("lo"))
                 .unwrap()
                 .expect("loopback up");
             let api = FakeApi::in_namespace(&ns);

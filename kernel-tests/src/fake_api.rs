@@ -139,10 +139,10 @@ fn key_of(resource: Resource, obj: &Value) -> Key {
 
 impl FakeApi {
     /// A fake API server listening on 127.0.0.1 inside `ns` (rebinds there after an outage, too).
-    pub fn in_namespace(ns: &nftkube::netns::NetNs) -> FakeApi {
+    pub fn in_namespace(ns: &nftkube_sandbox::netns::NetNs) -> FakeApi {
         let name = ns.name().to_string();
         FakeApi::start_with(Arc::new(move |a| {
-            nftkube::netns::NetNs::open_existing(&name)
+            nftkube_sandbox::netns::NetNs::open_existing(&name)
                 .map_err(|e| std::io::Error::other(e.to_string()))?
                 .run(move || TcpListener::bind(a))?
         }))

@@ -5,9 +5,9 @@
 //! here touches the host's own network namespace: the agent process enters the node namespace before it
 //! executes, and every client and server runs on a thread that entered its namespace.
 
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::{Family, TableState};
 use nftkube::nft::netlink::NftSocket;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use nftkube_sandbox::Sandbox;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -459,7 +459,7 @@ pub fn chi_square(counts: &[usize]) -> f64 {
 pub fn route_from_outside(sb: &Sandbox, net: std::net::Ipv4Addr, prefix: u8) {
     sb.ext()
         .run(move || {
-            nftkube::netns::add_route(
+            nftkube_sandbox::netns::add_route(
                 net.into(),
                 prefix,
                 Some(sandbox::node_ip_v4().into()),

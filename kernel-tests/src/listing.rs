@@ -7,7 +7,7 @@
 //! reload breaks them even though the kernel accepted it, and no traffic test notices.
 
 use crate::command_in;
-use nftkube::netns::{unique_name, NetNs};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};

@@ -147,7 +147,7 @@ pub const DESTS: [Dest; 3] = [Dest::ClusterIp, Dest::NodePort, Dest::LbIp];
 pub const SOURCES: [Source; 3] = [Source::Pod, Source::Node, Source::Outside];
 
 /// The namespace a source sends from.
-pub fn source_ns(sb: &sandbox::Sandbox, src: Source) -> &nftkube::netns::NetNs {
+pub fn source_ns(sb: &sandbox::Sandbox, src: Source) -> &nftkube_sandbox::netns::NetNs {
     match src {
         Source::Pod => sb.client(),
         Source::Node => sb.node(),

@@ -7,8 +7,8 @@
 
 use kernel_tests::sandbox::{self, tcp_requests, udp_requests};
 use kernel_tests::*;
-use nftkube::netns::NetNs;
 use nftkube::nft::ir::Family;
+use nftkube_sandbox::netns::NetNs;
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;

@@ -23,9 +23,9 @@
 use kernel_tests::sandbox::{self, tcp_requests};
 use kernel_tests::*;
 use nftkube::admin::http::get;
-use nftkube::netns::NetNs;
 use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
+use nftkube_sandbox::netns::NetNs;
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};

@@ -9,10 +9,10 @@
 use kernel_tests::fake_api::{objects_from_yaml, FakeApi, Resource};
 use kernel_tests::sandbox::{parse_answer, tcp_request, tcp_requests, udp_request};
 use kernel_tests::*;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ffi::CString;
 use std::fs::File;

@@ -38,7 +38,7 @@ fn tally_per_pod(
 
 /// Waits until a TCP request from `ns` to `dst` is answered by a backend (each try is a new connection with
 /// a fresh source port, so an early unNATed attempt cannot pin later ones).
-fn wait_reachable(ns: &nftkube::netns::NetNs, dst: SocketAddr) {
+fn wait_reachable(ns: &nftkube_sandbox::netns::NetNs, dst: SocketAddr) {
     wait_until(SYNC, || {
         tcp_request(ns, dst, Duration::from_millis(300)).is_ok()
     })

@@ -5,12 +5,12 @@
 //!
 //! Root only: these tests fail (never skip) when not run as root.
 
-use nftkube::netns::{self, NetNs};
 use nftkube::nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
 use nftkube::nft::ir::*;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::text;
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::{self, NetNs};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::process::Command;

@@ -10,7 +10,7 @@ use kernel_tests::*;
 use nftkube::conntrack::wire::{AF_INET, IPPROTO_TCP, IPPROTO_UDP};
 use nftkube::conntrack::*;
 use nftkube::model::Protocol;
-use nftkube::netns::{unique_name, NetNs};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

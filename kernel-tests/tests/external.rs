@@ -264,10 +264,10 @@ fn uplink2_ip(host: u8, v6: bool) -> IpAddr {
 /// Adds a second veth between the node and ext, then makes each of the node's default routes (IPv4, IPv6) one
 /// route with a next hop through each uplink, as a node with bonded-by-routing uplinks has.
 fn multipath_default_routes(sb: &sandbox::Sandbox) {
-    use nftkube::netns::{add_address, create_veth, replace_route_multipath, set_link_up};
+    use nftkube_sandbox::netns::{add_address, create_veth, replace_route_multipath, set_link_up};
     let ext = sb.ext();
     let node_end = |host| {
-        move || -> Result<(), nftkube::netns::NetnsError> {
+        move || -> Result<(), nftkube_sandbox::netns::NetnsError> {
             set_link_up(UPLINK2)?;
             add_address(UPLINK2, uplink2_ip(host, false), 24)?;
             add_address(UPLINK2, uplink2_ip(host, true), 64)

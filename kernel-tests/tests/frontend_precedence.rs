@@ -21,7 +21,7 @@
 use kernel_tests::sandbox::{self, parse_answer, tcp_request};
 use kernel_tests::*;
 use nftkube::admin::http::get;
-use nftkube::netns::NetNs;
+use nftkube_sandbox::netns::NetNs;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;

@@ -2,11 +2,11 @@
 
 use kernel_tests::sandbox::{self, tcp_request};
 use kernel_tests::*;
-use nftkube::netns::NetNs;
 use nftkube::nft::build::{Field, RuleBuilder};
 use nftkube::nft::ir::{Chain, ChainType, CmpOp, Family, Hook};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::NetNs;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -136,7 +136,7 @@ fn unallocated_addresses_in_the_service_cidr_are_dropped() {
     // Something answers on 10.96.0.99 beyond the node (on ext), so an undropped packet gets an answer.
     let unallocated = Ipv4Addr::new(10, 96, 0, 99);
     sb.ext()
-        .run(move || nftkube::netns::add_address("lo", unallocated.into(), 32))
+        .run(move || nftkube_sandbox::netns::add_address("lo", unallocated.into(), 32))
         .unwrap()
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));

@@ -8,7 +8,7 @@
 use kernel_tests::sandbox::{self, Sandbox};
 use kernel_tests::*;
 use nftkube::admin::http::get;
-use nftkube::netns::NetNs;
+use nftkube_sandbox::netns::NetNs;
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;

@@ -2,11 +2,11 @@
 //! (or probe) for them. Run on every kernel of the matrix (ci/vm-tests).
 
 use kernel_tests::require_root;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
 use nftkube::nft::wire;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::io;
 
 const NLMSG_ERROR: u16 = 2;

@@ -7,8 +7,8 @@ use kernel_tests::fake_api::{objects_from_yaml, FakeApi, Resource};
 use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests};
 use kernel_tests::*;
 use nftkube::admin::http::{get, Reply};
-use nftkube::netns::NetNs;
 use nftkube::nft::ir::Family;
+use nftkube_sandbox::netns::NetNs;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -441,7 +441,7 @@ fn config_file_and_flags_resolve_like_kube_proxy() {
     let sb = sandbox("nk-kcfg", 3);
     let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
-    let dir = std::env::temp_dir().join(nftkube::netns::unique_name("nftkube-cfg"));
+    let dir = std::env::temp_dir().join(nftkube_sandbox::netns::unique_name("nftkube-cfg"));
     std::fs::create_dir_all(&dir).unwrap();
     // The API address from a kubeconfig named by the config file, as kubeadm's kube-proxy ConfigMap does.
     let kubeconfig = dir.join("kubeconfig.conf");

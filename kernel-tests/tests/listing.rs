@@ -5,11 +5,11 @@
 
 use kernel_tests::listing::{listing_problems, nfts, Faults};
 use kernel_tests::{command_in, require_root};
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::build::{Field, RuleBuilder};
 use nftkube::nft::ir::*;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 
 /// Shapes nftkube programs, loadable by the distribution's nft: a numgen slot map with typeof, a dispatch
 /// verdict map, a nat chain on the output hook at priority -100 (nft 1.1.x lists it as `dstnat`, which 1.1.x

@@ -7,10 +7,10 @@
 
 use kernel_tests::sandbox::{self, ext_ip_v4, node_ip_v4, node_ip_v6, Sandbox};
 use kernel_tests::*;
-use nftkube::netns::{self, unique_name, NetNs};
 use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::{self, unique_name, NetNs};
 use serde_json::{json, Value};
 use std::io::{ErrorKind, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};

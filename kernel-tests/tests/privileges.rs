@@ -197,7 +197,7 @@ fn health_check_node_ports_listen_on_the_nodeport_addresses_and_follow_them() {
     let second: IpAddr = "10.250.0.1".parse().unwrap();
     let pod_link = sandbox::node_pod_ifname(1);
     sb.node()
-        .run(move || nftkube::netns::add_address(&pod_link, second, 32))
+        .run(move || nftkube_sandbox::netns::add_address(&pod_link, second, 32))
         .unwrap()
         .expect("adding a second address to the node");
     // Let a full sync see it (it must not be picked up).
@@ -215,7 +215,7 @@ fn health_check_node_ports_listen_on_the_nodeport_addresses_and_follow_them() {
     // A new address on the NodePort link: after the next full sync the servers listen there too.
     let added: IpAddr = "192.168.200.77".parse().unwrap();
     sb.node()
-        .run(move || nftkube::netns::add_address(sandbox::NODE_UPLINK, added, 24))
+        .run(move || nftkube_sandbox::netns::add_address(sandbox::NODE_UPLINK, added, 24))
         .unwrap()
         .expect("adding an address to the node's uplink");
     let on_added = SocketAddr::new(added, port);

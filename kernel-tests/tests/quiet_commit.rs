@@ -6,7 +6,6 @@ use kernel_tests::sandbox::tcp_requests;
 use kernel_tests::*;
 use nftkube::model::*;
 use nftkube::netlink::{Membership, NlSocket};
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::Family;
 use nftkube::nft::monitor;
 use nftkube::nft::monitor::EventSubscriber;
@@ -15,6 +14,7 @@ use nftkube::nft::tx::{Op, Transaction};
 use nftkube::render::{self, RenderConfig};
 use nftkube::sync::quiet::QUIET_COMMIT_ELEMENTS;
 use nftkube::sync::SyncEngine;
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -4,8 +4,8 @@
 use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests};
 use kernel_tests::*;
 use nftkube::model::Protocol;
-use nftkube::netns::NetNs;
 use nftkube::relay::{Frontend, Relay, RelayError, RelayOptions};
+use nftkube_sandbox::netns::NetNs;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -44,7 +44,7 @@ endpoints:
 
 const POD1: &str = "10.244.1.2";
 
-fn served(ns: &nftkube::netns::NetNs, dst: SocketAddr) -> bool {
+fn served(ns: &nftkube_sandbox::netns::NetNs, dst: SocketAddr) -> bool {
     kernel_tests::served(ns, dst, SHORT)
 }
 

@@ -216,8 +216,9 @@ struct Client {
 }
 
 impl Client {
-    fn start(name: &'static str, ns: &nftkube::netns::NetNs, dst: SocketAddr) -> Client {
-        let ns = nftkube::netns::NetNs::open_existing(ns.name()).expect("opening the namespace");
+    fn start(name: &'static str, ns: &nftkube_sandbox::netns::NetNs, dst: SocketAddr) -> Client {
+        let ns =
+            nftkube_sandbox::netns::NetNs::open_existing(ns.name()).expect("opening the namespace");
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {

@@ -36,7 +36,7 @@ endpoints:
     )
 }
 
-fn served(ns: &nftkube::netns::NetNs, dst: SocketAddr) -> bool {
+fn served(ns: &nftkube_sandbox::netns::NetNs, dst: SocketAddr) -> bool {
     kernel_tests::served(ns, dst, SHORT)
 }
 

@@ -20,7 +20,7 @@ fn echo() -> SocketAddr {
     "10.96.0.10:80".parse().unwrap()
 }
 
-fn wait_reachable(ns: &nftkube::netns::NetNs, dst: SocketAddr) {
+fn wait_reachable(ns: &nftkube_sandbox::netns::NetNs, dst: SocketAddr) {
     wait_until(SYNC, || {
         tcp_request(ns, dst, Duration::from_millis(300)).is_ok()
     })

@@ -104,7 +104,7 @@ fn packet_args(src: Source, policy: Policy, dest: Dest) -> Vec<String> {
 }
 
 /// `nftkube trace ARGS` in the node's namespace; panics unless it succeeds with JSON.
-fn trace_json(ns: &nftkube::netns::NetNs, args: &[String]) -> Value {
+fn trace_json(ns: &nftkube_sandbox::netns::NetNs, args: &[String]) -> Value {
     let out = command_in(ns, nftkube_bin())
         .args(args)
         .output()
@@ -286,7 +286,7 @@ fn bad_arguments_are_refused_with_the_argument_named() {
 /// `nftkube trace ARGS` (a `--live` run) in `ns`, once its table is in place: the child and the table's name.
 /// `capture`: its output piped for the test to read, else discarded.
 fn start_live(
-    ns: &nftkube::netns::NetNs,
+    ns: &nftkube_sandbox::netns::NetNs,
     args: &[String],
     capture: bool,
 ) -> (std::process::Child, String) {
@@ -313,7 +313,7 @@ fn start_live(
 }
 
 /// The trace table of process `pid` in `ns` (family ip): `nftkube-trace-PID-START-RANDOM`.
-fn trace_table_of(ns: &nftkube::netns::NetNs, pid: u32) -> Option<String> {
+fn trace_table_of(ns: &nftkube_sandbox::netns::NetNs, pid: u32) -> Option<String> {
     let prefix = format!("{}{pid}-", nftkube::render::names::TRACE_TABLE_PREFIX);
     ns.run(move || {
         nftkube::nft::netlink::NftSocket::open()
@@ -327,7 +327,7 @@ fn trace_table_of(ns: &nftkube::netns::NetNs, pid: u32) -> Option<String> {
 }
 
 /// Whether table `name` exists in `ns` (family ip).
-fn has_table(ns: &nftkube::netns::NetNs, name: &str) -> bool {
+fn has_table(ns: &nftkube_sandbox::netns::NetNs, name: &str) -> bool {
     let name = name.to_string();
     ns.run(move || {
         nftkube::nft::netlink::NftSocket::open()

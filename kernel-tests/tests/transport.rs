@@ -9,10 +9,10 @@
 
 use kernel_tests::*;
 use nftkube::netlink::NetlinkError;
-use nftkube::netns::{unique_name, NetNs};
 use nftkube::nft::ir::{Chain, DataType, Element, Family, Set, TableState};
 use nftkube::nft::netlink::{CommitError, DumpError, NftSocket};
 use nftkube::nft::tx::{Op, Transaction};
+use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::collections::BTreeSet;
 use std::os::unix::process::CommandExt;
 use std::sync::atomic::{AtomicBool, Ordering};

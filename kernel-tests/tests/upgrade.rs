@@ -12,7 +12,7 @@ use kernel_tests::sandbox;
 use kernel_tests::*;
 use nftkube::netlink::attr::messages;
 use nftkube::netlink::{Expect, NlSocket, NLM_F_ACK};
-use nftkube::netns::NetNs;
+use nftkube_sandbox::netns::NetNs;
 use std::net::SocketAddr;
 use std::time::Duration;
 

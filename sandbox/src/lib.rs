@@ -21,10 +21,12 @@
 // The test rig (and the demo's): it reports to the terminal of the test or demo that runs it.
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
 
-use anyhow::Context;
-use nftkube::netns::{
-    self, add_address, add_route, create_veth, set_link_up, set_sysctl, NetNs, NetnsError,
+pub mod netns;
+
+use self::netns::{
+    add_address, add_route, create_veth, set_link_up, set_sysctl, NetNs, NetnsError,
 };
+use anyhow::Context;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

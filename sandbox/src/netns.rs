@@ -16,12 +16,12 @@
 //! the namespace alive with no process in it. Deleting unmounts and unlinks the file; the namespace itself goes
 //! away when the last thread, socket or open fd referring to it is gone.
 
-use crate::netlink::route::{attributes, RouteSocket, RTM_NEWLINK};
-use crate::netlink::NetlinkError;
-use crate::netlink::{NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
 use netlink_packet_core::{DecodeError, ParseableParametrized};
 use netlink_packet_route::link::{LinkAttribute, LinkHeader, LinkMessage};
 use netlink_packet_route::RouteNetlinkMessage;
+use nftkube::netlink::route::{attributes, RouteSocket, RTM_NEWLINK};
+use nftkube::netlink::NetlinkError;
+use nftkube::netlink::{NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -1155,11 +1155,11 @@ mod tests {
     /// attributes nested in it and netlink-packet-route does not (the kernel parses IFLA_LINKINFO either way).
     mod golden {
         use super::super::msg;
-        use crate::netlink::route::encode;
-        use crate::netlink::{
+        use netlink_packet_route::RouteNetlinkMessage as Rt;
+        use nftkube::netlink::route::encode;
+        use nftkube::netlink::{
             MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST,
         };
-        use netlink_packet_route::RouteNetlinkMessage as Rt;
         use std::net::IpAddr;
 
         const SEQ: u32 = 7;
