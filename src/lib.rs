@@ -6,8 +6,6 @@ pub mod cli;
 pub mod config;
 pub mod conntrack;
 pub mod metrics;
-pub mod model;
-pub mod netlink;
 pub mod nft;
 pub mod node;
 pub mod portmap;
@@ -17,4 +15,9 @@ pub mod render;
 pub mod source;
 pub mod sync;
 pub mod trace;
-pub mod yaml;
+
+// The bottom layers, crates of their own so that the compiler refuses an upward import; re-exported under
+// their module names, which the rest of the library and its users keep using.
+pub use nftkube_model as model;
+pub use nftkube_netlink as netlink;
+pub use nftkube_yaml as yaml;

@@ -11,6 +11,7 @@
 //! Ordinary manifests first go through a hand-written parser of the block subset they use (`fast`), which
 //! returns exactly what serde-saphyr would or declines; serde-saphyr parses whatever it declines, and words
 //! every error.
+#![forbid(unsafe_code)]
 
 use serde_json::Value;
 

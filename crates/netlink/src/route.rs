@@ -114,7 +114,7 @@ impl RouteSocket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::MsgBuilder;
+    use crate::MsgBuilder;
 
     /// A payload: a 4-byte fixed header, then the attributes `f` writes.
     fn payload(f: impl FnOnce(&mut MsgBuilder)) -> Vec<u8> {

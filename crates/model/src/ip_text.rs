@@ -26,7 +26,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 const BIG: u32 = 0x00FF_FFFF;
 
 /// An IP address as `ParseIPSloppy` reads it, an IPv4-mapped one as IPv4. None if it is not one.
-pub(crate) fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
+pub fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
     // Go dispatches on the first '.' or ':' of the text.
     let bytes = s.as_bytes();
     match bytes.iter().find(|b| matches!(b, b'.' | b':'))? {
@@ -420,7 +420,7 @@ mod tests {
 
 #[cfg(test)]
 mod cidr_from_str_tests {
-    use crate::model::{Cidr, IpFamily, ParseError};
+    use crate::{Cidr, IpFamily, ParseError};
 
     #[test]
     fn cidr_from_str_reads_sloppy_text() {

@@ -1,4 +1,5 @@
 //! Service and endpoint model: what the cluster asks for, independent of where it came from.
+#![forbid(unsafe_code)]
 mod detect_local;
 mod intern;
 mod ip_text;
@@ -7,7 +8,7 @@ mod tracker;
 mod types;
 pub use detect_local::*;
 pub use intern::*;
-pub(crate) use ip_text::parse_ip_sloppy;
+pub use ip_text::parse_ip_sloppy;
 pub use node::*;
 pub use tracker::*;
 pub use types::*;
