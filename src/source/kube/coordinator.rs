@@ -1,76 +1,17 @@
-//! Services, EndpointSlices and this Node from the Kubernetes API, as the same [`Event`]s the manifest
-//! source emits.
-//!
-//! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
-//! after `410 Gone`, exponential backoff 0.2 s → 30 s with jitter (client-go starts at 0.8 s), starting over as
-//! soon as the API answers the watcher again: [`super::backoff`]) run on a
-//! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
-//! proxy loop through a channel. The runtime thread never changes network namespace: it inherits the one
-//! of the thread that started it.
-//!
-//! Guarantees, implemented by [`Coordinator`] (pure, unit-tested without HTTP):
-//! - **No sync on a partial view.** [`Event::Synced`] is sent once, after both Services and
-//!   EndpointSlices completed their first list. The proxy loop does not touch the kernel before it.
-//! - **An unreachable API flushes nothing.** Errors only delay events; nothing is deleted because a
-//!   list failed.
-//! - **A relist is applied whole.** The objects of a relist (one after `410 Gone` or a failed watch) are
-//!   compared with what was emitted as they arrive and only the differences are buffered; when the list
-//!   is complete, the differences (changes, then deletions of whatever the list no longer has) go out as
-//!   one batch, so the proxy loop never syncs half of it. A kind's first list goes out as it arrives
-//!   instead, a page at a time: nothing is synced before `Synced` anyway, and the proxy loop stores one page
-//!   while the next is read (a first list interrupted and started again deletes, when it completes, what
-//!   the earlier attempt emitted and it no longer has).
-//! - **Small memory.** Objects are converted to model types as they arrive and dropped; per object only
-//!   a 64-bit fingerprint of what was emitted is kept (the proxy loop's store holds the model), and for the
-//!   Services with external or LoadBalancer IPs their ports too (what closing them takes: see below).
-//! - **Malformed objects are skipped** with their name and reason logged; the last good version of the
-//!   object (if any) stays in effect, except where that would leave traffic flowing that neither version
-//!   allows (`super::fail_closed`): a Service whose update or last good version has
-//!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
-//!   EndpointSlice's endpoints are withdrawn.
+//! The coordinator: a pure state machine from watcher events (objects already converted) to the model
+//! events to send, with no I/O, so that the guarantees of the module documentation are unit-tested without
+//! HTTP. Per kind it remembers a fingerprint of what was emitted, holds a relist back until it completes,
+//! and closes what a failure must not leave open.
 
 use std::collections::BTreeMap;
-use std::hash::Hash;
-use std::path::PathBuf;
-use std::sync::mpsc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use futures::{FutureExt, StreamExt};
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
-use kube::runtime::WatchStreamExt;
 
-use super::backoff::{counting_client, Answered, WatchBackoff};
-use super::convert::{self, ServiceConversion, SliceConversion};
-use super::fail_closed::{asks_source_ranges, ExposedServices};
-use super::{fingerprint, Event, NodeInfo};
-use crate::model::{
-    parse_ip_sloppy, Cidr, FastMap, FastSet, Interner, NameKey, NamespacedName, ServicePort,
-    SharedName, SharedValues, SliceInfo,
-};
-
-/// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
-pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-/// kube-proxy's selector for Services and EndpointSlices: objects that another proxy implementation
-/// claims, and headless services, are not its business.
-pub const PROXY_LABEL_SELECTOR: &str =
-    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-/// The cluster autoscaler's taint on a node it is about to delete.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
-const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
-
-/// How to reach the API server (kube-proxy's `--kubeconfig` / `--master`), and which node this is.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KubeOptions {
-    /// A kubeconfig file; its current context is used.
-    pub kubeconfig: Option<PathBuf>,
-    /// The API server's URL; overrides the kubeconfig's server. Without a kubeconfig: no credentials.
-    pub master: Option<String>,
-    /// This node's name: its Node object is watched (labels, addresses, pod CIDRs, deletion).
-    pub node_name: String,
-}
+use super::events::{Converted, Model};
+use crate::model::{FastMap, FastSet, Interner, NameKey, NamespacedName, SharedName, SharedValues};
+use crate::source::fail_closed::ExposedServices;
+use crate::source::{fingerprint, Event};
 
 /// Which watcher an item came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,172 +25,13 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
         }
     }
-}
-
-/// An object converted to what the model keeps.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Model {
-    Service(Vec<ServicePort>),
-    Slice(SliceInfo),
-    Node(NodeInfo),
-}
-
-/// One object as a watcher delivered it: its identity, and its conversion (Ok(None): an object the proxy
-/// ignores, such as a headless service; Err: malformed, with the reason).
-pub struct Converted {
-    key: Option<NamespacedName>,
-    model: Result<Option<Model>, String>,
-    trigger: Option<SystemTime>,
-    /// A Service whose spec lists `loadBalancerSourceRanges` (whether they convert or not).
-    restricts_sources: bool,
-}
-
-impl Converted {
-    /// Converts a Service.
-    pub fn service(svc: &Service) -> Converted {
-        let key = meta_key(&svc.metadata);
-        let model = match convert::service_ports(svc) {
-            Ok(ServiceConversion::Ports(p)) => Ok(Some(Model::Service(p))),
-            Ok(ServiceConversion::Skipped(reason)) => {
-                tracing::debug!(service = ?key, reason, "service not proxied");
-                Ok(None)
-            }
-            Err(e) => Err(e.reason),
-        };
-        Converted {
-            key,
-            model,
-            trigger: None,
-            restricts_sources: asks_source_ranges(svc),
-        }
-    }
-
-    /// Converts an EndpointSlice.
-    pub fn slice(slice: &EndpointSlice) -> Converted {
-        let key = meta_key(&slice.metadata);
-        let model = match convert::endpoint_slice(slice) {
-            Ok(SliceConversion::Slice(s)) => Ok(Some(Model::Slice(s))),
-            Ok(SliceConversion::Skipped(reason)) => {
-                tracing::debug!(slice = ?key, reason, "EndpointSlice ignored");
-                Ok(None)
-            }
-            Err(e) => Err(e.reason),
-        };
-        let trigger = slice
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
-            .and_then(|t| parse_rfc3339(t));
-        Converted {
-            key,
-            model,
-            trigger,
-            restricts_sources: false,
-        }
-    }
-
-    /// Converts this node's Node.
-    pub fn node(node: &Node) -> Converted {
-        Converted {
-            key: meta_key(&node.metadata),
-            model: node_info(node)
-                .map(|n| Some(Model::Node(n)))
-                .map_err(|e| e.to_string()),
-            trigger: None,
-            restricts_sources: false,
-        }
-    }
-}
-
-/// "namespace/name" of an object (namespace "" for cluster-scoped ones); None without a name.
-fn meta_key(meta: &ObjectMeta) -> Option<NamespacedName> {
-    let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
-    Some(NamespacedName::new(
-        meta.namespace.clone().unwrap_or_default(),
-        name,
-    ))
-}
-
-/// An RFC 3339 timestamp (what the API writes in annotations) as a system time.
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
-    let ts: k8s_openapi::jiff::Timestamp = s.trim().parse().ok()?;
-    Some(SystemTime::from(ts))
-}
-
-/// A Node object nftkube cannot use.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum NodeError {
-    /// A pod CIDR that does not parse.
-    #[error("node {node}: spec.podCIDRs: {source}")]
-    PodCidr {
-        /// The Node's name.
-        node: String,
-        /// What is wrong with the CIDR.
-        source: crate::model::ParseError,
-    },
-}
-
-/// Converts this node's object.
-pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
-    let name = node.metadata.name.clone().unwrap_or_default();
-    let zone = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(ZONE_LABEL))
-        .cloned();
-    let mut addresses = Vec::new();
-    for a in node
-        .status
-        .as_ref()
-        .and_then(|s| s.addresses.as_ref())
-        .into_iter()
-        .flatten()
-    {
-        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
-            // Read as kube-proxy reads node addresses (ParseIPSloppy), so both pick the same node IPs.
-            match parse_ip_sloppy(&a.address) {
-                Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
-                Some(_) => {}
-                None => {
-                    tracing::debug!(address = a.address, "ignoring a node address that is no IP")
-                }
-            }
-        }
-    }
-    let spec = node.spec.as_ref();
-    let cidr_strings: Vec<&String> = match spec.and_then(|s| s.pod_cidrs.as_ref()) {
-        Some(c) if !c.is_empty() => c.iter().collect(),
-        _ => spec.and_then(|s| s.pod_cidr.as_ref()).into_iter().collect(),
-    };
-    let pod_cidrs = cidr_strings
-        .into_iter()
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<Cidr>().map_err(|source| NodeError::PodCidr {
-                node: name.clone(),
-                source,
-            })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let tainted = spec
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
-    Ok(NodeInfo {
-        name,
-        zone,
-        addresses,
-        pod_cidrs,
-        deleting: node.metadata.deletion_timestamp.is_some() || tainted,
-    })
 }
 
 /// A relist in progress: which objects it has listed, and those that differ from what was emitted.
@@ -323,7 +105,7 @@ impl Tracker {
     }
 
     /// What to do with an object of this kind that did not convert: Err keeps its last good version (and
-    /// is logged by the caller); Ok is what to use instead (see [`super::fail_closed`]).
+    /// is logged by the caller); Ok is what to use instead (see [`crate::source::fail_closed`]).
     fn on_failure(
         &self,
         key: &NamespacedName,
@@ -584,246 +366,16 @@ fn deleted_event(kind: Kind, key: NamespacedName) -> Event {
     }
 }
 
-fn map_event<K>(ev: watcher::Event<K>, f: impl Fn(&K) -> Converted) -> watcher::Event<Converted> {
-    match ev {
-        watcher::Event::Apply(o) => watcher::Event::Apply(f(&o)),
-        watcher::Event::Delete(o) => watcher::Event::Delete(f(&o)),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(&o)),
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    }
-}
-
-/// Watch errors per kind since start (exported as a metric).
-pub static WATCH_ERRORS: [std::sync::atomic::AtomicU64; 3] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 3];
-
-/// The API source: watchers on a runtime thread, batches of events through a channel.
-#[derive(Debug)]
-pub struct KubeSource {
-    rx: mpsc::Receiver<Vec<Event>>,
-    stop: Option<futures::channel::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl KubeSource {
-    /// Builds the client (reads the kubeconfig or the in-cluster service account; a configuration error
-    /// is returned here) and starts watching. Does not wait for the API to answer.
-    pub fn start(opts: KubeOptions) -> anyhow::Result<KubeSource> {
-        KubeSource::start_notifying(opts, std::sync::Arc::new(|| {}))
-    }
-
-    /// [`KubeSource::start`], calling `notify` after each batch it queues.
-    pub fn start_notifying(opts: KubeOptions, notify: super::Notify) -> anyhow::Result<KubeSource> {
-        let (tx, rx) = super::Outbox::channel(notify);
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
-        let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("kube-watch".into())
-            .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(format!("starting the tokio runtime: {e}")));
-                        return;
-                    }
-                };
-                rt.block_on(async move {
-                    let connections = match config(&opts).await.and_then(|c| Connections::new(&c)) {
-                        Ok(c) => c,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let _ = ready_tx.send(Ok(()));
-                    let watch = run(connections, opts.node_name.clone(), tx).boxed();
-                    futures::future::select(watch, stop_rx).await;
-                });
-            })?;
-        match ready_rx.recv() {
-            Ok(Ok(())) => Ok(KubeSource {
-                rx,
-                stop: Some(stop_tx),
-                thread: Some(thread),
-            }),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(anyhow::anyhow!("{e}"))
-            }
-            Err(_) => {
-                let _ = thread.join();
-                Err(anyhow::anyhow!(
-                    "the API watcher thread stopped during startup"
-                ))
-            }
-        }
-    }
-
-    /// Every batch received so far, in order.
-    pub fn poll(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        while let Ok(batch) = self.rx.try_recv() {
-            out.extend(batch);
-        }
-        out
-    }
-}
-
-impl Drop for KubeSource {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            // The runtime drops the watchers at once; bound the wait anyway (a connect in progress).
-            super::join_within(t, Duration::from_secs(2));
-        }
-    }
-}
-
-/// The client configuration for `--kubeconfig` / `--master`, or the in-cluster service account.
-async fn config(opts: &KubeOptions) -> Result<kube::Config, String> {
-    let master = match opts.master.as_deref().filter(|m| !m.is_empty()) {
-        Some(m) => Some(
-            m.parse::<http::Uri>()
-                .map_err(|e| format!("invalid --master {m:?}: {e}"))?,
-        ),
-        None => None,
-    };
-    let mut config = match (&opts.kubeconfig, &master) {
-        (Some(path), _) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| format!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?
-        }
-        (None, Some(url)) => kube::Config::new(url.clone()),
-        (None, None) => kube::Config::incluster().map_err(|e| {
-            format!("no --kubeconfig or --master, and no in-cluster configuration: {e}")
-        })?,
-    };
-    if let Some(url) = master {
-        config.cluster_url = url;
-    }
-    // Without a configured CA, kube builds its TLS setup from the system's trust store and fails where there is
-    // none (an image holding only this binary), even for a plain-http server: give http an empty root store.
-    if config.cluster_url.scheme_str() == Some("http") && config.root_cert.is_none() {
-        config.root_cert = Some(Vec::new());
-    }
-    tracing::info!(server = %config.cluster_url, "watching the Kubernetes API");
-    Ok(config)
-}
-
-/// A watcher's client and the backoff that the client's answers reset.
-struct Connection {
-    client: kube::Client,
-    backoff: WatchBackoff,
-}
-
-impl Connection {
-    fn new(config: &kube::Config) -> Result<Connection, String> {
-        let answered = Answered::default();
-        let client = counting_client(config.clone(), &answered)
-            .map_err(|e| format!("building the API client: {e}"))?;
-        Ok(Connection {
-            client,
-            backoff: WatchBackoff::new(answered),
-        })
-    }
-}
-
-/// One connection per watcher, so that each one's backoff follows its own requests.
-struct Connections {
-    services: Connection,
-    slices: Connection,
-    node: Connection,
-}
-
-impl Connections {
-    fn new(config: &kube::Config) -> Result<Connections, String> {
-        Ok(Connections {
-            services: Connection::new(config)?,
-            slices: Connection::new(config)?,
-            node: Connection::new(config)?,
-        })
-    }
-}
-
-type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
-
-/// Runs the three watchers until the receiver goes away.
-async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
-    let Connections {
-        services,
-        slices,
-        node,
-    } = connections;
-    let proxied = watcher::Config::default()
-        .labels(PROXY_LABEL_SELECTOR)
-        .any_semantic();
-    let services = watcher::watcher(kube::Api::<Service>::all(services.client), proxied.clone())
-        .backoff(services.backoff)
-        .map(|r| (Kind::Service, r.map(|e| map_event(e, Converted::service))))
-        .boxed();
-    let slices = watcher::watcher(kube::Api::<EndpointSlice>::all(slices.client), proxied)
-        .backoff(slices.backoff)
-        .map(|r| {
-            (
-                Kind::EndpointSlice,
-                r.map(|e| map_event(e, Converted::slice)),
-            )
-        })
-        .boxed();
-    let mut streams: Vec<futures::stream::BoxStream<'static, Item>> = vec![services, slices];
-    if !node_name.is_empty() {
-        let cfg = watcher::Config::default()
-            .fields(&format!("metadata.name={node_name}"))
-            .any_semantic();
-        streams.push(
-            watcher::watcher(kube::Api::<Node>::all(node.client), cfg)
-                .backoff(node.backoff)
-                .map(|r| (Kind::Node, r.map(|e| map_event(e, Converted::node))))
-                .boxed(),
-        );
-    }
-    // What is ready at once goes out as one batch: a first list's page (it is emitted as it arrives, see
-    // the module documentation) wakes the proxy loop once, not once per object.
-    let mut all = futures::stream::select_all(streams).ready_chunks(READY_ITEMS);
-    let mut coordinator = Coordinator::default();
-    while let Some(items) = all.next().await {
-        let mut batch = Vec::new();
-        for (kind, item) in items {
-            match item {
-                Ok(ev) => batch.extend(coordinator.handle(kind, ev)),
-                Err(e) => {
-                    WATCH_ERRORS[kind as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(
-                        kind = kind.as_str(),
-                        "API watch failed (retrying with backoff; the programmed rules stay): {e}"
-                    );
-                }
-            }
-        }
-        if !batch.is_empty() && tx.send(batch).is_err() {
-            return;
-        }
-    }
-}
-
-/// At most this many watcher items in one batch (two list pages of 500).
-const READY_ITEMS: usize = 1000;
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::{ClusterState, Protocol};
     use crate::source::apply_event;
+    use crate::source::kube::events::{map_event, parse_rfc3339, TRIGGER_TIME_ANNOTATION};
+    use k8s_openapi::api::core::v1::{Node, Service};
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
     use std::sync::Arc;
+    use std::time::Duration;
     use watcher::Event as W;
 
     fn svc(name: &str, ip: &str) -> Service {
@@ -1303,30 +855,5 @@ mod tests {
         let (name, list) = eps.iter().next().unwrap();
         assert_eq!(name.protocol, Protocol::Tcp);
         assert_eq!(list.len(), 2, "both slices of the service are merged");
-    }
-
-    #[test]
-    fn node_info_reads_zone_addresses_cidrs_and_deletion() {
-        let node: Node = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "node-1", "labels": {"topology.kubernetes.io/zone": "z1"}},
-            "spec": {"podCIDRs": ["10.244.1.0/24", "fd00:244:1::/64"],
-                     "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]},
-            "status": {"addresses": [{"type": "Hostname", "address": "node-1"},
-                                     {"type": "InternalIP", "address": "192.168.1.10"},
-                                     {"type": "InternalIP", "address": "fd00::10"}]},
-        }))
-        .unwrap();
-        let n = node_info(&node).unwrap();
-        assert_eq!(n.name, "node-1");
-        assert_eq!(n.zone.as_deref(), Some("z1"));
-        assert_eq!(n.addresses.len(), 2);
-        assert_eq!(n.pod_cidrs[0].to_string(), "10.244.1.0/24");
-        assert!(n.deleting);
-        let mut bad = node.clone();
-        bad.spec.as_mut().unwrap().pod_cidrs = Some(vec!["10.244.1.0/99".into()]);
-        assert!(node_info(&bad)
-            .unwrap_err()
-            .to_string()
-            .contains("podCIDRs"));
     }
 }
