@@ -2,7 +2,9 @@
 pub mod backend;
 pub mod build;
 pub mod bytes;
-#[cfg(test)]
+// The in-memory nf_tables the sync engine is tested against; other crates (kernel tests, benches, fuzz
+// targets) get it with the `testing` feature. Never in a release build.
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
 pub mod ir;
 pub mod monitor;
