@@ -6,7 +6,6 @@ pub mod cli;
 pub mod config;
 pub mod conntrack;
 pub mod metrics;
-pub mod nft;
 pub mod node;
 pub mod portmap;
 pub mod process;
@@ -20,4 +19,5 @@ pub mod trace;
 // their module names, which the rest of the library and its users keep using.
 pub use nftkube_model as model;
 pub use nftkube_netlink as netlink;
+pub use nftkube_nft as nft;
 pub use nftkube_yaml as yaml;

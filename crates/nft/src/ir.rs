@@ -311,7 +311,7 @@ pub fn key_len(types: &[DataType]) -> usize {
     if types.len() == 1 {
         types[0].len()
     } else {
-        types.iter().map(|t| crate::netlink::align4(t.len())).sum()
+        types.iter().map(|t| nftkube_netlink::align4(t.len())).sum()
     }
 }
 

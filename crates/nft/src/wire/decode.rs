@@ -1,8 +1,8 @@
 //! Decoding of nf_tables dump messages back into the IR, so the kernel's state can be compared with ours.
 
 use super::consts::*;
-use crate::netlink::attr::{Attr, Attrs};
-use crate::nft::ir::*;
+use crate::ir::*;
+use nftkube_netlink::attr::{Attr, Attrs};
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot decode nf_tables {what}: {reason}")]
@@ -129,7 +129,7 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
         .and_then(|d| be32(&d.nested(), NFTA_SET_DESC_SIZE))
         .filter(|&n| n != 0);
     let udata = a.get(NFTA_SET_USERDATA).map(|u| u.payload).unwrap_or(&[]);
-    let (key_typeof, data_typeof) = crate::nft::udata::parse_typeof(udata);
+    let (key_typeof, data_typeof) = crate::udata::parse_typeof(udata);
     let set = Set {
         name,
         key,
@@ -142,7 +142,7 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
     };
     // User data that is not exactly what we would write (someone else's set, or tampering) must not
     // compare equal to ours: an empty typeof, which we never declare, marks it.
-    let ours = crate::nft::udata::set_userdata(crate::nft::udata::Declared::of(&set));
+    let ours = crate::udata::set_userdata(crate::udata::Declared::of(&set));
     let set = if flags & SET_F_ANONYMOUS == 0 && ours != udata {
         Set {
             key_typeof: Some(Vec::new()),

@@ -2,12 +2,12 @@
 
 use super::consts::*;
 use super::*;
-use crate::netlink::attr::{messages, Msg};
-use crate::netlink::NLA_F_NESTED;
-use crate::nft::build::*;
-use crate::nft::ir::*;
-use crate::nft::text;
-use crate::nft::tx::{Op, Transaction};
+use crate::build::*;
+use crate::ir::*;
+use crate::text;
+use crate::tx::{Op, Transaction};
+use nftkube_netlink::attr::{messages, Msg};
+use nftkube_netlink::NLA_F_NESTED;
 use std::fmt::Write;
 
 const TABLE: &str = "nftkube";
@@ -62,7 +62,7 @@ fn layout(msg: &[u8]) -> String {
                 let _ = writeln!(out, "{:w$}\"{}\", // malformed", "", hex(b), w = 4 * depth);
                 return;
             }
-            let padded = crate::netlink::align4(len).min(b.len());
+            let padded = nftkube_netlink::align4(len).min(b.len());
             if kind & NLA_F_NESTED != 0 {
                 let _ = writeln!(
                     out,
@@ -245,8 +245,8 @@ fn create_table_is_add_table_with_excl() {
         u16::from_ne_bytes([m[6], m[7]])
     };
     let (add, create) = (flags(Op::AddTable), flags(Op::CreateTable));
-    assert_eq!(add & crate::netlink::NLM_F_EXCL, 0, "{add:#x}");
-    assert_eq!(create, add | crate::netlink::NLM_F_EXCL, "{create:#x}");
+    assert_eq!(add & nftkube_netlink::NLM_F_EXCL, 0, "{add:#x}");
+    assert_eq!(create, add | nftkube_netlink::NLM_F_EXCL, "{create:#x}");
     let body = |op| one_message(Family::Ip, op)[16..].to_vec();
     assert_eq!(body(Op::CreateTable), body(Op::AddTable));
 }
@@ -702,7 +702,7 @@ fn batch_framing_flags_and_sequence_numbers() {
     assert_eq!(msgs.len(), tx.changes.len() + 2);
     assert_eq!(seq_count(&tx), msgs.len() as u32);
     let total: usize = messages(&b.bytes)
-        .map(|m| crate::netlink::align4(m.payload.len() + 16))
+        .map(|m| nftkube_netlink::align4(m.payload.len() + 16))
         .sum();
     assert_eq!(total, b.bytes.len(), "messages tile the batch");
 
@@ -715,13 +715,13 @@ fn batch_framing_flags_and_sequence_numbers() {
         assert_eq!(m.msg_type, t);
         assert_eq!(
             m.flags,
-            crate::netlink::NLM_F_REQUEST,
+            nftkube_netlink::NLM_F_REQUEST,
             "no ACK on BEGIN/END"
         );
         assert_eq!(m.payload, [0, 0, 0, 10], "res_id NFNL_SUBSYS_NFTABLES");
     }
 
-    use crate::netlink::{NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
+    use nftkube_netlink::{NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST};
     let objects = &msgs[1..msgs.len() - 1];
     let expect: Vec<(u16, u16)> = vec![
         (NFT_MSG_NEWTABLE, NLM_F_CREATE),
@@ -776,7 +776,7 @@ fn big_element_lists_are_split_and_map_back_to_their_change() {
     let mut decoded = Vec::new();
     for (t, flags, seq, payload) in &objects[..objects.len() - 1] {
         assert_eq!(*t & 0xff, NFT_MSG_NEWSETELEM);
-        assert_eq!(flags & crate::netlink::NLM_F_ACK, 0);
+        assert_eq!(flags & nftkube_netlink::NLM_F_ACK, 0);
         assert_eq!(b.change_index(*seq), Some(0));
         // The element list is one attribute: its 16-bit length must not overflow.
         assert!(payload.len() < 65_000, "{}", payload.len());
@@ -1044,7 +1044,7 @@ const VARIANTS: usize = 19;
 
 #[test]
 fn anonymous_sets_go_in_the_batch_before_their_rule() {
-    let rule = crate::nft::build::RuleBuilder::new()
+    let rule = crate::build::RuleBuilder::new()
         .transport_protocol()
         .verdict(Verdict::Accept)
         .build();
@@ -1308,7 +1308,7 @@ fn set_flags_follow_the_kernels_rules() {
     assert_eq!(aff().flags(), SET_F_TIMEOUT | SET_F_EVAL);
     assert_eq!(service_ips().flags(), SET_F_MAP);
     let (_, p) = single_payload(Family::Ip, Op::AddSet(aff()));
-    let (_, attrs) = (p[0], crate::netlink::Attrs(&p[4..]));
+    let (_, attrs) = (p[0], nftkube_netlink::Attrs(&p[4..]));
     assert_eq!(
         attrs.get(NFTA_SET_TIMEOUT).and_then(|a| a.be64()),
         Some(10_800_000)
@@ -1454,7 +1454,7 @@ fn tables_round_trip() {
 fn unknown_expressions_decode_to_a_rule_that_never_matches_ours() {
     // A rule the kernel holds with an expression we do not model (here `log`) must not compare equal
     // to an empty rule of ours, and must say why.
-    let mut m = crate::netlink::MsgBuilder::new(0, 0, 0);
+    let mut m = nftkube_netlink::MsgBuilder::new(0, 0, 0);
     m.raw(&[2, 0, 0, 0]);
     m.attr_str(NFTA_RULE_TABLE, TABLE);
     m.attr_str(NFTA_RULE_CHAIN, "c");

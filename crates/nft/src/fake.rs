@@ -5,7 +5,7 @@ use super::backend::Backend;
 use super::ir::*;
 use super::netlink::{CommitError, DumpError};
 use super::tx::{Op, Transaction};
-use crate::netlink::NetlinkError;
+use nftkube_netlink::NetlinkError;
 use std::collections::BTreeMap;
 
 #[derive(Debug, Default, Clone)]

@@ -3,7 +3,7 @@
 use super::ir::*;
 use super::tx::Transaction;
 use super::wire::{self, consts::*};
-use crate::netlink::{Expect, NetlinkError, NlSocket};
+use nftkube_netlink::{Expect, NetlinkError, NlSocket};
 use std::fmt;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -147,9 +147,9 @@ impl NftSocket {
             .dump_as("nf_tables GETGEN", &wire::getgen_request(seq)?)?;
         msgs.iter()
             .find(|(t, _)| *t & 0xff == NFT_MSG_NEWGEN)
-            .and_then(|(_, p)| crate::netlink::Attrs(p.get(4..)?).get(NFTA_GEN_ID)?.be32())
+            .and_then(|(_, p)| nftkube_netlink::Attrs(p.get(4..)?).get(NFTA_GEN_ID)?.be32())
             .ok_or_else(|| NetlinkError::Protocol {
-                request: crate::netlink::Request {
+                request: nftkube_netlink::Request {
                     what: "nf_tables GETGEN".into(),
                     seq,
                 },
@@ -452,8 +452,8 @@ pub enum DumpError {
     },
 }
 
-impl From<crate::netlink::LengthError> for DumpError {
-    fn from(e: crate::netlink::LengthError) -> Self {
+impl From<nftkube_netlink::LengthError> for DumpError {
+    fn from(e: nftkube_netlink::LengthError) -> Self {
         DumpError::Netlink(e.into())
     }
 }
@@ -461,7 +461,7 @@ impl From<crate::netlink::LengthError> for DumpError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft::tx::Op;
+    use crate::tx::Op;
 
     #[test]
     fn an_attribute_too_long_fails_the_commit_before_anything_is_sent() {
@@ -485,7 +485,7 @@ mod tests {
                 e.failures.as_slice(),
                 [(
                     None,
-                    NetlinkError::Length(crate::netlink::LengthError::Attribute { .. })
+                    NetlinkError::Length(nftkube_netlink::LengthError::Attribute { .. })
                 )]
             ),
             "{e:?}"

@@ -1,11 +1,11 @@
 //! Encoding of transactions into one nf_tables netlink batch. Pure: bytes in, bytes out.
 
 use super::consts::*;
-use crate::netlink::{
+use crate::ir::*;
+use crate::tx::{Change, Op, Transaction};
+use nftkube_netlink::{
     LengthError, MsgBuilder, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST,
 };
-use crate::nft::ir::*;
-use crate::nft::tx::{Change, Op, Transaction};
 
 /// Elements per NEWSETELEM message are limited by the 64 KiB length of the nested element list attribute.
 const MAX_ELEMENT_BYTES: usize = 48 * 1024;
@@ -239,7 +239,7 @@ fn encode_anon_set(m: &mut MsgBuilder, table: &str, set: &AnonSet, id: u32) {
     m.nested(NFTA_SET_DESC, |m| {
         m.attr_be32(NFTA_SET_DESC_SIZE, set.elements.len() as u32);
     });
-    let udata = crate::nft::udata::set_userdata(crate::nft::udata::Declared {
+    let udata = crate::udata::set_userdata(crate::udata::Declared {
         key: std::slice::from_ref(&set.key),
         data: &[],
         key_typeof: Some(std::slice::from_ref(&set.key_typeof)),
@@ -332,7 +332,7 @@ fn encode_set(m: &mut MsgBuilder, table: &str, set: &Set) {
     // The kernel requires an ID (it lets later messages of the batch name the set before it has a
     // handle). We always refer to sets by name, so any stable number will do.
     m.attr_be32(NFTA_SET_ID, set_id(&set.name));
-    let udata = crate::nft::udata::set_userdata(crate::nft::udata::Declared::of(set));
+    let udata = crate::udata::set_userdata(crate::udata::Declared::of(set));
     m.attr(NFTA_SET_USERDATA, &udata);
 }
 
@@ -658,7 +658,7 @@ pub fn dump_request(
     set: Option<&str>,
     seq: u32,
 ) -> Result<Vec<u8>, LengthError> {
-    let flags = NLM_F_REQUEST | crate::netlink::NLM_F_DUMP;
+    let flags = NLM_F_REQUEST | nftkube_netlink::NLM_F_DUMP;
     let mut m = MsgBuilder::new(msg_type(msg), flags, seq);
     m.raw(&nfgen(family.nfproto(), 0));
     if let Some(t) = table {

@@ -114,7 +114,7 @@ pub fn load_concat_at(fields: &[Field], mut slot: u32) -> (Vec<Expr>, u32) {
         .iter()
         .map(|f| {
             let reg = reg_at_slot(slot);
-            slot += crate::netlink::align4(f.data_type().len()) as u32 / 4;
+            slot += nftkube_netlink::align4(f.data_type().len()) as u32 / 4;
             f.load(reg)
         })
         .collect();
@@ -145,7 +145,7 @@ pub fn concat_key(parts: &[Vec<u8>]) -> Vec<u8> {
 /// [`concat_key`]; for keys built field by field into a reused buffer).
 pub fn push_field(out: &mut Vec<u8>, field: &[u8]) {
     out.extend_from_slice(field);
-    out.resize(crate::netlink::align4(out.len()), 0);
+    out.resize(nftkube_netlink::align4(out.len()), 0);
 }
 
 fn family_of(ip: &IpAddr) -> Family {
@@ -192,7 +192,7 @@ impl RuleBuilder {
     /// A comment, cut to what the kernel stores (so the rule read back compares equal).
     pub fn comment(mut self, c: impl Into<String>) -> Self {
         let c: String = c.into();
-        self.comment = Some(crate::nft::wire::stored_comment(&c).to_owned());
+        self.comment = Some(crate::wire::stored_comment(&c).to_owned());
         self
     }
 
@@ -423,7 +423,7 @@ impl RuleBuilder {
         self.exprs.extend(load_concat(fields));
         let slot: u32 = fields
             .iter()
-            .map(|f| crate::netlink::align4(f.data_type().len()) as u32 / 4)
+            .map(|f| nftkube_netlink::align4(f.data_type().len()) as u32 / 4)
             .sum();
         self.exprs.push(Expr::Numgen {
             dreg: reg_at_slot(slot),

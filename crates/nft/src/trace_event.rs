@@ -4,7 +4,7 @@
 use super::ir::Family;
 use super::wire::consts::NFNL_SUBSYS_NFTABLES;
 use super::wire::{decode_verdict, DecodeError};
-use crate::netlink::attr::Attrs;
+use nftkube_netlink::attr::Attrs;
 use serde::Serialize;
 
 /// The multicast group of trace events.
@@ -132,7 +132,7 @@ pub fn decode_trace(payload: &[u8]) -> Result<TraceEvent, DecodeError> {
 }
 
 /// A verdict as nft prints it; codes without an IR verdict (queue, stolen, break) by name.
-fn verdict_text(v: crate::netlink::attr::Attr<'_>) -> Result<String, DecodeError> {
+fn verdict_text(v: nftkube_netlink::attr::Attr<'_>) -> Result<String, DecodeError> {
     let code = v
         .nested()
         .get(super::wire::consts::NFTA_VERDICT_CODE)
@@ -155,7 +155,7 @@ fn verdict_text(v: crate::netlink::attr::Attr<'_>) -> Result<String, DecodeError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::MsgBuilder;
+    use nftkube_netlink::MsgBuilder;
 
     /// An event as the kernel sends it for `ip nftkube services` rule 7 going to `lb-2`.
     fn event() -> Vec<u8> {
@@ -188,7 +188,7 @@ mod tests {
         m.attr_be32(NFTA_TRACE_TYPE, 2);
         m.attr_be32(NFTA_TRACE_ID, 1);
         let bytes = m.finish().unwrap();
-        let msg = crate::netlink::attr::messages(&bytes).next().unwrap();
+        let msg = nftkube_netlink::attr::messages(&bytes).next().unwrap();
         decode_trace(msg.payload).unwrap()
     }
 
@@ -202,7 +202,7 @@ mod tests {
     #[test]
     fn a_rule_event_decodes() {
         let bytes = event();
-        let msg = crate::netlink::attr::messages(&bytes).next().unwrap();
+        let msg = nftkube_netlink::attr::messages(&bytes).next().unwrap();
         assert!(is_trace(msg.msg_type));
         let e = decode_trace(msg.payload).unwrap();
         assert_eq!(
@@ -228,7 +228,7 @@ mod tests {
     fn truncated_or_foreign_events_are_refused() {
         assert!(decode_trace(&[2, 0]).is_err());
         let bytes = event();
-        let msg = crate::netlink::attr::messages(&bytes).next().unwrap();
+        let msg = nftkube_netlink::attr::messages(&bytes).next().unwrap();
         // Without its type attribute the event says nothing.
         let mut cut = msg.payload.to_vec();
         let pos = cut.windows(4).position(|w| w == [8, 0, 4, 0]).unwrap();

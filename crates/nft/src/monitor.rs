@@ -7,9 +7,9 @@
 //! buffer overflowed: ENOBUFS), nobody can say what changed, so that raises the flag too.
 
 use super::wire::consts::*;
-use crate::netlink::attr::{split, Attrs};
-use crate::netlink::socket::POLL_SLICE;
-use crate::netlink::{Membership, NlSocket};
+use nftkube_netlink::attr::{split, Attrs};
+use nftkube_netlink::socket::POLL_SLICE;
+use nftkube_netlink::{Membership, NlSocket};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -220,7 +220,7 @@ pub fn watch(mut sock: NlSocket, watcher: Watcher, stop: Arc<AtomicBool>) -> io:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::MsgBuilder;
+    use nftkube_netlink::MsgBuilder;
 
     fn event(kind: u16, pid: u32, table: &str) -> (u16, u32, Vec<u8>) {
         let mut m = MsgBuilder::new((NFNL_SUBSYS_NFTABLES << 8) | kind, 0, 0);

@@ -161,7 +161,7 @@ pub fn value_text(types: &[DataType], bytes: &[u8]) -> String {
     for t in types {
         let end = (off + t.len()).min(bytes.len());
         parts.push(scalar_text(*t, &bytes[off..end]));
-        off = crate::netlink::align4(off + t.len());
+        off = nftkube_netlink::align4(off + t.len());
     }
     parts.join(" . ")
 }
@@ -613,7 +613,7 @@ fn concat_text(regs: &BTreeMap<u32, RegValue>, sreg: u32, types: &[DataType]) ->
     let mut parts = Vec::new();
     for t in types {
         parts.push(regs.get(&slot)?.text.clone());
-        slot += crate::netlink::align4(t.len()).max(4) as u32 / 4;
+        slot += nftkube_netlink::align4(t.len()).max(4) as u32 / 4;
     }
     Some(parts.join(" . "))
 }
