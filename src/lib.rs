@@ -4,9 +4,7 @@ pub mod admin;
 pub mod agent;
 pub mod cli;
 pub mod config;
-pub mod conntrack;
 pub mod metrics;
-pub mod node;
 pub mod portmap;
 pub mod process;
 pub mod relay;
@@ -17,7 +15,9 @@ pub mod trace;
 
 // The bottom layers, crates of their own so that the compiler refuses an upward import; re-exported under
 // their module names, which the rest of the library and its users keep using.
+pub use nftkube_conntrack as conntrack;
 pub use nftkube_model as model;
 pub use nftkube_netlink as netlink;
 pub use nftkube_nft as nft;
+pub use nftkube_node as node;
 pub use nftkube_yaml as yaml;

@@ -11,7 +11,7 @@ use super::socket::Features;
 use super::unnated::Frontends;
 use super::walker::Walker;
 use super::Metrics;
-use crate::model::{Changes, ClusterState, NamespacedName, Protocol, ServicePortName};
+use nftkube_model::{Changes, ClusterState, NamespacedName, Protocol, ServicePortName};
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::Arc;

@@ -1,11 +1,11 @@
 //! The queue with a fake walker: ordering, merging of waiting walks, retries, shutdown.
 
 use super::*;
-use crate::conntrack::options::CleanerOptions;
-use crate::conntrack::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
-use crate::conntrack::FrontendKinds;
-use crate::model::NodePortAddresses;
-use crate::model::{
+use crate::options::CleanerOptions;
+use crate::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
+use crate::FrontendKinds;
+use nftkube_model::NodePortAddresses;
+use nftkube_model::{
     IpFamily, NamespacedName, Protocol, ServicePort, ServicePortName, SliceEndpoint, SliceInfo,
     SlicePort,
 };

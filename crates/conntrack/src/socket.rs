@@ -7,7 +7,7 @@ use super::wire::{
     DeleteFilter, DumpFilter, Entry, NewEntry, Tuple, AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP,
     NFNL_SUBSYS_CTNETLINK,
 };
-use crate::netlink::{Expect, NetlinkError, NlSocket, Request};
+use nftkube_netlink::{Expect, NetlinkError, NlSocket, Request};
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;

@@ -22,7 +22,7 @@ use super::unnated::Frontends;
 use super::walker::Walker;
 use super::wire::Entry;
 use super::Metrics;
-use crate::model::{Changes, ClusterState};
+use nftkube_model::{Changes, ClusterState};
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -14,7 +14,7 @@
 //! TCP is never matched (TCP ends its own flows; kube-proxy leaves it alone), whatever the targets say.
 
 use super::wire::{Entry, IPPROTO_SCTP, IPPROTO_UDP};
-use crate::model::Protocol;
+use nftkube_model::Protocol;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 

@@ -11,8 +11,8 @@
 
 use super::wire::{Entry, AF_INET, AF_INET6, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use super::{DumpFilter, FrontendKinds};
-use crate::model::NodePortAddresses;
-use crate::model::{ClusterState, Protocol};
+use nftkube_model::NodePortAddresses;
+use nftkube_model::{ClusterState, Protocol};
 use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 
@@ -134,7 +134,7 @@ impl Frontends {
 mod tests {
     use super::super::wire::{Tuple, ZoneScope};
     use super::*;
-    use crate::model::*;
+    use nftkube_model::*;
 
     fn entry(dst: &str, dport: u16, proto: u8, reply_src: &str, status: u32) -> Entry {
         let client: IpAddr = "10.244.1.5".parse().unwrap();

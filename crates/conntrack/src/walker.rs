@@ -8,7 +8,7 @@ use super::socket::{probe, start_probe, CtSocket, Features, ProbeError, Probed};
 use super::unnated::Frontends;
 use super::wire::{family_of, DeleteFilter, DumpFilter, Entry, AF_INET, AF_INET6};
 use super::Metrics;
-use crate::model::Protocol;
+use nftkube_model::Protocol;
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};

@@ -8,8 +8,8 @@
 //! Kernels before 6.12 answer a DELETE that has a partial tuple with EINVAL (they take the exact-tuple path,
 //! which needs the whole tuple), so even the filtered form can never become a flush there.
 
-use crate::netlink::attr::{messages, Attr, Attrs};
-use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST};
+use nftkube_netlink::attr::{messages, Attr, Attrs};
+use nftkube_netlink::{MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The ctnetlink subsystem of nfnetlink.
@@ -549,7 +549,7 @@ pub fn delete_has_tuple(bytes: &[u8]) -> bool {
     let mut seen = 0usize;
     let mut total = 0usize;
     for m in messages(bytes) {
-        total += crate::netlink::align4(16 + m.payload.len());
+        total += nftkube_netlink::align4(16 + m.payload.len());
         seen += 1;
         if m.msg_type != msg_type(IPCTNL_MSG_CT_DELETE) {
             continue;

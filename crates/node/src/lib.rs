@@ -1,14 +1,14 @@
 //! What the node itself has: its addresses and which of them are primary, read over rtnetlink in the calling
 //! thread's network namespace. NodePorts are served on these (kube-proxy's `--nodeport-addresses`).
 
-pub use crate::model::NodeAddress;
-use crate::netlink::route::{attributes, RouteSocket, RTM_NEWADDR, RTM_NEWROUTE};
 use netlink_packet_core::{DecodeError, Parseable, ParseableParametrized};
 use netlink_packet_route::address::{
     AddressAttribute, AddressHeader, AddressMessage, AddressScope,
 };
 use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteLwEnCapType, RouteMessage};
 use netlink_packet_route::RouteNetlinkMessage;
+pub use nftkube_model::NodeAddress;
+use nftkube_netlink::route::{attributes, RouteSocket, RTM_NEWADDR, RTM_NEWROUTE};
 use std::io;
 
 // The attributes a node read decodes (linux/if_addr.h, rtnetlink.h); see `netlink::route` for why not all.
@@ -163,7 +163,7 @@ fn links_of_default_routes(answers: &[(u16, Vec<u8>)]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::{align4, MsgBuilder};
+    use nftkube_netlink::{align4, MsgBuilder};
 
     const RT_TABLE_MAIN: u8 = 254;
     const RTNH_LEN: usize = 8;
@@ -221,8 +221,8 @@ mod tests {
     /// table all` (AF_UNSPEC, an all-zero `struct ifaddrmsg` / `struct rtmsg`).
     #[test]
     fn dump_requests_are_what_ip_sends() {
-        use crate::netlink::route::encode;
-        use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
+        use nftkube_netlink::route::encode;
+        use nftkube_netlink::{NLM_F_DUMP, NLM_F_REQUEST};
         let flags = NLM_F_REQUEST | NLM_F_DUMP;
         for (request, msg_type, header_len) in [
             (

@@ -7,8 +7,8 @@
 //! carry NLA_F_NESTED (0x8000, so a nested type 1 reads `0180`).
 
 use super::wire::*;
-use crate::netlink::attr::{messages, Attrs};
-use crate::netlink::{MsgBuilder, NLM_F_ACK, NLM_F_REQUEST};
+use nftkube_netlink::attr::{messages, Attrs};
+use nftkube_netlink::{MsgBuilder, NLM_F_ACK, NLM_F_REQUEST};
 use std::fmt::Write;
 use std::net::IpAddr;
 

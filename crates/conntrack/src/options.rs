@@ -2,7 +2,7 @@
 //! ([`Cleaner`](super::cleaner::Cleaner)) and the walking half ([`Walker`](super::walker::Walker)).
 
 use super::plan::FrontendKinds;
-use crate::netlink::NetlinkError;
+use nftkube_netlink::NetlinkError;
 use std::net::IpAddr;
 use std::time::Duration;
 

@@ -6,7 +6,9 @@
 //! only from there, since the model no longer has it.
 
 use super::filter::{cleaned, Frontend, NodePort, StaleFilter};
-use crate::model::{Changes, ClusterState, NamespacedName, Protocol, ServicePort, ServicePortName};
+use nftkube_model::{
+    Changes, ClusterState, NamespacedName, Protocol, ServicePort, ServicePortName,
+};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
@@ -382,7 +384,7 @@ pub fn build_filter(
 mod tests {
     use super::super::wire::{Entry, Tuple, ZoneScope, IPPROTO_UDP};
     use super::*;
-    use crate::model::{IpFamily, SliceEndpoint, SliceInfo, SlicePort};
+    use nftkube_model::{IpFamily, SliceEndpoint, SliceInfo, SlicePort};
 
     fn key(name: &str) -> NamespacedName {
         NamespacedName::new("ns", name)
