@@ -9,6 +9,7 @@ mod demo;
 #[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
 mod sandbox;
 
+use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
 use nftkube::cli::{Cli, Command};
 use std::io::Write;
@@ -156,10 +157,13 @@ fn run_trace(args: &nftkube::cli::trace::TraceArgs) -> ExitCode {
         nftkube::cli::trace::run_offline(args)
     };
     match result {
-        Ok(out) => {
-            print!("{out}");
-            ExitCode::SUCCESS
-        }
+        Ok(out) => match std::io::stdout().write_all(out.as_bytes()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                say!("nftkube trace: writing the trace: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Err(nftkube::trace::TraceError::Usage(e)) => usage_error(&e),
         Err(e) => {
             say!("nftkube trace: {e}");
@@ -229,10 +233,12 @@ fn main() -> ExitCode {
                 return usage_error("plan needs --manifests DIR");
             };
             let tables = nftkube::agent::plan(manifests, &cfg, |e| say!("error: {e}"));
-            for t in tables {
-                print!("{}", nftkube::nft::text::render_table(&t));
-            }
-            Ok(())
+            // A closed stdout (`nftkube plan | head`) ends the plan with an error, not a panic.
+            let mut out = std::io::stdout().lock();
+            tables.iter().try_for_each(|t| {
+                out.write_all(nftkube::nft::text::render_table(t).as_bytes())
+                    .context("writing the plan")
+            })
         }
         Command::Trace(args) => return run_trace(&args),
         Command::Cleanup(args) => {
