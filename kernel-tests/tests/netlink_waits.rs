@@ -2,26 +2,17 @@
 //! a kernel that never answers is a timeout that costs the socket, and a shutdown ends any wait promptly.
 
 use nftkube::netlink::{
-    Expect, Limits, NetlinkError, NlSocket, NLMSG_NOOP, NLM_F_ACK, NLM_F_REQUEST,
+    Expect, Limits, MsgBuilder, NetlinkError, NlSocket, NLMSG_NOOP, NLM_F_ACK, NLM_F_REQUEST,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// A netlink message header of `len` bytes.
-fn header(len: usize, msg_type: u16, flags: u16, seq: u32, pid: u32) -> Vec<u8> {
-    let mut b = Vec::with_capacity(len);
-    b.extend_from_slice(&(len as u32).to_ne_bytes());
-    b.extend_from_slice(&msg_type.to_ne_bytes());
-    b.extend_from_slice(&flags.to_ne_bytes());
-    b.extend_from_slice(&seq.to_ne_bytes());
-    b.extend_from_slice(&pid.to_ne_bytes());
-    b
-}
-
 /// A netlink message the kernel accepts and never answers (NLMSG_NOOP without NLM_F_ACK), or answers with
 /// a plain ACK; it touches nothing.
 fn noop(seq: u32, flags: u16) -> Vec<u8> {
-    header(16, NLMSG_NOOP, NLM_F_REQUEST | flags, seq, 0)
+    MsgBuilder::new(NLMSG_NOOP, NLM_F_REQUEST | flags, seq)
+        .finish()
+        .expect("a bare header fits")
 }
 
 fn silent_socket(cancel: &'static AtomicBool) -> NlSocket {
