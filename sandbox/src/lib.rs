@@ -631,26 +631,11 @@ pub use netns::unique_name;
 
 #[cfg(test)]
 mod tests {
+    use super::netns::tests::{host_links, require_root};
     use super::*;
     use std::os::unix::fs::MetadataExt;
     use std::path::PathBuf;
     use std::time::Instant;
-
-    fn require_root() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            panic!("this test builds network namespaces and needs root (run it as root; it is not skipped)");
-        }
-    }
-
-    fn host_links() -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir("/sys/class/net")
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
 
     /// Network namespace inodes our own threads are in right now.
     fn our_thread_namespaces() -> Vec<u64> {

@@ -856,11 +856,12 @@ pub fn get_sysctl(name: &str) -> Result<String, NetnsError> {
 
 #[cfg(test)]
 #[allow(clippy::disallowed_macros)] // the tests report timings to the terminal
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
     use std::time::{Duration, Instant};
 
+    /// Fails the test (never skips it) unless it runs as root.
     pub(crate) fn require_root() {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
@@ -868,7 +869,8 @@ mod tests {
         }
     }
 
-    fn host_links() -> Vec<String> {
+    /// The host namespace's links, sorted: what a test must leave as it found it.
+    pub(crate) fn host_links() -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir("/sys/class/net")
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
