@@ -1,17 +1,16 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
 #![warn(missing_docs)]
-pub mod admin;
-pub mod agent;
-pub mod cli;
-pub mod config;
-pub mod metrics;
+pub use nftkube_admin as admin;
+pub use nftkube_agent as agent;
+pub use nftkube_config as config;
+pub use nftkube_metrics as metrics;
 pub mod portmap;
-pub mod process;
-pub mod relay;
-pub mod render;
-pub mod source;
-pub mod sync;
-pub mod trace;
+pub use nftkube_process as process;
+pub use nftkube_relay as relay;
+pub use nftkube_render as render;
+pub use nftkube_source as source;
+pub use nftkube_sync as sync;
+pub use nftkube_trace as trace;
 
 // The bottom layers, crates of their own so that the compiler refuses an upward import; re-exported under
 // their module names, which the rest of the library and its users keep using.

@@ -4,6 +4,7 @@
 // `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
 // The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
 // library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
+mod cli;
 mod demo;
 #[path = "../sandbox/src/lib.rs"]
 #[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
@@ -11,7 +12,7 @@ mod sandbox;
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
-use nftkube::cli::{Cli, Command};
+use cli::{Cli, Command};
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -138,7 +139,7 @@ fn usage_error(e: &str) -> ExitCode {
 }
 
 /// `nftkube trace`: the trace on stdout; bad arguments exit 64, a failed trace 1.
-fn run_trace(args: &nftkube::cli::trace::TraceArgs) -> ExitCode {
+fn run_trace(args: &cli::trace::TraceArgs) -> ExitCode {
     let result = if args.live {
         // Ctrl-C or SIGTERM ends the wait; the trace table is removed and what was seen is printed.
         // A second one exits at once, while the removal may still wait on netlink.
@@ -152,9 +153,9 @@ fn run_trace(args: &nftkube::cli::trace::TraceArgs) -> ExitCode {
             say!("nftkube trace: starting the signal thread: {e}");
             return ExitCode::FAILURE;
         }
-        nftkube::cli::trace::run_live(args)
+        cli::trace::run_live(args)
     } else {
-        nftkube::cli::trace::run_offline(args)
+        cli::trace::run_offline(args)
     };
     match result {
         Ok(out) => match std::io::stdout().write_all(out.as_bytes()) {

@@ -4,15 +4,18 @@
 // literally, not as links.
 #![allow(rustdoc::broken_intra_doc_links)]
 
-use crate::agent::{self, ProxyOptions};
-use crate::config;
-use crate::model::{DetectLocal, DetectLocalError};
-use crate::render::RenderConfig;
 use clap::{Args, Parser, Subcommand};
+use nftkube::agent::{self, ProxyOptions};
+use nftkube::config;
+use nftkube::model::{DetectLocal, DetectLocalError};
+use nftkube::render::RenderConfig;
 use std::path::PathBuf;
 use std::time::Duration;
 
 pub mod trace;
+
+#[cfg(test)]
+mod tests;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -62,12 +65,12 @@ pub struct RenderArgs {
     #[arg(long, default_value = "")]
     pub hostname_override: String,
     /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
-    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
-    pub cluster_cidr: std::vec::Vec<crate::model::Cidr>,
+    #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
+    pub cluster_cidr: std::vec::Vec<nftkube::model::Cidr>,
     /// CIDRs of the node addresses that serve NodePorts, comma-separated; a zero CIDR (0.0.0.0/0, ::/0) means
     /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
-    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
-    pub nodeport_addresses: std::vec::Vec<crate::model::Cidr>,
+    #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
+    pub nodeport_addresses: std::vec::Vec<nftkube::model::Cidr>,
     /// Masquerade all traffic sent to service IPs (`--masquerade-all=false` overrides a config file).
     #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub masquerade_all: bool,
@@ -81,8 +84,8 @@ pub struct RenderArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]
     pub drop_bit: u32,
     /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
-    #[arg(long, value_parser = crate::model::parse_cidrs, default_value = "")]
-    pub service_cidr: std::vec::Vec<crate::model::Cidr>,
+    #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
+    pub service_cidr: std::vec::Vec<nftkube::model::Cidr>,
     /// How pod traffic is recognised: ClusterCIDR, NodeCIDR (API source), InterfaceNamePrefix or
     /// BridgeInterface.
     #[arg(long, default_value = "ClusterCIDR")]
@@ -135,7 +138,7 @@ impl RenderArgs {
             masquerade_all: self.masquerade_all,
             masquerade_bit: 1 << self.masquerade_bit,
             masquerade_fully_random: self.masquerade_fully_random,
-            nodeport_addresses: crate::model::NodePortAddresses::None,
+            nodeport_addresses: nftkube::model::NodePortAddresses::None,
             drop_bit: 1 << self.drop_bit,
             service_cidrs: self.service_cidr.clone(),
             node_ips: Vec::new(),
@@ -188,7 +191,7 @@ pub struct ProxyArgs {
     pub proxy_mode: Option<String>,
     /// A sync bigger than this many set elements is committed as several transactions, so that none holds
     /// the kernel's nf_tables lock for long (changes that belong together are never cut apart).
-    #[arg(long, default_value_t = crate::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = nftkube::sync::chunk::MAX_ELEMENTS_PER_TRANSACTION as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_transaction_elements: u64,
     /// Periodic checks read our tables back in full at least this often, even when the ruleset's
     /// generation id says nothing changed since our last sync ("0": at every check).

@@ -1,18 +1,18 @@
 //! The `nftkube trace` command line, and running it: which ruleset, which packet, which output. The tracer
-//! itself (`crate::trace`) takes plain requests and knows nothing of the command line.
+//! itself (`nftkube::trace`) takes plain requests and knows nothing of the command line.
 
 // clap turns the doc comments below into `--help` text, where `[IPv6]:PORT` and `[::1]` are meant
 // literally, not as links.
 #![allow(rustdoc::broken_intra_doc_links)]
 
 use super::RenderArgs;
-use crate::trace::live::{Filter, LiveRequest};
-use crate::trace::packet::{parse_endpoint, DEFAULT_SOURCE_PORT};
-use crate::trace::{
+use clap::Args;
+use nftkube::trace::live::{Filter, LiveRequest};
+use nftkube::trace::packet::{parse_endpoint, DEFAULT_SOURCE_PORT};
+use nftkube::trace::{
     kernel_ruleset, node_context, render_text, trace, Attribution, FromModel, KeysOnly,
     NodeContext, Origin, Packet, Proto, Request, Ruleset, TraceError,
 };
-use clap::Args;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -51,7 +51,7 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub count: u64,
     /// --live: stop after this long ("10s", or seconds).
-    #[arg(long, default_value = "10s", value_parser = crate::config::parse_duration_flag)]
+    #[arg(long, default_value = "10s", value_parser = nftkube::config::parse_duration_flag)]
     pub timeout: Duration,
     /// Render the plan from --manifests (and the usual proxy flags) instead of reading the kernel.
     #[command(flatten)]
@@ -131,7 +131,7 @@ impl TraceArgs {
 
 /// Runs `--live` (the kernel's own trace events) and returns its output (text or JSON).
 pub fn run_live(args: &TraceArgs) -> Result<String, TraceError> {
-    crate::trace::live::run(&args.live_request()?)
+    nftkube::trace::live::run(&args.live_request()?)
 }
 
 /// Runs an offline trace and returns its output (text or JSON).
@@ -180,17 +180,17 @@ fn manifests_ruleset(
     if !args.node_ip.is_empty() {
         cfg.node_ips = args.node_ip.clone();
     }
-    let mut source = crate::source::ManifestSource::new(dir.to_path_buf());
+    let mut source = nftkube::source::ManifestSource::new(dir.to_path_buf());
     let (events, errors) = source.initial();
     let notes: Vec<String> = errors
         .iter()
         .map(|e| format!("manifest error (that object left out): {e}"))
         .collect();
-    let mut state = crate::model::ClusterState::new();
+    let mut state = nftkube::model::ClusterState::new();
     for ev in events {
-        crate::source::apply_event(&mut state, ev);
+        nftkube::source::apply_event(&mut state, ev);
     }
-    let tables = crate::render::render(state.service_map(), &state.endpoints_map(), &cfg);
+    let tables = nftkube::render::render(state.service_map(), &state.endpoints_map(), &cfg);
     let node = NodeContext {
         local_addresses: cfg.node_ips.clone(),
         source: if args.node_ip.is_empty() {

@@ -1,4 +1,5 @@
 //! nf_tables: the typed IR, its text rendering, the netlink codec and transport.
+#![forbid(unsafe_code)]
 pub mod backend;
 pub mod build;
 pub mod bytes;

@@ -1,5 +1,6 @@
 //! What the node itself has: its addresses and which of them are primary, read over rtnetlink in the calling
 //! thread's network namespace. NodePorts are served on these (kube-proxy's `--nodeport-addresses`).
+#![forbid(unsafe_code)]
 
 use netlink_packet_core::{DecodeError, Parseable, ParseableParametrized};
 use netlink_packet_route::address::{

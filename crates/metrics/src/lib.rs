@@ -1,0 +1,496 @@
+//! The agent's metrics, named as kube-proxy names its own, kept in prometheus-client's types and encoded by
+//! it (OpenMetrics text, served on `/metrics` by `admin`, which adds the health, conntrack and API-source
+//! counters). Process-wide statics: one agent per process.
+//!
+//! A histogram is one prometheus-client `Histogram`: its buckets, sum and count change under one lock, so
+//! a scrape always sees a consistent snapshot (no bucket above `+Inf`, `_count` equal to `+Inf`).
+//!
+//! Counters and gauges of whole numbers are [`AtomicMetric`]s: the prometheus-client metric is what is
+//! registered and encoded, and it dereferences to its own atomic, so `fetch_add` / `store` call sites
+//! (the proxy loop's) bump the metric itself.
+#![forbid(unsafe_code)]
+
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Metric, Registry};
+use std::ops::Deref;
+use std::sync::atomic::AtomicU64;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// The content type of [`render_prometheus`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
+pub fn sync_bounds() -> impl Iterator<Item = f64> {
+    (0..15).map(|i| 0.001 * (1u64 << i) as f64)
+}
+
+/// kube-proxy's network programming latency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 120..300 s
+/// by 30.
+pub fn network_programming_bounds() -> impl Iterator<Item = f64> {
+    [0.25, 0.5]
+        .into_iter()
+        .chain((1..60).map(f64::from))
+        .chain((0..12).map(|i| 60.0 + 5.0 * f64::from(i)))
+        .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)))
+}
+
+/// A counter (or gauge) of whole numbers: a prometheus-client metric in a static, registered on first use;
+/// call sites use the metric's own methods (`inc`, `inc_by`, `set`, `get`).
+pub struct AtomicMetric<M: 'static>(LazyLock<M>);
+
+/// A monotonic count.
+pub type CounterU64 = AtomicMetric<Counter<u64, AtomicU64>>;
+/// A level that goes up and down.
+pub type GaugeU64 = AtomicMetric<Gauge<u64, AtomicU64>>;
+
+impl CounterU64 {
+    /// A counter at 0.
+    pub const fn counter() -> Self {
+        AtomicMetric(LazyLock::new(Counter::default))
+    }
+}
+
+impl GaugeU64 {
+    /// A gauge at 0.
+    pub const fn gauge() -> Self {
+        AtomicMetric(LazyLock::new(Gauge::default))
+    }
+}
+
+impl<M: Clone> AtomicMetric<M> {
+    /// The metric itself (a handle on the same value), for a registry.
+    pub fn metric(&self) -> M {
+        (*self.0).clone()
+    }
+}
+
+impl<M> Deref for AtomicMetric<M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        &self.0
+    }
+}
+
+/// A histogram of durations, in seconds.
+pub struct DurationHistogram(LazyLock<Histogram>);
+
+impl DurationHistogram {
+    /// With kube-proxy's buckets for sync durations.
+    pub const fn sync_durations() -> Self {
+        DurationHistogram(LazyLock::new(|| Histogram::new(sync_bounds())))
+    }
+
+    /// With kube-proxy's buckets for network programming latency.
+    pub const fn network_programming() -> Self {
+        DurationHistogram(LazyLock::new(|| {
+            Histogram::new(network_programming_bounds())
+        }))
+    }
+
+    /// Records one duration.
+    pub fn observe(&self, d: Duration) {
+        self.0.observe(d.as_secs_f64());
+    }
+
+    /// The histogram itself (a handle on the same buckets), for a registry.
+    pub fn metric(&self) -> Histogram {
+        (*self.0).clone()
+    }
+}
+
+/// A Unix timestamp in seconds.
+pub struct Timestamp(LazyLock<Gauge<f64, AtomicU64>>);
+
+impl Timestamp {
+    /// Unset (0).
+    pub const fn new() -> Self {
+        Timestamp(LazyLock::new(Gauge::default))
+    }
+
+    /// Sets it to now.
+    pub fn mark(&self) {
+        self.0.set(now_unix_ms() as f64 / 1000.0);
+    }
+
+    /// The gauge itself (a handle on the same value), for a registry.
+    pub fn metric(&self) -> Gauge<f64, AtomicU64> {
+        (*self.0).clone()
+    }
+}
+
+impl Default for Timestamp {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
+pub static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Full syncs (`sync_full_proxy_rules_duration_seconds`).
+pub static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// Partial syncs (`sync_partial_proxy_rules_duration_seconds`).
+pub static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+/// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
+/// programmed it.
+pub static NETWORK_PROGRAMMING: DurationHistogram = DurationHistogram::network_programming();
+/// When a sync was last asked for (a change arrived, or a periodic resync fell due).
+pub static LAST_QUEUED: Timestamp = Timestamp::new();
+/// When the last successful sync finished.
+pub static LAST_SYNC: Timestamp = Timestamp::new();
+/// Service / EndpointSlice changes received, in total and since the last sync started.
+pub static SERVICE_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// Service changes received since the last sync started.
+pub static SERVICE_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
+/// EndpointSlice changes received in total.
+pub static ENDPOINT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// EndpointSlice changes received since the last sync started.
+pub static ENDPOINT_CHANGES_PENDING: GaugeU64 = GaugeU64::gauge();
+/// nf_tables objects (elements, chains, rules, sets) added or removed by committed syncs.
+pub static OBJECT_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
+/// Netlink bytes sent by committed syncs.
+pub static NETLINK_BYTES_TOTAL: CounterU64 = CounterU64::counter();
+/// Service ports in the model after the last successful sync.
+pub static SERVICE_PORTS: GaugeU64 = GaugeU64::gauge();
+/// Transactions the kernel rejected.
+pub static SYNC_FAILURES: CounterU64 = CounterU64::counter();
+/// Successful full syncs that followed someone else changing our tables (noticed by the event monitor).
+pub static REPAIRS: CounterU64 = CounterU64::counter();
+/// Services changed in the model and not yet committed.
+pub static PENDING_CHANGES: GaugeU64 = GaugeU64::gauge();
+/// Frontend claims refused at the last successful sync: another service port of higher precedence holds the
+/// address and port.
+pub static REFUSED_CLAIMS: GaugeU64 = GaugeU64::gauge();
+/// Service ports the kernel refuses, left out of it while every other one is programmed.
+pub static QUARANTINED_PORTS: GaugeU64 = GaugeU64::gauge();
+/// Endpoints left out of a frontend past the cap of one count, each time their service port is rendered.
+pub static ENDPOINTS_OVER_CAP: CounterU64 = CounterU64::counter();
+/// Service ports the kernel refused, each time it did.
+pub static KERNEL_REJECTED_PORTS: CounterU64 = CounterU64::counter();
+
+/// Unix time now, in milliseconds.
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Records a successful sync.
+pub fn record_sync(full: bool, elapsed: Duration) {
+    if full {
+        SYNC_FULL_DURATION.observe(elapsed);
+    } else {
+        SYNC_PARTIAL_DURATION.observe(elapsed);
+    }
+    SYNC_DURATION.observe(elapsed);
+    LAST_SYNC.mark();
+}
+
+/// Registers `metric` under `name` (prometheus-client appends `_total` to counters).
+fn add(registry: &mut Registry, name: &str, help: &str, metric: impl Metric) {
+    registry.register(name, help, metric);
+}
+
+/// A registry holding every metric above (handles on the statics: registering copies nothing).
+pub fn registry() -> Registry {
+    let mut r = Registry::default();
+    for (name, help, h) in [
+        (
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "Full sync duration (reads the kernel back and repairs it)",
+            &SYNC_FULL_DURATION,
+        ),
+        (
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "Partial sync duration (changed services only)",
+            &SYNC_PARTIAL_DURATION,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "Sync duration, full and partial",
+            &SYNC_DURATION,
+        ),
+        (
+            "kubeproxy_network_programming_duration_seconds",
+            "From an EndpointSlice change (its last-change-trigger-time) to the commit that programmed it",
+            &NETWORK_PROGRAMMING,
+        ),
+    ] {
+        add(&mut r, name, help, h.metric());
+    }
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "When the last successful sync finished",
+        LAST_SYNC.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        "When a sync was last asked for (a change arrived, or a periodic resync fell due)",
+        LAST_QUEUED.metric(),
+    );
+    for (name, help, c) in [
+        (
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+            "Transactions the kernel rejected (nothing of them was applied)",
+            &SYNC_FAILURES,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Service changes received",
+            &SERVICE_CHANGES_TOTAL,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "EndpointSlice changes received",
+            &ENDPOINT_CHANGES_TOTAL,
+        ),
+        (
+            "nftkube_sync_object_changes",
+            "nf_tables objects (set elements, chains, rules, sets) added or removed by committed syncs",
+            &OBJECT_CHANGES_TOTAL,
+        ),
+        (
+            "nftkube_sync_netlink_bytes",
+            "Netlink bytes sent by committed syncs",
+            &NETLINK_BYTES_TOTAL,
+        ),
+        (
+            "nftkube_endpoints_over_cap",
+            "Endpoints left out of a frontend past its cap of 32767, each time the service port is rendered",
+            &ENDPOINTS_OVER_CAP,
+        ),
+        (
+            "nftkube_kernel_rejected_service_ports",
+            "Service ports the kernel refused on their own (left out, everything else committed)",
+            &KERNEL_REJECTED_PORTS,
+        ),
+        (
+            "nftkube_repairs",
+            "Full syncs triggered by someone else changing our tables",
+            &REPAIRS,
+        ),
+    ] {
+        add(&mut r, name, help, c.metric());
+    }
+    for (name, help, g) in [
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Service changes received since the last sync started",
+            &SERVICE_CHANGES_PENDING,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "EndpointSlice changes received since the last sync started",
+            &ENDPOINT_CHANGES_PENDING,
+        ),
+        (
+            "nftkube_service_ports",
+            "Service ports in the model at the last successful sync",
+            &SERVICE_PORTS,
+        ),
+        (
+            "nftkube_pending_service_changes",
+            "Services changed in the model and not yet committed",
+            &PENDING_CHANGES,
+        ),
+        (
+            "nftkube_quarantined_service_ports",
+            "Service ports the kernel refuses, left out while every other one is programmed",
+            &QUARANTINED_PORTS,
+        ),
+        (
+            "nftkube_refused_frontend_claims",
+            "Service ports whose address and port another service port of higher precedence holds",
+            &REFUSED_CLAIMS,
+        ),
+    ] {
+        add(&mut r, name, help, g.metric());
+    }
+    r
+}
+
+/// Appends `registry`'s metrics to `out` (no `# EOF`: see [`finish`]).
+pub fn encode_into(out: &mut String, registry: &Registry) {
+    // Writing into a String cannot fail.
+    let _ = encode_registry(out, registry);
+}
+
+/// Ends an exposition (OpenMetrics' `# EOF`).
+pub fn finish(out: &mut String) {
+    let _ = encode_eof(out);
+}
+
+/// Every metric above, as a whole exposition.
+pub fn render_prometheus() -> String {
+    let mut out = String::new();
+    encode_into(&mut out, &registry());
+    finish(&mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// The samples of `name` (a histogram's `_bucket` lines by `le`, and its `_count`).
+    fn histogram_samples(text: &str, name: &str) -> (BTreeMap<String, u64>, u64) {
+        let mut buckets = BTreeMap::new();
+        let mut count = None;
+        for line in text.lines() {
+            let Some((key, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            if let Some(le) = key
+                .strip_prefix(&format!("{name}_bucket{{le=\""))
+                .and_then(|r| r.strip_suffix("\"}"))
+            {
+                buckets.insert(le.to_string(), value.parse().unwrap());
+            } else if key == format!("{name}_count") {
+                count = Some(value.parse().unwrap());
+            }
+        }
+        (buckets, count.expect("a _count line"))
+    }
+
+    fn render_one(h: &DurationHistogram) -> String {
+        let mut r = Registry::default();
+        r.register("x", "help", h.metric());
+        let mut out = String::new();
+        encode_into(&mut out, &r);
+        out
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = DurationHistogram::sync_durations();
+        h.observe(Duration::from_micros(500));
+        h.observe(Duration::from_millis(3));
+        h.observe(Duration::from_secs(100));
+        let out = render_one(&h);
+        assert!(out.contains("x_bucket{le=\"0.001\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"0.004\"} 2\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
+        assert!(out.contains("x_count 3\n"), "{out}");
+        assert!(out.contains("x_sum 100.0035"), "{out}");
+    }
+
+    /// Observers on two threads, a scraper on a third: every scrape shows buckets that never decrease
+    /// with `le`, a `+Inf` bucket equal to `_count`, and no bucket above it. With per-bucket atomics read
+    /// one by one (what this replaced) a scrape taken between an observation's bucket and count updates
+    /// showed a bucket larger than `+Inf`.
+    #[test]
+    fn scrapes_see_consistent_histograms_under_concurrent_observation() {
+        let h = Arc::new(DurationHistogram::sync_durations());
+        let stop = Arc::new(AtomicBool::new(false));
+        let observers: Vec<_> = (0..2)
+            .map(|t| {
+                let (h, stop) = (h.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        // Spread over every bucket and beyond the last.
+                        h.observe(Duration::from_micros((i * 7919 + t) % 40_000_000));
+                        i += 1;
+                    }
+                    i
+                })
+            })
+            .collect();
+        let mut scrapes = 0;
+        let mut last_count = 0;
+        let deadline = std::time::Instant::now() + Duration::from_millis(700);
+        while std::time::Instant::now() < deadline {
+            let (buckets, count) = histogram_samples(&render_one(&h), "x");
+            let inf = buckets["+Inf"];
+            assert_eq!(inf, count, "+Inf equals _count");
+            let mut finite: Vec<(f64, u64)> = buckets
+                .iter()
+                .filter(|(le, _)| le.as_str() != "+Inf")
+                .map(|(le, v)| (le.parse().unwrap(), *v))
+                .collect();
+            finite.sort_by(|a, b| a.0.total_cmp(&b.0));
+            assert_eq!(finite.len(), 15);
+            assert!(
+                finite.windows(2).all(|w| w[0].1 <= w[1].1),
+                "cumulative: {finite:?}"
+            );
+            assert!(finite.iter().all(|(_, v)| *v <= inf), "{finite:?} > {inf}");
+            assert!(count >= last_count, "counts never go back");
+            last_count = count;
+            scrapes += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        let observed: u64 = observers.into_iter().map(|t| t.join().unwrap()).sum();
+        let (_, count) = histogram_samples(&render_one(&h), "x");
+        assert_eq!(count, observed, "every observation counted once");
+        assert!(
+            scrapes > 10 && observed > 1000,
+            "{scrapes} scrapes, {observed} observations"
+        );
+    }
+
+    #[test]
+    fn exposition_names_the_kube_proxy_metrics() {
+        record_sync(false, Duration::from_millis(2));
+        REPAIRS.inc();
+        PENDING_CHANGES.set(7);
+        let text = render_prometheus();
+        for name in [
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "nftkube_sync_object_changes_total",
+            "nftkube_sync_netlink_bytes_total",
+            "nftkube_service_ports",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{name} "))),
+                "{name} missing:\n{text}"
+            );
+        }
+        assert!(
+            text.contains("\nnftkube_pending_service_changes 7\n"),
+            "{text}"
+        );
+        let repairs = text
+            .lines()
+            .find_map(|l| l.strip_prefix("nftkube_repairs_total "))
+            .expect("nftkube_repairs_total");
+        assert!(repairs.parse::<u64>().unwrap() >= 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn network_programming_buckets_are_kube_proxys() {
+        let b: Vec<f64> = network_programming_bounds().collect();
+        assert_eq!(b.len(), 80);
+        assert_eq!(&b[..4], &[0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(b[60], 59.0);
+        assert_eq!(b[61], 60.0);
+        assert_eq!(b[72], 115.0);
+        assert_eq!(b[73], 120.0);
+        assert_eq!(b[79], 300.0);
+        assert!(b.windows(2).all(|w| w[0] < w[1]));
+        let h = DurationHistogram::network_programming();
+        h.observe(Duration::from_millis(700));
+        let out = render_one(&h);
+        assert!(out.contains("x_bucket{le=\"0.5\"} 0\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"1.0\"} 1\n"), "{out}");
+    }
+}

@@ -1,0 +1,286 @@
+//! The userspace relay: TCP and UDP listeners that forward each connection (or UDP flow) to an endpoint of
+//! their service, chosen round robin with ClientIP affinity. It serves NodePorts on loopback, which nf_tables
+//! DNAT cannot, and the userspace proxy mode.
+//!
+//! A [`Relay`] runs on a tokio runtime of its own (its worker threads are created in the namespace of the
+//! thread that starts it, and every socket is opened by them). [`Relay::apply`] takes the whole desired set of
+//! [`Frontend`]s after each sync: new listeners are opened, gone ones closed, and endpoint changes applied in
+//! place without touching connections to endpoints that remain.
+
+mod balancer;
+mod frontends;
+mod localhost;
+mod service;
+mod socket;
+mod splice;
+mod tcp;
+mod udp;
+mod userspace;
+
+pub use balancer::Balancer;
+pub use frontends::localhost_nodeports;
+pub use localhost::{loopback_families, LocalhostNodePorts};
+pub use service::Stats;
+pub use tcp::DIAL_TIMEOUTS;
+pub use userspace::UserspaceProxy;
+
+use nftkube_model::Protocol;
+use service::{Limits, Service};
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::task::AbortHandle;
+
+/// How a relay behaves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayOptions {
+    /// Relayed TCP connections plus UDP flows at most; beyond it new connections wait in the backlog.
+    pub max_connections: usize,
+    /// A UDP flow without a datagram either way for this long is closed (kube-proxy's `--udp-timeout`),
+    /// unless its service has ClientIP affinity, whose timeout it then takes.
+    pub udp_idle_timeout: Duration,
+    /// One dial attempt per timeout, each to the next endpoint.
+    pub dial_timeouts: Vec<Duration>,
+    /// The runtime's worker threads.
+    pub worker_threads: usize,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        RelayOptions {
+            max_connections: 10_000,
+            udp_idle_timeout: Duration::from_millis(250),
+            dial_timeouts: DIAL_TIMEOUTS.to_vec(),
+            worker_threads: 2,
+        }
+    }
+}
+
+/// One listener the relay should have, and where its connections go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frontend {
+    /// For logs: the service port ("namespace/name:port").
+    pub service: String,
+    /// The protocol.
+    pub protocol: Protocol,
+    /// Where to listen (port 0: a port the kernel picks, see [`Relay::local_addr`]).
+    pub listen: SocketAddr,
+    /// The endpoints connections go to.
+    pub endpoints: Vec<SocketAddr>,
+    /// ClientIP affinity timeout.
+    pub affinity: Option<Duration>,
+}
+
+#[derive(Debug, thiserror::Error)]
+/// Why the relay could not serve a service.
+pub enum RelayError {
+    #[error("starting the relay's runtime: {0}")]
+    /// The relay's runtime did not start.
+    Runtime(#[source] io::Error),
+    #[error("{service}: cannot listen on {protocol} {listen}: {source}")]
+    /// A listening socket could not be opened.
+    Listen {
+        /// The service.
+        service: String,
+        /// The protocol.
+        protocol: Protocol,
+        /// The address.
+        listen: SocketAddr,
+        #[source]
+        /// The socket error.
+        source: io::Error,
+    },
+    #[error("{service}: {protocol} {listen}: the relay carries TCP and UDP only")]
+    /// The relay does not serve this protocol.
+    Unsupported {
+        /// The service.
+        service: String,
+        /// The protocol.
+        protocol: Protocol,
+        /// The address.
+        listen: SocketAddr,
+    },
+}
+
+/// A listener is identified by its service, protocol and requested address (many ask for port 0).
+type Key = (String, Protocol, SocketAddr);
+
+struct Active {
+    frontend: Frontend,
+    service: Arc<Service>,
+    local: SocketAddr,
+    task: AbortHandle,
+}
+
+/// The running relay. Dropping it closes every listener and connection.
+pub struct Relay {
+    runtime: tokio::runtime::Runtime,
+    limits: Arc<Limits>,
+    udp_idle_timeout: Duration,
+    active: BTreeMap<Key, Active>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("listeners", &self.active.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// Starts the runtime in the calling thread's network namespace. Raises the soft open-files limit to the
+    /// hard one (each relayed connection holds two descriptors), as the agent does at start: a relay may be
+    /// started without the agent (tests, benches).
+    pub fn start(opts: &RelayOptions) -> Result<Relay, RelayError> {
+        if let Err(e) = nftkube_process::raise_open_files_limit() {
+            tracing::debug!("{e}");
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.worker_threads.max(1))
+            .thread_name("relay")
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(RelayError::Runtime)?;
+        let limits = Arc::new(Limits {
+            connections: Arc::new(Semaphore::new(opts.max_connections)),
+            dial_timeouts: opts.dial_timeouts.clone(),
+            stats: Stats::default(),
+        });
+        Ok(Relay {
+            runtime,
+            limits,
+            udp_idle_timeout: opts.udp_idle_timeout,
+            active: BTreeMap::new(),
+        })
+    }
+
+    /// Makes the listeners exactly `frontends`. A listener that cannot be opened is reported and left out;
+    /// every other one is served.
+    pub fn apply(&mut self, frontends: &[Frontend]) -> Vec<RelayError> {
+        let wanted: BTreeMap<Key, &Frontend> = frontends
+            .iter()
+            .map(|f| ((f.service.clone(), f.protocol, f.listen), f))
+            .collect();
+        self.active.retain(|key, a| {
+            let keep = wanted.contains_key(key);
+            if !keep {
+                a.service.update(Vec::new(), None);
+                a.task.abort();
+            }
+            keep
+        });
+        let mut errors = Vec::new();
+        for (key, f) in wanted {
+            match self.active.get_mut(&key) {
+                Some(a) if a.frontend == *f => {}
+                Some(a) => {
+                    a.service.update(f.endpoints.clone(), f.affinity);
+                    a.frontend = f.clone();
+                }
+                None => match self.open(f) {
+                    Ok(a) => {
+                        self.active.insert(key, a);
+                    }
+                    Err(e) => errors.push(e),
+                },
+            }
+        }
+        errors
+    }
+
+    /// Opens a listener on one of the runtime's threads (so in the relay's namespace) and starts serving it.
+    fn open(&self, f: &Frontend) -> Result<Active, RelayError> {
+        let service = Service::new(
+            f.service.clone(),
+            self.limits.clone(),
+            f.endpoints.clone(),
+            f.affinity,
+        );
+        let listen_error = |source| RelayError::Listen {
+            service: f.service.clone(),
+            protocol: f.protocol,
+            listen: f.listen,
+            source,
+        };
+        let (protocol, listen, svc) = (f.protocol, f.listen, service.clone());
+        let idle = f.affinity.unwrap_or(self.udp_idle_timeout);
+        let started = self.runtime.block_on(self.runtime.spawn(async move {
+            match protocol {
+                Protocol::Tcp => {
+                    let l = tokio::net::TcpListener::from_std(socket::tcp_listener(listen)?)?;
+                    let local = l.local_addr()?;
+                    Ok(Some((
+                        local,
+                        tokio::spawn(tcp::serve(l, svc)).abort_handle(),
+                    )))
+                }
+                Protocol::Udp => {
+                    let s = tokio::net::UdpSocket::from_std(socket::udp_listener(listen)?)?;
+                    let local = s.local_addr()?;
+                    Ok(Some((
+                        local,
+                        tokio::spawn(udp::serve(s, svc, idle)).abort_handle(),
+                    )))
+                }
+                Protocol::Sctp => Ok(None),
+            }
+        }));
+        let started: io::Result<_> = started.unwrap_or_else(|e| Err(io::Error::other(e)));
+        match started.map_err(listen_error)? {
+            Some((local, task)) => {
+                tracing::info!(service = %f.service, protocol = %f.protocol, %local, endpoints = f.endpoints.len(), "relay listening");
+                Ok(Active {
+                    frontend: f.clone(),
+                    service,
+                    local,
+                    task,
+                })
+            }
+            None => Err(RelayError::Unsupported {
+                service: f.service.clone(),
+                protocol: f.protocol,
+                listen: f.listen,
+            }),
+        }
+    }
+
+    /// The address a frontend's listener is bound to (its port when it asked for port 0).
+    pub fn local_addr(
+        &self,
+        service: &str,
+        protocol: Protocol,
+        listen: SocketAddr,
+    ) -> Option<SocketAddr> {
+        self.active
+            .get(&(service.to_owned(), protocol, listen))
+            .map(|a| a.local)
+    }
+
+    /// Listeners open.
+    pub fn listeners(&self) -> usize {
+        self.active.len()
+    }
+
+    /// TCP connections and UDP flows being relayed.
+    pub fn live_connections(&self) -> usize {
+        self.active.values().map(|a| a.service.live_count()).sum()
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &Stats {
+        &self.limits.stats
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for a in self.active.values() {
+            a.task.abort();
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! `--proxy-mode userspace`: every TCP and UDP service port is relayed in user space. The relay listens on an
+//! ephemeral port per service port and family (on every address), and nf_tables redirects the service's
+//! ClusterIPs, external IPs and LoadBalancer IPs to it through one map (`render::userspace`). NodePorts are
+//! listened on directly, on every address, as kube-proxy's userspace proxier did.
+
+use super::{Frontend, Relay, RelayError, RelayOptions};
+use nftkube_model::{ClusterState, IpFamily, NamespacedName, Protocol, ServicePort};
+use nftkube_nft::Backend;
+use nftkube_render::{self as render, usable_endpoints, Piece};
+use nftkube_sync::{SyncEngine, SyncError, SyncReport};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Duration;
+
+/// The relay of userspace mode and what nf_tables needs from it.
+#[derive(Debug)]
+pub struct UserspaceProxy {
+    relay: Relay,
+}
+
+fn any(f: IpFamily, port: u16) -> SocketAddr {
+    match f {
+        IpFamily::V4 => (Ipv4Addr::UNSPECIFIED, port).into(),
+        IpFamily::V6 => (Ipv6Addr::UNSPECIFIED, port).into(),
+    }
+}
+
+/// The relay's name for a service port's NodePort listener (its own balancer and affinity, as each
+/// frontend has in the nf_tables mode).
+fn node_port_name(svc: &ServicePort) -> String {
+    format!("{} (NodePort)", svc.name)
+}
+
+/// The listeners one service port needs: per family it has addresses in, one redirect target on an
+/// ephemeral port, and its NodePort.
+fn frontends_of(svc: &ServicePort, endpoints: &[nftkube_model::Endpoint]) -> Vec<Frontend> {
+    if svc.protocol == Protocol::Sctp {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for f in [IpFamily::V4, IpFamily::V6] {
+        let eps: Vec<SocketAddr> = usable_endpoints(endpoints, f)
+            .iter()
+            .map(|e| SocketAddr::new(e.ip, e.port))
+            .collect();
+        let frontend = |service: String, listen| Frontend {
+            service,
+            protocol: svc.protocol,
+            listen,
+            endpoints: eps.clone(),
+            affinity: svc
+                .session_affinity_timeout
+                .map(|s| Duration::from_secs(s.into())),
+        };
+        if !render::userspace::frontend_ips(svc, f).is_empty() {
+            out.push(frontend(svc.name.to_string(), any(f, 0)));
+        }
+        let has_family = svc.cluster_ips.iter().any(|ip| IpFamily::of(ip) == f);
+        if let Some(np) = svc.node_port.filter(|_| has_family) {
+            out.push(frontend(node_port_name(svc), any(f, np)));
+        }
+    }
+    out
+}
+
+impl UserspaceProxy {
+    /// Starts the relay in the calling thread's namespace.
+    pub fn start(opts: &RelayOptions) -> Result<UserspaceProxy, RelayError> {
+        tracing::info!("userspace mode: services are relayed in user space");
+        Ok(UserspaceProxy {
+            relay: Relay::start(opts)?,
+        })
+    }
+
+    /// One sync: the relay's listeners follow the model, then nf_tables' redirect map follows the relay's
+    /// ports (all of it in a full sync, the changed services' elements in a partial one).
+    pub fn sync<B: Backend>(
+        &mut self,
+        engine: &mut SyncEngine<B>,
+        state: &ClusterState,
+        changed: &BTreeSet<NamespacedName>,
+    ) -> Result<SyncReport, SyncError> {
+        self.apply_listeners(state);
+        if engine.needs_full_sync() {
+            let mut pieces = BTreeMap::new();
+            for name in state.service_names() {
+                for sp in state.service_ports(&name) {
+                    pieces.insert(sp.name.clone(), self.pieces(sp));
+                }
+            }
+            return engine.sync_full(render::userspace::skeleton(), pieces);
+        }
+        let mut updates = Vec::new();
+        for name in changed {
+            let current = state.service_ports(name);
+            for sp in &current {
+                updates.push((sp.name.clone(), self.pieces(sp)));
+            }
+            for old in engine.committed_ports(name) {
+                if !current.iter().any(|sp| sp.name == old) {
+                    updates.push((old, Vec::new()));
+                }
+            }
+        }
+        engine.sync_partial(updates)
+    }
+
+    fn apply_listeners(&mut self, state: &ClusterState) {
+        let mut frontends = Vec::new();
+        for name in state.service_names() {
+            let endpoints = state.service_endpoints(&name);
+            for sp in state.service_ports(&name) {
+                let eps = endpoints.get(&sp.name).map(Vec::as_slice).unwrap_or(&[]);
+                frontends.extend(frontends_of(sp, eps));
+            }
+        }
+        for e in self.relay.apply(&frontends) {
+            tracing::warn!("not relayed: {e}");
+        }
+    }
+
+    /// The redirect elements of a service port: to its listener of each family, if it has one.
+    fn pieces(&self, sp: &ServicePort) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for f in [IpFamily::V4, IpFamily::V6] {
+            let name = sp.name.to_string();
+            if let Some(local) = self.relay.local_addr(&name, sp.protocol, any(f, 0)) {
+                out.extend(render::userspace::relay_pieces(sp, f, local.port()));
+            }
+        }
+        out
+    }
+
+    /// The relay that serves the services.
+    pub fn relay(&self) -> &Relay {
+        &self.relay
+    }
+}

@@ -1,0 +1,354 @@
+//! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
+//! rejection, kubelet's guard) and the sets and maps the services fill.
+
+use super::chains::pick_chain_state;
+use super::common::*;
+use super::names::*;
+use super::{RenderConfig, SLOT_SPACE};
+use nftkube_model::IpFamily;
+use nftkube_model::NodePortAddresses;
+use nftkube_nft::build::{ip_bytes, Field, RuleBuilder};
+use nftkube_nft::ir::*;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// The objects every table has whatever the services: hooks, the fixed chains and the sets.
+pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
+    let mut t = TableState::new(nft_family(f), TABLE);
+    add_sets(&mut t, f);
+    let nodeport_match = nodeport_match(&mut t, f, cfg);
+    add_hooks(&mut t);
+    t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
+    t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall_rules(f, cfg);
+    add_dispatch(&mut t, f, nodeport_match);
+    t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = masquerading_rules(f, cfg);
+    add_cluster_ips_check(&mut t, f, cfg);
+    add_reject(&mut t, f);
+    t
+}
+
+/// The sets and maps service pieces fill (and the affinity map the rules fill).
+fn add_sets(t: &mut TableState, f: IpFamily) {
+    let a = addr_type(f);
+    let plain_set = Set::new;
+    let daddr_of = match f {
+        IpFamily::V4 => TypeofExpr::IpDaddr,
+        IpFamily::V6 => TypeofExpr::Ip6Daddr,
+    };
+    let slot = TypeofExpr::NumgenRandom {
+        modulus: SLOT_SPACE,
+        offset: 0,
+    };
+    t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
+    t.add_set(plain_set(
+        MAP_SERVICE_IPS,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
+    // The slot has no nft type name: declared `typeof`, as nft would, so that listings reload.
+    t.add_set(Set::typed(
+        MAP_SERVICE_ENDPOINTS,
+        vec![daddr_of, TypeofExpr::MetaL4proto, TypeofExpr::ThDport, slot],
+        vec![daddr_of, TypeofExpr::ThDport],
+    ));
+    t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
+    let frontend_key = vec![a, DataType::InetProto, DataType::InetService];
+    t.add_set(plain_set(
+        SET_NO_ENDPOINT_SERVICES,
+        frontend_key.clone(),
+        vec![],
+    ));
+    t.add_set(plain_set(SET_NO_LOCAL_ENDPOINTS, frontend_key, vec![]));
+    t.add_set(Set {
+        // Each element carries its service's own timeout (set by the rule); this is only the default.
+        timeout_ms: Some(crate::MAX_AFFINITY_SECONDS as u64 * 1000),
+        dynamic: true,
+        size: Some(AFFINITY_CAPACITY),
+        ..Set::new(
+            MAP_AFFINITY,
+            vec![a, a, DataType::InetProto, DataType::InetService],
+            vec![a, DataType::InetService],
+        )
+    });
+    t.add_set(plain_set(
+        MAP_AFFINITY_SERVICES,
+        vec![a, DataType::InetProto, DataType::InetService],
+        vec![DataType::Verdict],
+    ));
+    let port_key = vec![DataType::InetProto, DataType::InetService];
+    t.add_set(plain_set(
+        MAP_SERVICE_NODEPORTS,
+        port_key.clone(),
+        vec![DataType::Verdict],
+    ));
+    t.add_set(plain_set(
+        SET_NO_ENDPOINT_NODEPORTS,
+        port_key.clone(),
+        vec![],
+    ));
+    t.add_set(plain_set(SET_NO_LOCAL_NODEPORTS, port_key.clone(), vec![]));
+    t.add_set(plain_set(
+        MAP_AFFINITY_NODEPORTS,
+        port_key,
+        vec![DataType::Verdict],
+    ));
+    t.add_set(Set::typed(
+        MAP_NODEPORT_ENDPOINTS,
+        vec![TypeofExpr::MetaL4proto, TypeofExpr::ThDport, slot],
+        vec![daddr_of, TypeofExpr::ThDport],
+    ));
+}
+
+/// NodePorts: on which of the node's addresses (kube-proxy's --nodeport-addresses): the start of the rules
+/// that match them (None: NodePorts are not served).
+fn nodeport_match(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) -> Option<RuleBuilder> {
+    let a = addr_type(f);
+    match &cfg.nodeport_addresses {
+        NodePortAddresses::None => None,
+        NodePortAddresses::AllLocal => {
+            let loopback: IpAddr = match f {
+                IpFamily::V4 => Ipv4Addr::new(127, 0, 0, 0).into(),
+                IpFamily::V6 => Ipv6Addr::LOCALHOST.into(),
+            };
+            let prefix = if f == IpFamily::V4 { 8 } else { 128 };
+            Some(
+                RuleBuilder::new()
+                    .daddr_is_local()
+                    .prefix(daddr(f), &loopback, prefix, true),
+            )
+        }
+        NodePortAddresses::Only(ips) => {
+            let set = t.add_set(Set::new(SET_NODEPORT_IPS, vec![a], vec![]));
+            for ip in ips.iter().filter(|ip| IpFamily::of(ip) == f) {
+                set.elements.insert(Element {
+                    key: ip_bytes(ip).into(),
+                    value: None,
+                });
+            }
+            Some(RuleBuilder::new().in_set(&[daddr(f)], SET_NODEPORT_IPS, false))
+        }
+    }
+}
+
+fn jump(chain: &str) -> Rule {
+    RuleBuilder::new()
+        .verdict(Verdict::Jump(chain.into()))
+        .build()
+}
+
+/// The base chains: nat hooks to dispatch and masquerading, filter hooks to the checks after NAT.
+fn add_hooks(t: &mut TableState) {
+    t.add_chain(Chain::base(
+        CHAIN_NAT_PREROUTING,
+        ChainType::Nat,
+        Hook::Prerouting,
+        PRIO_DSTNAT,
+    ))
+    .rules = vec![jump(CHAIN_SERVICES)];
+    t.add_chain(Chain::base(
+        CHAIN_NAT_OUTPUT,
+        ChainType::Nat,
+        Hook::Output,
+        PRIO_DSTNAT,
+    ))
+    .rules = vec![jump(CHAIN_SERVICES)];
+    t.add_chain(Chain::base(
+        CHAIN_NAT_POSTROUTING,
+        ChainType::Nat,
+        Hook::Postrouting,
+        PRIO_SRCNAT,
+    ))
+    .rules = vec![jump(CHAIN_MASQUERADING)];
+    t.add_chain(Chain::base(
+        CHAIN_FILTER_FORWARD,
+        ChainType::Filter,
+        Hook::Forward,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![
+        jump(CHAIN_FIREWALL),
+        jump(CHAIN_CLUSTER_IPS_CHECK),
+        record_affinity(),
+    ];
+    t.add_chain(Chain::base(
+        CHAIN_FILTER_OUTPUT,
+        ChainType::Filter,
+        Hook::Output,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![
+        jump(CHAIN_FIREWALL),
+        jump(CHAIN_CLUSTER_IPS_CHECK),
+        record_affinity(),
+    ];
+    t.add_chain(Chain::base(
+        CHAIN_FILTER_INPUT,
+        ChainType::Filter,
+        Hook::Input,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![jump(CHAIN_FIREWALL), record_affinity()];
+}
+
+/// kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
+/// 127.0.0.0/8 from elsewhere that is not part of a known or DNATed connection (with route_localnet on,
+/// it could otherwise reach services bound to loopback).
+fn firewall_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
+    let mut firewall = vec![RuleBuilder::new()
+        .mark_has(cfg.drop_bit, true)
+        .verdict(Verdict::Drop)
+        .comment("drop mark")
+        .build()];
+    if f == IpFamily::V4 {
+        let localnet: IpAddr = Ipv4Addr::new(127, 0, 0, 0).into();
+        firewall.push(
+            RuleBuilder::new()
+                .prefix(Field::IpDaddr, &localnet, 8, false)
+                .prefix(Field::IpSaddr, &localnet, 8, true)
+                .ct_lacks(CtKey::State, CT_STATE_ESTABLISHED | CT_STATE_RELATED)
+                .ct_lacks(CtKey::Status, CT_STATUS_DNAT)
+                .verdict(Verdict::Drop)
+                .comment("martian localnet")
+                .build(),
+        );
+    }
+    firewall
+}
+
+/// `services`: the dispatch by frontend, then by NodePort; the NodePort check on input; the `pick` chains.
+fn add_dispatch(t: &mut TableState, f: IpFamily, nodeport_match: Option<RuleBuilder>) {
+    let mut services = vec![RuleBuilder::new()
+        .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
+        .build()];
+    if let Some(m) = &nodeport_match {
+        services.push(
+            m.clone()
+                .vmap(&[Field::L4Proto, Field::ThDport], MAP_SERVICE_NODEPORTS)
+                .build(),
+        );
+        // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
+        // rejected on input.
+        t.chain_mut(CHAIN_FILTER_INPUT)
+            .rules
+            .insert(1, jump(CHAIN_NODEPORTS_CHECK));
+        t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
+            .clone()
+            .in_set(
+                &[Field::L4Proto, Field::ThDport],
+                SET_NO_ENDPOINT_NODEPORTS,
+                false,
+            )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+            .build()];
+    }
+    t.add_chain(Chain::regular(CHAIN_SERVICES)).rules = services;
+    for node_port in [false, true] {
+        for local in [false, true] {
+            let pick = pick_chain_state(f, node_port, local);
+            t.add_chain(pick.chain.clone()).rules = pick.rules;
+        }
+    }
+}
+
+fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
+    let bit = cfg.masquerade_bit;
+    vec![
+        RuleBuilder::new()
+            .ct_has(CtKey::Status, CT_STATUS_DNAT)
+            .in_set(&[saddr(f), daddr(f)], SET_HAIRPIN, false)
+            .mark_or(bit)
+            .comment("hairpin: an endpoint reaching itself through its service")
+            .build(),
+        RuleBuilder::new()
+            .mark_has(bit, false)
+            .verdict(Verdict::Return)
+            .build(),
+        RuleBuilder::new().mark_xor(bit).build(),
+        RuleBuilder::new()
+            .masquerade(cfg.masquerade_fully_random)
+            .build(),
+    ]
+}
+
+/// After NAT: frontends without endpoints, and whatever still goes to a ClusterIP, are rejected.
+fn add_cluster_ips_check(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
+    t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
+        RuleBuilder::new()
+            .in_set(
+                &[daddr(f), Field::L4Proto, Field::ThDport],
+                SET_NO_ENDPOINT_SERVICES,
+                false,
+            )
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+            .build(),
+        RuleBuilder::new()
+            .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
+            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+            .comment("no endpoints, or not a service port")
+            .build(),
+    ];
+    // --service-cidr: an address in the service range that no Service has is dropped here rather than sent
+    // on towards the default route.
+    for cidr in cfg.service_cidrs.iter().filter(|c| c.family() == f) {
+        t.chain_mut(CHAIN_CLUSTER_IPS_CHECK).rules.push(
+            RuleBuilder::new()
+                .prefix(daddr(f), &cidr.addr, cidr.prefix, false)
+                .verdict(Verdict::Drop)
+                .comment("unallocated service address")
+                .build(),
+        );
+    }
+}
+
+fn add_reject(t: &mut TableState, f: IpFamily) {
+    let unreach = match f {
+        IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
+        IpFamily::V6 => RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH),
+    };
+    t.add_chain(Chain::regular(CHAIN_REJECT)).rules = vec![
+        RuleBuilder::new()
+            .cmp(Field::L4Proto, CmpOp::Eq, vec![6])
+            .reject(RejectKind::TcpReset)
+            .build(),
+        RuleBuilder::new().reject(unreach).build(),
+    ];
+}
+
+/// The most affinity entries a table holds (one per client and frontend while it lasts). kube-proxy's
+/// `recent` lists hold 100 each; a full map records nothing new (connections still flow, unpinned).
+pub const AFFINITY_CAPACITY: u32 = 262_144;
+
+/// `ct state new ct status dnat jump affinity-record`: after DNAT (filter runs after nat), a new connection's
+/// endpoint is known; the forward, input and output hooks together see every DNATed connection.
+fn record_affinity() -> Rule {
+    RuleBuilder::new()
+        .ct_has(CtKey::State, CT_STATE_NEW)
+        .ct_has(CtKey::Status, CT_STATUS_DNAT)
+        .verdict(Verdict::Jump(CHAIN_AFFINITY_RECORD.into()))
+        .build()
+}
+
+/// Which affinity services' frontends a connection was sent to: by its original destination (ClusterIPs,
+/// external and LoadBalancer IPs), else by its original destination port (NodePorts). A NodePort number that
+/// is also the port of some other address records an entry nothing looks up (lookups are by frontend).
+fn affinity_record_rules(f: IpFamily) -> Vec<Rule> {
+    let original = match f {
+        IpFamily::V4 => Field::CtOriginalDaddr,
+        IpFamily::V6 => Field::CtOriginalDaddr6,
+    };
+    vec![
+        RuleBuilder::new()
+            .transport_protocol()
+            .vmap(
+                &[original, Field::L4Proto, Field::CtOriginalProtoDst],
+                MAP_AFFINITY_SERVICES,
+            )
+            .build(),
+        RuleBuilder::new()
+            .transport_protocol()
+            .vmap(
+                &[Field::L4Proto, Field::CtOriginalProtoDst],
+                MAP_AFFINITY_NODEPORTS,
+            )
+            .build(),
+    ]
+}

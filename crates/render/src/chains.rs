@@ -1,0 +1,386 @@
+//! The shared `lb-*` chains (masquerade marking and the uniform choice of an endpoint slot) and the
+//! per-service firewall chains of loadBalancerSourceRanges.
+
+use super::common::*;
+use super::names::*;
+use super::RenderConfig;
+use nftkube_model::DetectLocal;
+use nftkube_model::{Cidr, IpFamily, ServicePort};
+use nftkube_nft::build::{ip_bytes, Field, RuleBuilder};
+use nftkube_nft::ir::*;
+
+/// Which frontends an `lb-*` chain serves: they differ in masquerading and in the key of their endpoints.
+/// With ClientIP affinity (`lb-...aff`), each choice is preceded by a lookup of the endpoint the client had
+/// (see `RuleBuilder::affinity_hit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LbKind {
+    /// `lb`: ClusterIPs. Masqueraded when from outside the cluster CIDR (never without one, as kube-proxy).
+    /// internalTrafficPolicy Local without a local endpoint: dropped (`no-local-endpoints`).
+    Cluster,
+    /// `lb-ext`: external and LoadBalancer IPs. Masqueraded unless from the cluster CIDR (always without
+    /// one: the reply must come back through this node).
+    External,
+    /// `lb-np`: NodePorts, keyed by protocol and port alone. Always masqueraded (externalTrafficPolicy
+    /// Cluster).
+    NodePort,
+    /// `lb-etp`: external and LoadBalancer IPs of an externalTrafficPolicy Local service: traffic from pods
+    /// and from the node itself goes to every endpoint (short-circuit), outside traffic only to the
+    /// endpoints on this node, keeping its source address; none → dropped.
+    LocalExternal,
+    /// `lb-np-etp`: the same for the NodePort of such a service.
+    LocalNodePort,
+}
+
+impl LbKind {
+    fn is_node_port(self) -> bool {
+        matches!(self, LbKind::NodePort | LbKind::LocalNodePort)
+    }
+
+    fn is_local(self) -> bool {
+        matches!(self, LbKind::LocalExternal | LbKind::LocalNodePort)
+    }
+}
+
+/// How an `lb-*` chain finds the endpoint count of the frontend it serves.
+///
+/// An endpoint count is data, not structure: a frontend with n endpoints keeps them in region n of its
+/// endpoint map (slots `region(n) .. region(n) + n`), and the shared `pick` chains try one rule per count,
+/// `numgen random mod n offset region(n)`; only the rule of the frontend's own count finds an element (a
+/// lookup that misses ends its rule and the next is tried). So a service going from n to m endpoints
+/// changes only elements of its own: no verdict element (which would make the kernel re-validate the whole
+/// table, O(services)) and no chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Counts {
+    /// Up to `SHARED_COUNTS` endpoints (and as many local ones): the shared `pick` chains find the count.
+    Shared,
+    /// More: a chain of the frontend's own count (`lb-…-<n>`, `lb-…-<local>-<n>`), shared by every frontend
+    /// with those counts. A change of such a count rewrites the frontend's dispatch element.
+    Own {
+        /// Endpoints in all.
+        all: u32,
+        /// Of them, on this node (externalTrafficPolicy Local chains only).
+        local: u32,
+    },
+}
+
+impl Counts {
+    /// The chain for a frontend with `all` endpoints, `local` of them on this node.
+    pub fn of(all: usize, local: usize) -> Counts {
+        if all as u32 <= SHARED_COUNTS && local as u32 <= SHARED_COUNTS {
+            Counts::Shared
+        } else {
+            Counts::Own {
+                all: all as u32,
+                local: local as u32,
+            }
+        }
+    }
+}
+
+/// Endpoint counts the shared `pick` chains try, one rule each (a new connection to a service with n ≤ 32
+/// endpoints walks n of them: each a hash lookup that misses, ~50 ns).
+pub const SHARED_COUNTS: u32 = 32;
+
+/// The most endpoints a frontend uses (the region of a count holds 2^16 slots, and bit 31 marks the local
+/// regions); kube-proxy has no such limit, but no Service has 32 767 ready endpoints on one node's view.
+pub const MAX_ENDPOINTS: usize = (1 << 15) - 1;
+
+/// Bit 31 of a slot: a region of a frontend's node-local endpoints (externalTrafficPolicy Local).
+pub const LOCAL_REGIONS: u32 = 1 << 31;
+
+/// The first slot of the region of frontends with `count` endpoints (`local`: node-local endpoints).
+pub fn region(count: u32, local: bool) -> u32 {
+    let base = if local { LOCAL_REGIONS } else { 0 };
+    base | (count << 16)
+}
+
+/// The modulus the endpoint maps are declared with (`typeof ... numgen random mod SLOT_SPACE`). nft only
+/// reads the declaration to type the slot (a 32-bit integer); the slots themselves go up to `u32::MAX`.
+pub const SLOT_SPACE: u32 = 1 << 17;
+
+fn lb_name(kind: LbKind, counts: Counts, affinity: bool) -> String {
+    let base = match kind {
+        LbKind::Cluster => "",
+        LbKind::External => "ext",
+        LbKind::NodePort => "np",
+        LbKind::LocalExternal => "etp",
+        LbKind::LocalNodePort => "np-etp",
+    };
+    let mut parts: Vec<String> = Vec::new();
+    if !base.is_empty() {
+        parts.push(base.into());
+    }
+    if affinity {
+        parts.push("aff".into());
+    }
+    match counts {
+        Counts::Shared => {}
+        Counts::Own { all, local } if kind.is_local() => parts.push(format!("{local}-{all}")),
+        Counts::Own { all, .. } => parts.push(all.to_string()),
+    }
+    if parts.is_empty() {
+        "lb".into()
+    } else {
+        format!("{LB_CHAIN_PREFIX}{}", parts.join("-"))
+    }
+}
+
+/// The endpoint map and key fields of a kind's frontends.
+fn endpoint_key(kind: LbKind, f: IpFamily) -> (Vec<Field>, &'static str) {
+    if kind.is_node_port() {
+        (vec![Field::L4Proto, Field::ThDport], MAP_NODEPORT_ENDPOINTS)
+    } else {
+        (
+            vec![daddr(f), Field::L4Proto, Field::ThDport],
+            MAP_SERVICE_ENDPOINTS,
+        )
+    }
+}
+
+/// `pick`, `pick-local`, `pick-np`, `pick-np-local`: one rule per shared count (see `Counts`).
+pub fn pick_chain_name(node_port: bool, local: bool) -> &'static str {
+    match (node_port, local) {
+        (false, false) => CHAIN_PICK,
+        (false, true) => CHAIN_PICK_LOCAL,
+        (true, false) => CHAIN_PICK_NODEPORT,
+        (true, true) => CHAIN_PICK_NODEPORT_LOCAL,
+    }
+}
+
+/// A shared `pick` chain of the skeleton: for each count n ≤ `SHARED_COUNTS`, the uniform choice among the
+/// slots of region n.
+pub fn pick_chain_state(f: IpFamily, node_port: bool, local: bool) -> ChainState {
+    let kind = if node_port {
+        LbKind::NodePort
+    } else {
+        LbKind::Cluster
+    };
+    let (key, map) = endpoint_key(kind, f);
+    let family = nft_family(f);
+    ChainState {
+        chain: Chain::regular(pick_chain_name(node_port, local)),
+        rules: (1..=SHARED_COUNTS)
+            .map(|n| {
+                RuleBuilder::new()
+                    .dnat_map_offset(&key, n, region(n, local), map, family)
+                    .build()
+            })
+            .collect(),
+    }
+}
+
+/// The choice of an endpoint after `start`: a jump to the shared `pick` chain, or with an own count the
+/// rule of that count (None: no endpoint to choose from).
+fn pick(
+    start: RuleBuilder,
+    kind: LbKind,
+    counts: Counts,
+    local: bool,
+    f: IpFamily,
+) -> Option<RuleBuilder> {
+    let (key, map) = endpoint_key(kind, f);
+    match counts {
+        Counts::Shared => {
+            let chain = pick_chain_name(kind.is_node_port(), local);
+            Some(start.verdict(Verdict::Jump(chain.into())))
+        }
+        Counts::Own { all, local: l } => {
+            let n = if local { l } else { all };
+            (n > 0).then(|| start.dnat_map_offset(&key, n, region(n, local), map, nft_family(f)))
+        }
+    }
+}
+
+/// `… @no-local-endpoints drop`: a frontend whose endpoints are all on other nodes (the packet reaches this
+/// rule only when no local endpoint was chosen). A frontend without any endpoint is not in the set: its
+/// packet leaves NAT untouched and is rejected in filter.
+fn no_local_endpoint_drop(kind: LbKind, f: IpFamily, comment: &str) -> Rule {
+    let (key, _) = endpoint_key(kind, f);
+    let set = if kind.is_node_port() {
+        SET_NO_LOCAL_NODEPORTS
+    } else {
+        SET_NO_LOCAL_ENDPOINTS
+    };
+    RuleBuilder::new()
+        .in_set(&key, set, false)
+        .verdict(Verdict::Drop)
+        .comment(comment)
+        .build()
+}
+
+/// An `lb-*` chain: masquerade marking, then the uniform choice of an endpoint.
+pub fn lb_chain_state(
+    family: Family,
+    kind: LbKind,
+    counts: Counts,
+    affinity: bool,
+    cfg: &RenderConfig,
+) -> ChainState {
+    let f = ip_family(family);
+    // Each choice, preceded (with affinity) by the same match and the lookup of the client's endpoint.
+    let choose = |start: RuleBuilder, local: bool, comment: &str| -> Vec<Rule> {
+        let mut rules = Vec::new();
+        let Some(chosen) = pick(start.clone(), kind, counts, local, f) else {
+            return rules;
+        };
+        if affinity {
+            rules.push(
+                start
+                    .affinity_hit(family, MAP_AFFINITY)
+                    .comment(format!("{comment}: the endpoint this client had"))
+                    .build(),
+            );
+        }
+        rules.push(chosen.comment(comment).build());
+        rules
+    };
+    let rules = if kind.is_local() {
+        local_policy_rules(f, kind, cfg, &choose)
+    } else {
+        let mut rules = masquerade_marking(f, kind, cfg);
+        rules.extend(choose(RuleBuilder::new(), false, "an endpoint, by count"));
+        if kind == LbKind::Cluster {
+            rules.push(no_local_endpoint_drop(
+                kind,
+                f,
+                "internalTrafficPolicy Local: no local endpoint",
+            ));
+        }
+        rules
+    };
+    ChainState {
+        chain: Chain::regular(&lb_name(kind, counts, affinity)),
+        rules,
+    }
+}
+
+/// The masquerade mark of ClusterIP, external and NodePort (externalTrafficPolicy Cluster) traffic.
+fn masquerade_marking(f: IpFamily, kind: LbKind, cfg: &RenderConfig) -> Vec<Rule> {
+    let not_pod = local_traffic(f, cfg, true);
+    let external = kind == LbKind::External;
+    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && not_pod.is_none());
+    if always {
+        vec![RuleBuilder::new().mark_or(cfg.masquerade_bit).build()]
+    } else if let Some(not_pod) = not_pod {
+        vec![not_pod
+            .mark_or(cfg.masquerade_bit)
+            .comment("not from a pod")
+            .build()]
+    } else {
+        Vec::new()
+    }
+}
+
+type Choose<'a> = dyn Fn(RuleBuilder, bool, &str) -> Vec<Rule> + 'a;
+
+/// externalTrafficPolicy Local: pods reach every endpoint (keeping their address unless masquerade-all: their
+/// traffic is treated as cluster traffic); so does the node itself, masqueraded; outside traffic only the
+/// local endpoints, keeping its source address (none: dropped).
+fn local_policy_rules(
+    f: IpFamily,
+    kind: LbKind,
+    cfg: &RenderConfig,
+    choose: &Choose<'_>,
+) -> Vec<Rule> {
+    let mut rules = Vec::new();
+    if let Some(mut pod) = local_traffic(f, cfg, false) {
+        if cfg.masquerade_all {
+            pod = pod.mark_or(cfg.masquerade_bit);
+        }
+        rules.extend(choose(pod, false, "from a pod: every endpoint"));
+    }
+    let node = RuleBuilder::new()
+        .saddr_is_local()
+        .mark_or(cfg.masquerade_bit);
+    rules.extend(choose(node, false, "from the node: every endpoint"));
+    rules.extend(choose(
+        RuleBuilder::new(),
+        true,
+        "from outside: local endpoints, source kept",
+    ));
+    rules.push(no_local_endpoint_drop(
+        kind,
+        f,
+        "from outside: no local endpoint",
+    ));
+    rules
+}
+
+/// `affinity-<seconds>`: records, after DNAT, the endpoint a new connection to a service with that affinity
+/// timeout went to (every new connection: a hit refreshes the entry, as kube-proxy's `recent --set` does).
+pub fn affinity_chain_state(family: Family, seconds: u32) -> ChainState {
+    ChainState {
+        chain: Chain::regular(&affinity_chain(seconds)),
+        rules: vec![RuleBuilder::new()
+            .transport_protocol()
+            .affinity_record(family, MAP_AFFINITY, seconds as u64 * 1000)
+            .build()],
+    }
+}
+
+/// The start of a rule matching traffic from this node's pods (`negate`: not from them), per the configured
+/// detector; None when it cannot tell in this family (no cluster CIDR of the family given).
+pub(super) fn local_traffic(f: IpFamily, cfg: &RenderConfig, negate: bool) -> Option<RuleBuilder> {
+    match &cfg.local_detector {
+        DetectLocal::ClusterCidr | DetectLocal::NodeCidr => {
+            let cidr = cfg.cluster_cidrs.iter().find(|c| c.family() == f)?;
+            Some(RuleBuilder::new().prefix(saddr(f), &cidr.addr, cidr.prefix, negate))
+        }
+        DetectLocal::InterfaceNamePrefix(p) => Some(RuleBuilder::new().iifname(p, true, negate)),
+        DetectLocal::BridgeInterface(b) => Some(RuleBuilder::new().iifname(b, false, negate)),
+    }
+}
+
+/// `fw-<id>`: sources in the service's loadBalancerSourceRanges go on to its endpoints, others are dropped.
+/// When a range contains one of the node's addresses, the LoadBalancer IPs themselves are allowed as sources
+/// too (kube-proxy's rule for load balancers that hairpin through the node).
+pub(super) fn firewall_chain_state(
+    svc: &ServicePort,
+    f: IpFamily,
+    ranges: &[&Cidr],
+    target: &str,
+    cfg: &RenderConfig,
+) -> ChainState {
+    let family_name = if f == IpFamily::V4 { "ip" } else { "ip6" };
+    let mut rules: Vec<Rule> = ranges
+        .iter()
+        .map(|c| {
+            RuleBuilder::new()
+                .prefix(saddr(f), &c.addr, c.prefix, false)
+                .verdict(Verdict::Goto(target.into()))
+                .build()
+        })
+        .collect();
+    let node_in_range = cfg
+        .node_ips
+        .iter()
+        .any(|ip| ranges.iter().any(|c| c.contains(ip)));
+    if node_in_range {
+        for ip in svc
+            .load_balancer_ips
+            .iter()
+            .filter(|ip| IpFamily::of(ip) == f)
+        {
+            rules.push(
+                RuleBuilder::new()
+                    .cmp(saddr(f), CmpOp::Eq, ip_bytes(ip))
+                    .verdict(Verdict::Goto(target.into()))
+                    .build(),
+            );
+        }
+    }
+    rules.push(
+        RuleBuilder::new()
+            .verdict(Verdict::Drop)
+            .comment("not in loadBalancerSourceRanges")
+            .build(),
+    );
+    ChainState {
+        chain: Chain::regular(&firewall_chain(
+            &svc.name,
+            family_name,
+            &format!("{rules:?}"),
+        )),
+        rules,
+    }
+}

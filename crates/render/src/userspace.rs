@@ -1,0 +1,125 @@
+//! Userspace mode (`--proxy-mode userspace`): nf_tables only sends service traffic to the relay. One map,
+//! `relay-ports`, keyed like the nf_tables mode's dispatch (`daddr . l4proto . dport`), gives the relay's
+//! listening port for each frontend, and one rule per hook redirects there: no rule or chain per service.
+
+use super::claims::Precedence;
+use super::common::*;
+use super::names::*;
+use super::Piece;
+use nftkube_model::{IpFamily, Protocol, ServicePort};
+use nftkube_nft::build::{concat_key, ip_bytes, Field, RuleBuilder};
+use nftkube_nft::ir::*;
+use std::net::IpAddr;
+
+/// The tables of userspace mode, without elements (ip, then ip6).
+pub fn skeleton() -> Vec<TableState> {
+    [IpFamily::V4, IpFamily::V6]
+        .into_iter()
+        .map(table)
+        .collect()
+}
+
+fn table(f: IpFamily) -> TableState {
+    let mut t = TableState::new(nft_family(f), TABLE);
+    t.add_set(Set::new(
+        MAP_RELAY_PORTS,
+        vec![addr_type(f), DataType::InetProto, DataType::InetService],
+        vec![DataType::InetService],
+    ));
+    let redirect = || {
+        RuleBuilder::new()
+            .redirect_map(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_RELAY_PORTS)
+            .build()
+    };
+    // Traffic from pods and outside (to the incoming interface's address), and from the node itself (to
+    // loopback): the relay listens on every address.
+    for (name, hook) in [
+        (CHAIN_NAT_PREROUTING, Hook::Prerouting),
+        (CHAIN_NAT_OUTPUT, Hook::Output),
+    ] {
+        t.add_chain(Chain::base(name, ChainType::Nat, hook, PRIO_DSTNAT))
+            .rules = vec![redirect()];
+    }
+    t
+}
+
+/// Every frontend address of a service port in a family: ClusterIPs, external IPs, LoadBalancer IPs.
+pub fn frontend_ips(svc: &ServicePort, f: IpFamily) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = svc
+        .cluster_ips
+        .iter()
+        .chain(&svc.external_ips)
+        .chain(&svc.load_balancer_ips)
+        .copied()
+        .filter(|ip| IpFamily::of(ip) == f)
+        .collect();
+    ips.sort();
+    ips.dedup();
+    ips
+}
+
+/// One service port's `relay-ports` elements: each frontend address of family `f` to `relay_port`.
+pub fn relay_pieces(svc: &ServicePort, f: IpFamily, relay_port: u16) -> Vec<Piece> {
+    if svc.protocol == Protocol::Sctp {
+        return Vec::new();
+    }
+    let set = PieceSet::named(MAP_RELAY_PORTS);
+    frontend_ips(svc, f)
+        .iter()
+        .map(|ip| Piece::Element {
+            family: nft_family(f),
+            set,
+            element: Element {
+                key: concat_key(&[
+                    ip_bytes(ip),
+                    vec![svc.protocol.number()],
+                    svc.port.to_be_bytes().to_vec(),
+                ])
+                .into(),
+                value: Some(ElementValue::Data(relay_port.to_be_bytes().to_vec().into())),
+            },
+            precedence: Precedence::of_address(svc, ip),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nftkube_model::{NamespacedName, ServicePortName};
+
+    #[test]
+    fn the_userspace_table_redirects_through_one_map_and_lists_like_nft() {
+        let t = table(IpFamily::V4);
+        let text = nftkube_nft::text::render_table(&t);
+        assert!(
+            text.contains("meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @relay-ports"),
+            "{text}"
+        );
+        assert_eq!(t.chains.len(), 2);
+    }
+
+    #[test]
+    fn every_frontend_address_of_the_family_maps_to_the_relay_port() {
+        let name = ServicePortName {
+            service: NamespacedName::new("ns", "web"),
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+        };
+        let mut sp = ServicePort::cluster_ip(
+            name,
+            vec!["10.96.0.1".parse().unwrap(), "fd00::1".parse().unwrap()],
+            80,
+        );
+        sp.external_ips = vec!["192.0.2.1".parse().unwrap(), "10.96.0.1".parse().unwrap()];
+        let v4 = relay_pieces(&sp, IpFamily::V4, 40000);
+        assert_eq!(v4.len(), 2);
+        let Piece::Element { element, .. } = &v4[0] else {
+            panic!("{v4:?}")
+        };
+        assert_eq!(&element.key[..], &[10, 96, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0]);
+        assert_eq!(relay_pieces(&sp, IpFamily::V6, 40001).len(), 1);
+        sp.protocol = Protocol::Sctp;
+        assert!(relay_pieces(&sp, IpFamily::V4, 40000).is_empty());
+    }
+}

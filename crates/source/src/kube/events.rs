@@ -1,0 +1,224 @@
+//! Kube objects as the coordinator takes them: a Service, an EndpointSlice or this Node converted to what
+//! the model keeps (or to the reason it cannot be), with the key, the trigger time and the source-range
+//! flag that the coordinator's decisions need. The k8s-openapi → model conversion itself is
+//! [`crate::convert`]'s.
+
+use std::time::SystemTime;
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::watcher;
+
+use crate::convert::{self, ServiceConversion, SliceConversion};
+use crate::fail_closed::asks_source_ranges;
+use crate::NodeInfo;
+use nftkube_model::{parse_ip_sloppy, Cidr, NamespacedName, ServicePort, SliceInfo};
+
+/// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// The cluster autoscaler's taint on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// An object converted to what the model keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) enum Model {
+    Service(Vec<ServicePort>),
+    Slice(SliceInfo),
+    Node(NodeInfo),
+}
+
+/// One object as a watcher delivered it: its identity, and its conversion (Ok(None): an object the proxy
+/// ignores, such as a headless service; Err: malformed, with the reason).
+pub struct Converted {
+    pub(super) key: Option<NamespacedName>,
+    pub(super) model: Result<Option<Model>, String>,
+    pub(super) trigger: Option<SystemTime>,
+    /// A Service whose spec lists `loadBalancerSourceRanges` (whether they convert or not).
+    pub(super) restricts_sources: bool,
+}
+
+impl Converted {
+    /// Converts a Service.
+    pub fn service(svc: &Service) -> Converted {
+        let key = meta_key(&svc.metadata);
+        let model = match convert::service_ports(svc) {
+            Ok(ServiceConversion::Ports(p)) => Ok(Some(Model::Service(p))),
+            Ok(ServiceConversion::Skipped(reason)) => {
+                tracing::debug!(service = ?key, reason, "service not proxied");
+                Ok(None)
+            }
+            Err(e) => Err(e.reason),
+        };
+        Converted {
+            key,
+            model,
+            trigger: None,
+            restricts_sources: asks_source_ranges(svc),
+        }
+    }
+
+    /// Converts an EndpointSlice.
+    pub fn slice(slice: &EndpointSlice) -> Converted {
+        let key = meta_key(&slice.metadata);
+        let model = match convert::endpoint_slice(slice) {
+            Ok(SliceConversion::Slice(s)) => Ok(Some(Model::Slice(s))),
+            Ok(SliceConversion::Skipped(reason)) => {
+                tracing::debug!(slice = ?key, reason, "EndpointSlice ignored");
+                Ok(None)
+            }
+            Err(e) => Err(e.reason),
+        };
+        let trigger = slice
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
+            .and_then(|t| parse_rfc3339(t));
+        Converted {
+            key,
+            model,
+            trigger,
+            restricts_sources: false,
+        }
+    }
+
+    /// Converts this node's Node.
+    pub fn node(node: &Node) -> Converted {
+        Converted {
+            key: meta_key(&node.metadata),
+            model: node_info(node)
+                .map(|n| Some(Model::Node(n)))
+                .map_err(|e| e.to_string()),
+            trigger: None,
+            restricts_sources: false,
+        }
+    }
+}
+
+/// "namespace/name" of an object (namespace "" for cluster-scoped ones); None without a name.
+fn meta_key(meta: &ObjectMeta) -> Option<NamespacedName> {
+    let name = meta.name.as_deref().filter(|n| !n.is_empty())?;
+    Some(NamespacedName::new(
+        meta.namespace.clone().unwrap_or_default(),
+        name,
+    ))
+}
+
+/// An RFC 3339 timestamp (what the API writes in annotations) as a system time.
+pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    let ts: k8s_openapi::jiff::Timestamp = s.trim().parse().ok()?;
+    Some(SystemTime::from(ts))
+}
+
+/// A Node object nftkube cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeError {
+    /// A pod CIDR that does not parse.
+    #[error("node {node}: spec.podCIDRs: {source}")]
+    PodCidr {
+        /// The Node's name.
+        node: String,
+        /// What is wrong with the CIDR.
+        source: nftkube_model::ParseError,
+    },
+}
+
+/// Converts this node's object.
+pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let zone = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned();
+    let mut addresses = Vec::new();
+    for a in node
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+    {
+        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+            // Read as kube-proxy reads node addresses (ParseIPSloppy), so both pick the same node IPs.
+            match parse_ip_sloppy(&a.address) {
+                Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
+                Some(_) => {}
+                None => {
+                    tracing::debug!(address = a.address, "ignoring a node address that is no IP")
+                }
+            }
+        }
+    }
+    let spec = node.spec.as_ref();
+    let cidr_strings: Vec<&String> = match spec.and_then(|s| s.pod_cidrs.as_ref()) {
+        Some(c) if !c.is_empty() => c.iter().collect(),
+        _ => spec.and_then(|s| s.pod_cidr.as_ref()).into_iter().collect(),
+    };
+    let pod_cidrs = cidr_strings
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<Cidr>().map_err(|source| NodeError::PodCidr {
+                node: name.clone(),
+                source,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let tainted = spec
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    Ok(NodeInfo {
+        name,
+        zone,
+        addresses,
+        pod_cidrs,
+        deleting: node.metadata.deletion_timestamp.is_some() || tainted,
+    })
+}
+
+pub(super) fn map_event<K>(
+    ev: watcher::Event<K>,
+    f: impl Fn(&K) -> Converted,
+) -> watcher::Event<Converted> {
+    match ev {
+        watcher::Event::Apply(o) => watcher::Event::Apply(f(&o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(f(&o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(&o)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_info_reads_zone_addresses_cidrs_and_deletion() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "node-1", "labels": {"topology.kubernetes.io/zone": "z1"}},
+            "spec": {"podCIDRs": ["10.244.1.0/24", "fd00:244:1::/64"],
+                     "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]},
+            "status": {"addresses": [{"type": "Hostname", "address": "node-1"},
+                                     {"type": "InternalIP", "address": "192.168.1.10"},
+                                     {"type": "InternalIP", "address": "fd00::10"}]},
+        }))
+        .unwrap();
+        let n = node_info(&node).unwrap();
+        assert_eq!(n.name, "node-1");
+        assert_eq!(n.zone.as_deref(), Some("z1"));
+        assert_eq!(n.addresses.len(), 2);
+        assert_eq!(n.pod_cidrs[0].to_string(), "10.244.1.0/24");
+        assert!(n.deleting);
+        let mut bad = node.clone();
+        bad.spec.as_mut().unwrap().pod_cidrs = Some(vec!["10.244.1.0/99".into()]);
+        assert!(node_info(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("podCIDRs"));
+    }
+}
