@@ -28,19 +28,19 @@ use nftkube_model::{ClusterState, NamespacedName, ServiceType, TrafficPolicy};
 
 /// What one health check port reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HcService {
+pub(crate) struct HcService {
     /// The service whose health is served.
     pub service: NamespacedName,
     /// Its ready endpoints on this node (none: the check answers 503).
-    pub local_endpoints: usize,
+    pub(crate) local_endpoints: usize,
 }
 
 /// Desired servers: healthCheckNodePort → service.
-pub type HcDesired = BTreeMap<u16, HcService>;
+pub(crate) type HcDesired = BTreeMap<u16, HcService>;
 
 /// What the servers should be: which ports, on which addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HcConfig {
+pub(crate) struct HcConfig {
     /// The healthCheckNodePorts to serve, by port.
     pub ports: HcDesired,
     /// The NodePort addresses (`None`, the default until the first full sync resolved them: no server).
@@ -49,7 +49,7 @@ pub struct HcConfig {
 
 /// The health check port of a service and its local ready endpoint count; None for a service that needs
 /// no health check (not a LoadBalancer with `externalTrafficPolicy: Local` and a healthCheckNodePort).
-pub fn health_check_of(
+pub(crate) fn health_check_of(
     state: &ClusterState,
     name: &NamespacedName,
     node: &str,
@@ -74,7 +74,7 @@ pub fn health_check_of(
 }
 
 /// The answer of one health check server.
-pub fn response(svc: &HcService, proxy_healthy: bool) -> Response {
+pub(crate) fn response(svc: &HcService, proxy_healthy: bool) -> Response {
     let body = serde_json::json!({
         "service": {"namespace": &*svc.service.namespace, "name": &*svc.service.name},
         "localEndpoints": svc.local_endpoints,
@@ -148,7 +148,7 @@ fn stop_outdated(
 }
 
 /// Keeps one server per desired port, on the desired addresses, until the sender goes away.
-pub async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHealth>) {
+pub(crate) async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHealth>) {
     let mut running: HashMap<u16, Running> = HashMap::new();
     let mut bound_on = NodePortAddresses::None;
     loop {

@@ -26,16 +26,16 @@ use nftkube_metrics as metrics;
 type Code = [(&'static str, &'static str); 1];
 
 /// Answers given, by code (kubeproxy_proxy_healthz_total{code}, kubeproxy_proxy_livez_total{code}).
-pub static HEALTHZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
+pub(crate) static HEALTHZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
 /// `/livez` answers, by status code (kube-proxy's `proxy_livez_total`).
-pub static LIVEZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
+pub(crate) static LIVEZ_ANSWERS: LazyLock<Family<Code, Counter>> = LazyLock::new(Family::default);
 
 fn code(healthy: bool) -> Code {
     [("code", if healthy { "200" } else { "503" })]
 }
 
 /// Registers the answer counters, both codes present from the start (as kube-proxy shows them).
-pub fn register_metrics(registry: &mut Registry) {
+pub(crate) fn register_metrics(registry: &mut Registry) {
     for (name, help, family) in [
         (
             "kubeproxy_proxy_healthz",
@@ -109,13 +109,13 @@ impl ProxyHealth {
     }
 
     /// A sync was requested (kube-proxy's `QueuedUpdate`); the oldest pending request counts.
-    pub fn queued(&self) {
+    pub(crate) fn queued(&self) {
         self.queued_at(Instant::now());
         metrics::LAST_QUEUED.mark();
     }
 
     /// [`Self::queued`] at a given time (tests).
-    pub fn queued_at(&self, now: Instant) {
+    pub(crate) fn queued_at(&self, now: Instant) {
         let mut s = self.lock();
         if s.oldest_queued.is_none() {
             s.oldest_queued = Some(now);
@@ -123,7 +123,7 @@ impl ProxyHealth {
     }
 
     /// A sync succeeded (kube-proxy's `Updated`).
-    pub fn updated(&self) {
+    pub(crate) fn updated(&self) {
         let mut s = self.lock();
         s.last_updated = Some(SystemTime::now());
         s.oldest_queued = None;
@@ -131,17 +131,17 @@ impl ProxyHealth {
 
     /// Sets whether the node may take load balancer traffic (kube-proxy's nodeEligible); `/healthz` fails
     /// while it is false.
-    pub fn set_node_eligible(&self, eligible: bool) {
+    pub(crate) fn set_node_eligible(&self, eligible: bool) {
         self.lock().node_eligible = eligible;
     }
 
     /// See [`Self::set_node_eligible`].
-    pub fn node_eligible(&self) -> bool {
+    pub(crate) fn node_eligible(&self) -> bool {
         self.lock().node_eligible
     }
 
     /// Whether the proxier is healthy at `now` (ignoring the node).
-    pub fn healthy_at(&self, now: Instant) -> bool {
+    pub(crate) fn healthy_at(&self, now: Instant) -> bool {
         match self.lock().oldest_queued {
             None => true,
             Some(q) => now.saturating_duration_since(q) < self.timeout,
@@ -149,7 +149,7 @@ impl ProxyHealth {
     }
 
     /// [`Self::healthy_at`] now.
-    pub fn is_healthy(&self) -> bool {
+    pub(crate) fn is_healthy(&self) -> bool {
         self.healthy_at(Instant::now())
     }
 
@@ -192,7 +192,7 @@ impl ProxyHealth {
     }
 
     /// The `/livez` answer: the proxier's health only.
-    pub fn livez(&self) -> Response {
+    pub(crate) fn livez(&self) -> Response {
         let healthy = self.is_healthy();
         LIVEZ_ANSWERS.get_or_create(&code(healthy)).inc();
         json(healthy, self.body(healthy, None))

@@ -48,19 +48,19 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
 /// Longest request head accepted (hyper's read buffer limit; above it the answer is 431).
-pub const MAX_HEAD: usize = 8192;
+pub(crate) const MAX_HEAD: usize = 8192;
 
 /// How long and how many connections a server accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Connections one listener serves at once; when reached, room is made (see the module's doc).
-    pub connections: usize,
+    pub(crate) connections: usize,
     /// Connections one source address may hold on one listener; more are closed at once.
-    pub per_source: usize,
+    pub(crate) per_source: usize,
     /// Time for a whole request head, counted from when the server starts waiting for it (idle included).
-    pub header_read: Duration,
+    pub(crate) header_read: Duration,
     /// Longest life of a connection.
-    pub lifetime: Duration,
+    pub(crate) lifetime: Duration,
 }
 
 impl Default for Limits {
@@ -80,7 +80,7 @@ impl Default for Limits {
 /// Which server a listener belongs to: the `listener` label of
 /// `nftkube_admin_connections_refused_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ServerKind {
+pub(crate) enum ServerKind {
     /// `/healthz` and `/livez`.
     Healthz,
     /// `/metrics`.
@@ -161,22 +161,22 @@ pub(crate) fn register_metrics(registry: &mut Registry) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     /// The request method ("GET", "HEAD", ...).
-    pub method: String,
+    pub(crate) method: String,
     /// The path without the query.
-    pub path: String,
+    pub(crate) path: String,
 }
 
 /// An answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
     /// The HTTP status code.
-    pub status: u16,
+    pub(crate) status: u16,
     /// The `Content-Type` header.
     pub content_type: &'static str,
     /// Further headers.
     pub headers: Vec<(&'static str, String)>,
     /// The body (empty for HEAD).
-    pub body: String,
+    pub(crate) body: String,
 }
 
 impl Response {
@@ -191,12 +191,12 @@ impl Response {
     }
 
     /// A `text/plain` response.
-    pub fn text(status: u16, body: impl Into<String>) -> Self {
+    pub(crate) fn text(status: u16, body: impl Into<String>) -> Self {
         Self::new(status, "text/plain; charset=utf-8", body)
     }
 
     /// Adds a header.
-    pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
+    pub(crate) fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
         self.headers.push((name, value.into()));
         self
     }
@@ -223,7 +223,7 @@ impl Response {
 }
 
 /// What answers requests.
-pub type Handler = Arc<dyn Fn(&Request) -> Response + Send + Sync>;
+pub(crate) type Handler = Arc<dyn Fn(&Request) -> Response + Send + Sync>;
 
 /// Answers one request: GET and HEAD go to the handler, other methods get 405.
 fn answer(req: &hyper::Request<Incoming>, handler: &Handler) -> Response {
@@ -238,7 +238,7 @@ fn answer(req: &hyper::Request<Incoming>, handler: &Handler) -> Response {
 }
 
 /// Serves one connection until it closes, a timeout ends it, or its lifetime is over.
-pub async fn handle_connection(stream: TcpStream, handler: Handler, limits: Limits) {
+pub(crate) async fn handle_connection(stream: TcpStream, handler: Handler, limits: Limits) {
     let service = service_fn(move |req: hyper::Request<Incoming>| {
         let response = answer(&req, &handler).into_hyper();
         async move { Ok::<_, Infallible>(response) }
@@ -376,12 +376,17 @@ impl ConnectionTable {
 }
 
 /// Accepts connections forever, each served on a task of its own, within the default [`Limits`].
-pub async fn serve(listener: TcpListener, handler: Handler, kind: ServerKind) {
+pub(crate) async fn serve(listener: TcpListener, handler: Handler, kind: ServerKind) {
     serve_with(listener, handler, kind, Limits::default()).await
 }
 
 /// [`serve`] with other limits.
-pub async fn serve_with(listener: TcpListener, handler: Handler, kind: ServerKind, limits: Limits) {
+pub(crate) async fn serve_with(
+    listener: TcpListener,
+    handler: Handler,
+    kind: ServerKind,
+    limits: Limits,
+) {
     let table = Arc::new(Mutex::new(ConnectionTable::new(limits)));
     loop {
         // Never wait for room before accepting: a full backlog would starve every other client.

@@ -143,13 +143,13 @@ impl Admin {
     }
 
     /// Sets the healthCheckNodePort servers to run.
-    pub fn set_health_checks(&self, desired: HcDesired) {
+    pub(crate) fn set_health_checks(&self, desired: HcDesired) {
         self.hc
             .send_if_modified(|cur| replace(&mut cur.ports, desired));
     }
 
     /// Sets the addresses the healthCheckNodePort servers listen on: the NodePort addresses.
-    pub fn set_health_check_addresses(&self, addresses: &NodePortAddresses) {
+    pub(crate) fn set_health_check_addresses(&self, addresses: &NodePortAddresses) {
         self.hc
             .send_if_modified(|cur| replace(&mut cur.addresses, addresses.clone()));
     }
@@ -216,7 +216,7 @@ pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
 }
 
 /// The exposition of `registry` (OpenMetrics text).
-pub fn render_metrics(registry: &Registry) -> String {
+pub(crate) fn render_metrics(registry: &Registry) -> String {
     let mut out = String::new();
     metrics::encode_into(&mut out, registry);
     metrics::finish(&mut out);
@@ -422,7 +422,7 @@ impl Observer {
 
     /// The health check servers the model asks for, by port (one port claimed twice: the first service
     /// in name order keeps it, the other is logged).
-    pub fn desired_health_checks(&self) -> HcDesired {
+    pub(crate) fn desired_health_checks(&self) -> HcDesired {
         let mut out = HcDesired::new();
         for (name, (port, local)) in &self.health_checks {
             if let Some(other) = out.get(port) {

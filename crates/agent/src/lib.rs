@@ -39,9 +39,9 @@ pub struct ProxyOptions {
     pub min_sync_period: Duration,
     /// How often the manifest directory is checked for changes that inotify did not report (a filesystem
     /// without events; a directory created later is found sooner through its parent's events).
-    pub manifest_fallback: Duration,
+    pub(crate) manifest_fallback: Duration,
     /// `--nodeport-addresses`, re-resolved against the node's addresses at every full sync.
-    pub nodeport_cidrs: Vec<Cidr>,
+    pub(crate) nodeport_cidrs: Vec<Cidr>,
     /// Health, metrics and healthCheckNodePort servers (None: no admin servers).
     pub admin: Option<AdminOptions>,
     /// Periodic checks read the kernel back at least this often even when its generation id is unchanged
@@ -51,7 +51,7 @@ pub struct ProxyOptions {
     pub max_transaction_elements: usize,
     /// The conntrack features, probed before the capabilities the probe needs were dropped (None: probed
     /// at the first cleanup).
-    pub conntrack_features: Option<nftkube_conntrack::Features>,
+    pub(crate) conntrack_features: Option<nftkube_conntrack::Features>,
     /// The conntrack features from a probe started before the capabilities were dropped and still running
     /// (used when `conntrack_features` is None).
     pub conntrack_probe: Option<Arc<nftkube_conntrack::PendingFeatures>>,
@@ -273,7 +273,7 @@ fn start_monitor(
 /// One sync: full (every service rendered, the kernel read back and repaired) when the engine cannot trust
 /// its memory, otherwise partial (only the changed services rendered, nothing read from the kernel). A full
 /// sync leaves out the `withheld` services (refused by the kernel, their retry not yet due).
-pub fn sync_once<B: nftkube_nft::Backend>(
+pub(crate) fn sync_once<B: nftkube_nft::Backend>(
     engine: &mut SyncEngine<B>,
     state: &ClusterState,
     changed: &BTreeSet<NamespacedName>,
@@ -411,7 +411,7 @@ pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport_cidrs: &[Cidr]) {
 /// NodePort for it would cut live traffic. With no good read yet (the first one, at startup) there is nothing
 /// to keep: NodePorts are not served (but with a zero CIDR, which needs no address) until a read succeeds,
 /// retried at every full sync (the first sync of `proxy` is one). Either way it is logged with the error.
-pub fn refresh_node_addresses_from(
+pub(crate) fn refresh_node_addresses_from(
     cfg: &mut RenderConfig,
     nodeport_cidrs: &[Cidr],
     read: impl FnOnce() -> Result<nftkube_node::NodeView, nftkube_node::ReadError>,

@@ -31,7 +31,7 @@ use nftkube_model::NamespacedName;
 /// generation id and the event monitor catch every change we know of; this read guards against what
 /// neither sees (a monitor that died, a kernel bug). At 50k services a read costs about 0.5 s of CPU, so
 /// every 10 minutes is under 0.1 % of a core.
-pub const FULL_READ_INTERVAL: Duration = Duration::from_secs(600);
+pub(crate) const FULL_READ_INTERVAL: Duration = Duration::from_secs(600);
 
 /// A batch of events this long (a snapshot, a large re-read) leaves enough freed memory behind to hand back
 /// before the sync that follows builds its own structures; a small one is not worth the heap walk.
@@ -45,40 +45,40 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// userspace mode (the relay serves the services; nf_tables only redirects to it).
 #[derive(Default)]
 pub(super) struct Relays {
-    pub localhost: Option<nftkube_relay::LocalhostNodePorts>,
+    pub(crate) localhost: Option<nftkube_relay::LocalhostNodePorts>,
     pub userspace: Option<nftkube_relay::UserspaceProxy>,
 }
 
 pub(super) struct ProxyLoop<'a> {
-    pub opts: &'a ProxyOptions,
+    pub(crate) opts: &'a ProxyOptions,
     pub source: ProxySource,
-    pub state: ClusterState,
-    pub engine: SyncEngine<NftSocket>,
+    pub(crate) state: ClusterState,
+    pub(crate) engine: SyncEngine<NftSocket>,
     /// Conntrack cleanup on a thread of its own: a sync never waits for a walk.
-    pub conntrack: CleanupQueue,
-    pub observer: Observer,
-    pub cfg: RenderConfig,
-    pub drift: Arc<Drift>,
+    pub(crate) conntrack: CleanupQueue,
+    pub(crate) observer: Observer,
+    pub(crate) cfg: RenderConfig,
+    pub(crate) drift: Arc<Drift>,
     /// The source has delivered a complete snapshot.
-    pub synced: bool,
-    pub waiting_logged: bool,
+    pub(crate) synced: bool,
+    pub(crate) waiting_logged: bool,
     /// Something changed that the kernel does not have yet.
-    pub pending: bool,
+    pub(crate) pending: bool,
     /// Someone changed our tables: the next sync is a repair, and runs without waiting for a token.
-    pub repair: bool,
-    pub runner: SyncRunner,
-    pub retry_at: Option<Instant>,
-    pub backoff: Duration,
+    pub(crate) repair: bool,
+    pub(crate) runner: SyncRunner,
+    pub(crate) retry_at: Option<Instant>,
+    pub(crate) backoff: Duration,
     /// The next periodic check (`--sync-period`).
-    pub next_check: Instant,
+    pub(crate) next_check: Instant,
     /// When a periodic check reads the kernel back even if its generation says nothing changed.
-    pub next_full_read: Instant,
+    pub(crate) next_full_read: Instant,
     /// The node's addresses were read since the last sync (by a periodic check): the full sync it asked for
     /// need not read them again.
-    pub addresses_fresh: bool,
-    pub relay: Relays,
+    pub(crate) addresses_fresh: bool,
+    pub(crate) relay: Relays,
     /// Services the kernel refused, left out and retried on their own.
-    pub quarantine: Quarantine,
+    pub(crate) quarantine: Quarantine,
 }
 
 impl ProxyLoop<'_> {
@@ -121,7 +121,7 @@ impl ProxyLoop<'_> {
     }
 
     /// Runs until a stop is asked. An error only for what kube-proxy also exits on (podCIDRs changed).
-    pub fn run(&mut self, inbox: &Inbox) -> anyhow::Result<()> {
+    pub(crate) fn run(&mut self, inbox: &Inbox) -> anyhow::Result<()> {
         loop {
             let now = Instant::now();
             let rings = inbox.wait(self.deadline(now));

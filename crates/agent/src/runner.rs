@@ -5,11 +5,11 @@
 use std::time::{Duration, Instant};
 
 /// Syncs allowed back to back after a quiet period (kube-proxy's `burstSyncs`).
-pub const BURST: u32 = 2;
+pub(crate) const BURST: u32 = 2;
 
 #[derive(Debug, Clone)]
 /// kube-proxy's BoundedFrequencyRunner (burst 2): the token bucket that says when a requested sync may run.
-pub struct SyncRunner {
+pub(crate) struct SyncRunner {
     min_interval: Duration,
     /// Tokens at `at`, in units of one sync (fractions are partly refilled tokens).
     tokens: f64,
@@ -38,7 +38,7 @@ impl SyncRunner {
     }
 
     /// When a sync requested now may run: now, or when the next token is back.
-    pub fn next_allowed(&mut self, now: Instant) -> Instant {
+    pub(crate) fn next_allowed(&mut self, now: Instant) -> Instant {
         self.refill(now);
         if self.tokens >= 1.0 {
             now
@@ -48,7 +48,7 @@ impl SyncRunner {
     }
 
     /// A sync ran now. A sync that had to run early (a repair) spends what is left and never goes into debt.
-    pub fn ran(&mut self, now: Instant) {
+    pub(crate) fn ran(&mut self, now: Instant) {
         self.refill(now);
         self.tokens = (self.tokens - 1.0).max(0.0);
     }

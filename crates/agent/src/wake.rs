@@ -23,7 +23,7 @@ pub struct Doorbell(Sender<Wake>);
 
 impl Doorbell {
     /// Wakes the loop. A loop that has ended ignores it.
-    pub fn ring(&self, why: Wake) {
+    pub(crate) fn ring(&self, why: Wake) {
         let _ = self.0.send(why);
     }
 
@@ -70,18 +70,18 @@ impl Inbox {
     }
 
     /// A doorbell that wakes this inbox, for the threads that feed it.
-    pub fn doorbell(&self) -> Doorbell {
+    pub(crate) fn doorbell(&self) -> Doorbell {
         Doorbell(self.tx.clone())
     }
 
     /// Whether a stop was asked for.
-    pub fn stop_requested(&self) -> bool {
+    pub(crate) fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }
 
     /// Sleeps until a ring or `deadline` (None: no timer), then returns every ring that has arrived, without
     /// duplicates: a burst of rings costs one pass of the loop.
-    pub fn wait(&self, deadline: Option<Instant>) -> Vec<Wake> {
+    pub(crate) fn wait(&self, deadline: Option<Instant>) -> Vec<Wake> {
         let first = match deadline {
             None => self.rx.recv().ok(),
             // A timeout, or (never: the inbox holds a sender) every sender gone.

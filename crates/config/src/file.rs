@@ -101,7 +101,7 @@ where
 
 /// A string field; empty is not set.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Text(pub Option<String>);
+pub(crate) struct Text(pub Option<String>);
 
 impl<'de> Deserialize<'de> for Text {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -116,7 +116,7 @@ impl<'de> Deserialize<'de> for Text {
 
 /// A boolean field.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Flag(pub Option<bool>);
+pub(crate) struct Flag(pub Option<bool>);
 
 impl<'de> Deserialize<'de> for Flag {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -130,7 +130,7 @@ impl<'de> Deserialize<'de> for Flag {
 
 /// A metav1.Duration field ("30s"); empty is not set.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct GoDuration(pub Option<Duration>);
+pub(crate) struct GoDuration(pub Option<Duration>);
 
 impl<'de> Deserialize<'de> for GoDuration {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -147,7 +147,7 @@ impl<'de> Deserialize<'de> for GoDuration {
 
 /// `masqueradeBit`: an integer, its range checked when resolved (the error then names the winning value).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MaskBit(pub Option<i64>);
+pub(crate) struct MaskBit(pub Option<i64>);
 
 impl<'de> Deserialize<'de> for MaskBit {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -162,7 +162,7 @@ impl<'de> Deserialize<'de> for MaskBit {
 
 /// `nodePortAddresses`: a list of strings (CIDRs or keywords, read when resolved).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Addresses(pub Option<Vec<String>>);
+pub(crate) struct Addresses(pub Option<Vec<String>>);
 
 impl<'de> Deserialize<'de> for Addresses {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -184,7 +184,7 @@ impl<'de> Deserialize<'de> for Addresses {
 /// A field nftkube accepts but does not act on, kept raw to be warned about when set.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(transparent)]
-pub struct Unsupported(Option<Value>);
+pub(crate) struct Unsupported(Option<Value>);
 
 impl Unsupported {
     /// Warns about the field at `path` unless it is at Go's zero value or one of kube-proxy's `defaults`.

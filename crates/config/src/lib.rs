@@ -34,12 +34,9 @@ pub use resolve::{
 };
 
 /// The only `apiVersion` read.
-pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub(crate) const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 /// The only `kind` read.
-pub const KIND: &str = "KubeProxyConfiguration";
-
-/// Exit code for invalid configuration and invalid flags (EX_USAGE).
-pub const EXIT_INVALID_CONFIG: u8 = 64;
+pub(crate) const KIND: &str = "KubeProxyConfiguration";
 
 /// An invalid configuration file or flag value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,15 +75,15 @@ pub struct FileConfig {
     /// `detectLocalMode`.
     pub detect_local_mode: Option<String>,
     /// `detectLocal.bridgeInterface`.
-    pub bridge_interface: Option<String>,
+    pub(crate) bridge_interface: Option<String>,
     /// `detectLocal.interfaceNamePrefix`.
-    pub interface_name_prefix: Option<String>,
+    pub(crate) interface_name_prefix: Option<String>,
     /// `clusterCIDR` (comma-separated, read when resolved).
     pub cluster_cidr: Option<String>,
     /// `nodePortAddresses` (CIDRs or keywords, read when resolved).
     pub node_port_addresses: Option<Vec<String>>,
     /// Fields warned about (unknown, unsupported, or of another mode's section).
-    pub warnings: Vec<String>,
+    pub(crate) warnings: Vec<String>,
 }
 
 /// Reads and checks a configuration file.

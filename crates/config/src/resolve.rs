@@ -52,9 +52,9 @@ pub struct Resolved {
 #[derive(Debug, Clone, Default)]
 pub struct Env {
     /// The machine's hostname (kube-proxy's default node name).
-    pub hostname: String,
+    pub(crate) hostname: String,
     /// KUBERNETES_SERVICE_HOST is set: running in a pod, the in-cluster configuration exists.
-    pub in_cluster: bool,
+    pub(crate) in_cluster: bool,
 }
 
 impl Env {

@@ -8,7 +8,6 @@ use super::filter::StaleFilter;
 use super::options::{CleanerOptions, CleanupError, CleanupReport};
 use super::plan::{collect_targets, resolve, FrontendIndex, FrontendKinds, Pending, Targets};
 use super::socket::Features;
-use super::unnated::Frontends;
 use super::walker::Walker;
 use super::Metrics;
 use nftkube_model::{Changes, ClusterState, NamespacedName, Protocol, ServicePortName};
@@ -36,7 +35,7 @@ pub struct Planner {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Round {
     /// What the round looks at.
-    pub targets: Targets,
+    pub(crate) targets: Targets,
     /// What a flow must match to be deleted.
     pub filter: StaleFilter,
 }
@@ -54,18 +53,18 @@ impl Planner {
     }
 
     /// A sync failed: its changes wait for the next successful one.
-    pub fn sync_failed(&mut self, changes: &Changes) {
+    pub(crate) fn sync_failed(&mut self, changes: &Changes) {
         self.pending.merge(changes);
     }
 
     /// A walk failed: its targets are looked at again after the next commit.
-    pub fn retry_later(&mut self, targets: Targets) {
+    pub(crate) fn retry_later(&mut self, targets: Targets) {
         self.retry.merge(targets);
     }
 
     /// A sync committed: the targets its changes (and those of failed syncs and walks before it) ask to look
     /// at, updating the frontend index. O(changes).
-    pub fn take_targets(&mut self, changes: &Changes, state: &ClusterState) -> Targets {
+    pub(crate) fn take_targets(&mut self, changes: &Changes, state: &ClusterState) -> Targets {
         // Merge only behind a failed sync: a copy of a first sync's changes (every service) would be
         // ~14 MB at 50k services, at the moment the agent's memory peaks.
         let behind = !self.pending.is_empty();
@@ -98,7 +97,12 @@ impl Planner {
     /// may have made healthy again: deleted addresses in use again, lost frontends and NodePorts that a
     /// changed service owns now, judged ports of changed services. O(changes + running's lost addresses and
     /// frontends), never O(running's judged ports). Call after [`Self::take_targets`] for the same commit.
-    pub fn touched(&self, running: &Targets, changes: &Changes, state: &ClusterState) -> Targets {
+    pub(crate) fn touched(
+        &self,
+        running: &Targets,
+        changes: &Changes,
+        state: &ClusterState,
+    ) -> Targets {
         let changed: HashSet<&NamespacedName> = changes
             .changed_services
             .iter()
@@ -137,7 +141,7 @@ impl Planner {
     }
 
     /// [`Self::take_targets`] then [`Self::resolve`]; None when there is nothing to look at.
-    pub fn plan(&mut self, changes: &Changes, state: &ClusterState) -> Option<Round> {
+    pub(crate) fn plan(&mut self, changes: &Changes, state: &ClusterState) -> Option<Round> {
         let targets = self.take_targets(changes, state);
         (!targets.is_empty()).then(|| self.resolve(targets, state))
     }
@@ -189,11 +193,6 @@ impl Cleaner {
         self.walker.metrics()
     }
 
-    /// The kernel features in use (probing on first call, if enabled).
-    pub fn features(&mut self) -> Features {
-        self.walker.features()
-    }
-
     /// Sets the features instead of probing (tests, and kernels known in advance).
     pub fn set_features(&mut self, f: Features) {
         self.walker.set_features(f);
@@ -207,11 +206,6 @@ impl Cleaner {
         self.walker.set_pending_features(pending);
     }
 
-    /// A sync failed: its changes wait for the next successful one.
-    pub fn sync_failed(&mut self, changes: &Changes) {
-        self.planner.sync_failed(changes);
-    }
-
     /// A sync committed: clean what its changes (and those of failed syncs before it) made stale. Logs the
     /// outcome; a failure keeps the targets for the cleanup after the next commit.
     pub fn after_sync(&mut self, changes: &Changes, state: &ClusterState) -> Option<CleanupReport> {
@@ -223,16 +217,6 @@ impl Cleaner {
         report
     }
 
-    /// After a repair: deletes the TCP, UDP and SCTP flows to `frontends` that were never DNATed (see
-    /// [`super::unnated`]). Logs the outcome; a failure is logged and not retried (the next repair, or the
-    /// entries' own timeouts, take care of them).
-    pub fn clear_black_holes(&mut self, frontends: &Frontends) -> Option<CleanupReport> {
-        if frontends.is_empty() {
-            return None;
-        }
-        log_black_holes(&self.walker.clear_black_holes(frontends), None)
-    }
-
     /// Deletes the entries `filter` finds stale, in the calling thread's namespace (the socket is opened there
     /// on first use). Records the metrics.
     pub fn cleanup(&mut self, filter: &StaleFilter) -> Result<CleanupReport, CleanupError> {
@@ -242,17 +226,17 @@ impl Cleaner {
 
 /// Where a walk run by the worker stood: the commits it follows and how long it waited for its turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Queued {
+pub(crate) struct Queued {
     /// The first commit whose changes the walk covers.
-    pub first_commit: u64,
+    pub(crate) first_commit: u64,
     /// The last commit whose changes the walk covers.
-    pub last_commit: u64,
+    pub(crate) last_commit: u64,
     /// How long it waited for the walk before it.
-    pub waited: Duration,
+    pub(crate) waited: Duration,
 }
 
 /// Logs a cleanup after a commit; the report, or None on failure (then retried after the next commit).
-pub fn log_cleanup(
+pub(crate) fn log_cleanup(
     result: &Result<CleanupReport, CleanupError>,
     queued: Option<Queued>,
 ) -> Option<CleanupReport> {
@@ -278,7 +262,7 @@ pub fn log_cleanup(
 }
 
 /// Logs a black-hole cleanup after a repair; the report, or None on failure (not retried).
-pub fn log_black_holes(
+pub(crate) fn log_black_holes(
     result: &Result<CleanupReport, CleanupError>,
     queued: Option<Queued>,
 ) -> Option<CleanupReport> {

@@ -41,7 +41,7 @@ pub struct NodePort {
 
 /// Protocols whose conntrack entries are cleaned (connectionless, or with associations that outlive
 /// endpoints): UDP and SCTP.
-pub fn cleaned(proto: Protocol) -> bool {
+pub(crate) fn cleaned(proto: Protocol) -> bool {
     matches!(proto, Protocol::Udp | Protocol::Sctp)
 }
 
@@ -101,7 +101,7 @@ impl StaleFilter {
 
     /// Every flow whose original destination is `fe` (a frontend that no service has any more). A frontend
     /// that is also given serving endpoints with [`Self::frontend`] is judged by those instead.
-    pub fn delete_all_to(&mut self, fe: Frontend) {
+    pub(crate) fn delete_all_to(&mut self, fe: Frontend) {
         if cleaned(fe.proto) {
             self.removed.insert(fe);
         }
@@ -125,7 +125,7 @@ impl StaleFilter {
 
     /// Address families (`AF_INET` / `AF_INET6`) and protocol numbers an entry must have to possibly match:
     /// what a dump may ask the kernel to filter on. `None` for the address means "any" (NodePorts).
-    pub fn dump_scopes(&self) -> DumpScopes {
+    pub(crate) fn dump_scopes(&self) -> DumpScopes {
         let mut s = DumpScopes::default();
         for (ip, p) in &self.ips {
             s.add(Some(*ip), *p);
@@ -148,7 +148,7 @@ impl StaleFilter {
     /// Targets that select whole address or frontend ranges, with no per-entry judgement (a kernel-side
     /// filtered delete can express them): (ip, proto, port or None for all ports). Frontends that another
     /// target judges by serving endpoints are left out.
-    pub fn delete_all_targets(&self) -> Vec<(IpAddr, Protocol, Option<u16>)> {
+    pub(crate) fn delete_all_targets(&self) -> Vec<(IpAddr, Protocol, Option<u16>)> {
         let mut v: Vec<_> = self
             .ips
             .iter()
@@ -166,7 +166,7 @@ impl StaleFilter {
     }
 
     /// Drops one delete-all target (a kernel-side filtered delete took care of it).
-    pub fn forget_delete_all(&mut self, ip: IpAddr, proto: Protocol, port: Option<u16>) {
+    pub(crate) fn forget_delete_all(&mut self, ip: IpAddr, proto: Protocol, port: Option<u16>) {
         match port {
             None => {
                 self.ips.remove(&(ip, proto));
@@ -177,8 +177,9 @@ impl StaleFilter {
         }
     }
 
+    #[cfg(test)]
     /// True if every target is a delete-all target (no per-entry judgement needed).
-    pub fn only_delete_all(&self) -> bool {
+    pub(crate) fn only_delete_all(&self) -> bool {
         self.node_ports.is_empty()
             && self
                 .frontends
@@ -187,7 +188,7 @@ impl StaleFilter {
     }
 
     /// Whether `e` is stale, and why. Only UDP and SCTP entries can be.
-    pub fn check(&self, e: &Entry) -> Option<Reason> {
+    pub(crate) fn check(&self, e: &Entry) -> Option<Reason> {
         let proto = proto_of(e.orig.proto)?;
         if self.ips.contains(&(e.orig.dst, proto)) {
             return Some(Reason::DeletedIp);
@@ -219,13 +220,13 @@ impl StaleFilter {
     }
 
     /// Whether the entry is stale (see `check` for why).
-    pub fn is_stale(&self, e: &Entry) -> bool {
+    pub(crate) fn is_stale(&self, e: &Entry) -> bool {
         self.check(e).is_some()
     }
 
     /// Whether some target of this filter concerns `e`'s original destination (its address, its frontend
     /// or its NodePort on a node address), whatever the verdict.
-    pub fn judges(&self, e: &Entry) -> bool {
+    pub(crate) fn judges(&self, e: &Entry) -> bool {
         let Some(proto) = proto_of(e.orig.proto) else {
             return false;
         };
@@ -249,11 +250,11 @@ impl StaleFilter {
 
 /// What a cleanup needs to see: per (address, protocol) pair, or per protocol for any address.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DumpScopes {
+pub(crate) struct DumpScopes {
     /// (original destination, protocol) pairs.
     pub addresses: std::collections::BTreeSet<(IpAddr, Protocol)>,
     /// Protocols whose entries must be seen whatever their destination (NodePorts on every address).
-    pub any_address: std::collections::BTreeSet<Protocol>,
+    pub(crate) any_address: std::collections::BTreeSet<Protocol>,
 }
 
 impl DumpScopes {

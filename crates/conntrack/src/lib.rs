@@ -43,23 +43,23 @@ use std::time::Duration;
 #[derive(Debug, Default)]
 pub struct Metrics {
     /// Cleanups that ran (something to look at), successful or not.
-    pub cleanups: AtomicU64,
+    pub(crate) cleanups: AtomicU64,
     /// Cleanups that failed.
-    pub cleanup_failures: AtomicU64,
+    pub(crate) cleanup_failures: AtomicU64,
     /// Entries the dumps returned.
-    pub entries_scanned: AtomicU64,
+    pub(crate) entries_scanned: AtomicU64,
     /// Entries deleted by exact tuple.
-    pub entries_deleted: AtomicU64,
+    pub(crate) entries_deleted: AtomicU64,
     /// Deletes that failed for another reason than "already gone".
-    pub delete_errors: AtomicU64,
+    pub(crate) delete_errors: AtomicU64,
     /// Kernel-side filtered deletes sent.
     pub filtered_deletes: AtomicU64,
     /// Total, last and longest cleanup duration, in microseconds.
-    pub duration_us_total: AtomicU64,
+    pub(crate) duration_us_total: AtomicU64,
     /// See `duration_us_total`.
-    pub duration_us_last: AtomicU64,
+    pub(crate) duration_us_last: AtomicU64,
     /// See `duration_us_total`.
-    pub duration_us_max: AtomicU64,
+    pub(crate) duration_us_max: AtomicU64,
 }
 
 /// A consistent-enough copy of [`Metrics`].
@@ -82,7 +82,7 @@ pub struct MetricsSnapshot {
     /// See [`Metrics::duration_us_last`].
     pub duration_us_last: u64,
     /// See [`Metrics::duration_us_max`].
-    pub duration_us_max: u64,
+    pub(crate) duration_us_max: u64,
 }
 
 impl Metrics {

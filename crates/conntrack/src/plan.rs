@@ -17,16 +17,16 @@ use std::net::{IpAddr, SocketAddr};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FrontendKinds {
     /// Services' external IPs.
-    pub external_ips: bool,
+    pub(crate) external_ips: bool,
     /// Load balancer ingress IPs.
-    pub load_balancer_ips: bool,
+    pub(crate) load_balancer_ips: bool,
     /// NodePorts.
-    pub node_ports: bool,
+    pub(crate) node_ports: bool,
 }
 
 impl FrontendKinds {
     /// What the renderer programs today: ClusterIPs only.
-    pub const CLUSTER_IP_ONLY: FrontendKinds = FrontendKinds {
+    pub(crate) const CLUSTER_IP_ONLY: FrontendKinds = FrontendKinds {
         external_ips: false,
         load_balancer_ips: false,
         node_ports: false,
@@ -43,13 +43,13 @@ impl FrontendKinds {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PortFrontends {
     /// Its addresses (ClusterIP, external and load balancer IPs the rules program), with its port.
-    pub frontends: Vec<Frontend>,
+    pub(crate) frontends: Vec<Frontend>,
     /// Its NodePort, if programmed.
     pub node_port: Option<NodePort>,
 }
 
 /// The frontends of a service port, or `None` for protocols that are not cleaned (TCP).
-pub fn frontends_of(sp: &ServicePort, kinds: FrontendKinds) -> Option<PortFrontends> {
+pub(crate) fn frontends_of(sp: &ServicePort, kinds: FrontendKinds) -> Option<PortFrontends> {
     if !cleaned(sp.protocol) {
         return None;
     }
@@ -99,7 +99,7 @@ impl Pending {
     }
 
     /// Adds a round of changes. Sets are united; stale endpoints are kept once each.
-    pub fn merge(&mut self, c: &Changes) {
+    pub(crate) fn merge(&mut self, c: &Changes) {
         let p = &mut self.changes;
         p.changed_services
             .extend(c.changed_services.iter().cloned());
@@ -115,12 +115,12 @@ impl Pending {
     }
 
     /// The changes pending.
-    pub fn changes(&self) -> &Changes {
+    pub(crate) fn changes(&self) -> &Changes {
         &self.changes
     }
 
     /// Forgets them (they were handled).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.changes = Changes::default();
     }
 }
@@ -157,17 +157,17 @@ impl FrontendIndex {
     }
 
     /// The current owner of a frontend.
-    pub fn owner(&self, fe: &Frontend) -> Option<&ServicePortName> {
+    pub(crate) fn owner(&self, fe: &Frontend) -> Option<&ServicePortName> {
         self.owners.get(fe)
     }
 
     /// The current owner of a NodePort.
-    pub fn node_port_owner(&self, np: &NodePort) -> Option<&ServicePortName> {
+    pub(crate) fn node_port_owner(&self, np: &NodePort) -> Option<&ServicePortName> {
         self.node_port_owners.get(np)
     }
 
     /// Whether some service port still has this address for this protocol.
-    pub fn ip_in_use(&self, ip: IpAddr, proto: Protocol) -> bool {
+    pub(crate) fn ip_in_use(&self, ip: IpAddr, proto: Protocol) -> bool {
         self.ip_refs.contains_key(&(ip, proto))
     }
 
@@ -212,7 +212,7 @@ impl FrontendIndex {
 
     /// Brings one service up to date with `state`; returns the frontends and NodePorts it had and no longer
     /// has (some may belong to another service now: check [`Self::owner`]).
-    pub fn refresh(
+    pub(crate) fn refresh(
         &mut self,
         key: &NamespacedName,
         state: &ClusterState,
@@ -251,7 +251,7 @@ impl FrontendIndex {
 }
 
 /// Serving endpoints (`ip:port`) of one service port, in the current state.
-pub fn serving_endpoints(state: &ClusterState, spn: &ServicePortName) -> Vec<SocketAddr> {
+pub(crate) fn serving_endpoints(state: &ClusterState, spn: &ServicePortName) -> Vec<SocketAddr> {
     state
         .service_endpoints(&spn.service)
         .remove(spn)
@@ -267,13 +267,13 @@ pub fn serving_endpoints(state: &ClusterState, spn: &ServicePortName) -> Vec<Soc
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Targets {
     /// Deleted UDP ClusterIPs.
-    pub ips: BTreeSet<IpAddr>,
+    pub(crate) ips: BTreeSet<IpAddr>,
     /// Frontends a service lost.
-    pub frontends: BTreeSet<Frontend>,
+    pub(crate) frontends: BTreeSet<Frontend>,
     /// NodePorts a service lost.
-    pub node_ports: BTreeSet<NodePort>,
+    pub(crate) node_ports: BTreeSet<NodePort>,
     /// Service ports whose flows are judged by their serving endpoints.
-    pub judged: BTreeSet<ServicePortName>,
+    pub(crate) judged: BTreeSet<ServicePortName>,
 }
 
 impl Targets {
@@ -286,7 +286,7 @@ impl Targets {
     }
 
     /// Adds another round's targets.
-    pub fn merge(&mut self, other: Targets) {
+    pub(crate) fn merge(&mut self, other: Targets) {
         self.ips.extend(other.ips);
         self.frontends.extend(other.frontends);
         self.node_ports.extend(other.node_ports);
@@ -301,7 +301,7 @@ impl Targets {
 ///   whose reply source is not a serving endpoint.
 ///
 /// Costs O(changed services), never O(cluster).
-pub fn collect_targets(
+pub(crate) fn collect_targets(
     changes: &Changes,
     index: &mut FrontendIndex,
     state: &ClusterState,

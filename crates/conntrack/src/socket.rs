@@ -24,7 +24,7 @@ pub struct DeleteOutcome {
     /// Entries deleted.
     pub deleted: usize,
     /// Already gone (expired, deleted by someone else, or replaced by a newer entry with another id).
-    pub gone: usize,
+    pub(crate) gone: usize,
     /// Any other error, with the entry it concerned.
     pub errors: Vec<(Entry, NetlinkError)>,
 }
@@ -65,7 +65,7 @@ impl CtSocket {
     }
 
     /// All entries `filter` asks for.
-    pub fn list(&mut self, filter: &DumpFilter) -> Result<Vec<Entry>, NetlinkError> {
+    pub(crate) fn list(&mut self, filter: &DumpFilter) -> Result<Vec<Entry>, NetlinkError> {
         let mut v = Vec::new();
         self.dump(filter, |e| v.push(e))?;
         Ok(v)
@@ -199,12 +199,12 @@ pub struct Features {
     /// (IPv6 fails on Linux 6.18: the kernel's address comparison is inverted, it returns the others.)
     pub dump_addr_v4: bool,
     /// As `dump_addr_v4`, for IPv6.
-    pub dump_addr_v6: bool,
+    pub(crate) dump_addr_v6: bool,
     /// A DELETE with `CTA_FILTER` and a partial tuple deletes exactly the matching entries (6.12+; IPv6 has
     /// the same inverted comparison, so there it deletes the *other* flows).
-    pub filtered_delete_v4: bool,
+    pub(crate) filtered_delete_v4: bool,
     /// As `filtered_delete_v4`, for IPv6.
-    pub filtered_delete_v6: bool,
+    pub(crate) filtered_delete_v6: bool,
 }
 
 impl Features {
@@ -226,11 +226,11 @@ impl Features {
         }
     }
     /// Whether a protocol-filtered dump works in this family (AF_INET, AF_INET6).
-    pub fn dump_proto(&self, family: u8) -> bool {
+    pub(crate) fn dump_proto(&self, family: u8) -> bool {
         Self::pick(family, self.dump_proto_v4, self.dump_proto_v6)
     }
     /// Whether an address-filtered dump works in this family.
-    pub fn dump_addr(&self, family: u8) -> bool {
+    pub(crate) fn dump_addr(&self, family: u8) -> bool {
         Self::pick(family, self.dump_addr_v4, self.dump_addr_v6)
     }
     /// Whether a filtered delete works in this family.
@@ -251,7 +251,7 @@ pub fn probe() -> Result<Features, ProbeError> {
 }
 
 /// What a probe's thread ends with: its result, and how long it took.
-pub type Probed = (Result<Features, ProbeError>, std::time::Duration);
+pub(crate) type Probed = (Result<Features, ProbeError>, std::time::Duration);
 
 /// [`probe`] left running on its thread: `entered` runs on that thread as soon as it is in its scratch
 /// namespace (or failed to get there), and this returns once it has; the probe itself starts when `gate`

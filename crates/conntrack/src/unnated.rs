@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::net::IpAddr;
 
 /// Conntrack status bit: the connection was destination-NATed (`IPS_DST_NAT`).
-pub const IPS_DST_NAT: u32 = 1 << 5;
+pub(crate) const IPS_DST_NAT: u32 = 1 << 5;
 
 /// Every frontend the rules program, by original destination.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -89,7 +89,7 @@ impl Frontends {
     }
 
     /// Whether `e` is a flow to one of our frontends that was never DNATed.
-    pub fn is_black_hole(&self, e: &Entry) -> bool {
+    pub(crate) fn is_black_hole(&self, e: &Entry) -> bool {
         let o = &e.orig;
         if e.status & IPS_DST_NAT != 0 {
             return false;

@@ -158,7 +158,7 @@ impl Walker {
     }
 
     /// The kernel features in use (probing on first call, if enabled).
-    pub fn features(&mut self) -> Features {
+    pub(crate) fn features(&mut self) -> Features {
         if let Some(f) = self.features {
             return f;
         }
@@ -174,18 +174,18 @@ impl Walker {
     }
 
     /// Sets the features instead of probing (tests, and kernels known in advance).
-    pub fn set_features(&mut self, f: Features) {
+    pub(crate) fn set_features(&mut self, f: Features) {
         self.features = Some(f);
     }
 
     /// Takes the features from a probe already running, instead of probing.
-    pub fn set_pending_features(&mut self, pending: Arc<PendingFeatures>) {
+    pub(crate) fn set_pending_features(&mut self, pending: Arc<PendingFeatures>) {
         self.pending = Some(pending);
     }
 
     /// After a repair: deletes the TCP, UDP and SCTP flows to `frontends` that were never DNATed (see
     /// [`super::unnated`]). Records the metrics; the caller logs.
-    pub fn clear_black_holes(
+    pub(crate) fn clear_black_holes(
         &mut self,
         frontends: &Frontends,
     ) -> Result<CleanupReport, CleanupError> {

@@ -13,90 +13,84 @@ use nftkube_netlink::{MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXC
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The ctnetlink subsystem of nfnetlink.
-pub const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+pub(crate) const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 /// ctnetlink: create an entry.
-pub const IPCTNL_MSG_CT_NEW: u16 = 0;
+pub(crate) const IPCTNL_MSG_CT_NEW: u16 = 0;
 /// ctnetlink: get or dump entries.
-pub const IPCTNL_MSG_CT_GET: u16 = 1;
+pub(crate) const IPCTNL_MSG_CT_GET: u16 = 1;
 /// ctnetlink: delete entries.
-pub const IPCTNL_MSG_CT_DELETE: u16 = 2;
+pub(crate) const IPCTNL_MSG_CT_DELETE: u16 = 2;
 
 /// IPv4 (nfgenmsg family).
 pub const AF_INET: u8 = 2;
 /// IPv6 (nfgenmsg family).
-pub const AF_INET6: u8 = 10;
+pub(crate) const AF_INET6: u8 = 10;
 
 // enum ctattr_type
 /// The original direction's tuple.
-pub const CTA_TUPLE_ORIG: u16 = 1;
+pub(crate) const CTA_TUPLE_ORIG: u16 = 1;
 /// The reply direction's tuple.
-pub const CTA_TUPLE_REPLY: u16 = 2;
+pub(crate) const CTA_TUPLE_REPLY: u16 = 2;
 /// The entry's status bits.
-pub const CTA_STATUS: u16 = 3;
+pub(crate) const CTA_STATUS: u16 = 3;
 /// Seconds left before the entry expires.
-pub const CTA_TIMEOUT: u16 = 7;
+pub(crate) const CTA_TIMEOUT: u16 = 7;
 /// The entry's mark.
-pub const CTA_MARK: u16 = 8;
+pub(crate) const CTA_MARK: u16 = 8;
 /// The entry's id.
-pub const CTA_ID: u16 = 12;
+pub(crate) const CTA_ID: u16 = 12;
 /// The entry's zone (both directions).
-pub const CTA_ZONE: u16 = 18;
+pub(crate) const CTA_ZONE: u16 = 18;
 /// A filter for dumps and deletes (5.8+).
-pub const CTA_FILTER: u16 = 25;
+pub(crate) const CTA_FILTER: u16 = 25;
 // enum ctattr_tuple
 /// Tuple: the addresses.
-pub const CTA_TUPLE_IP: u16 = 1;
+pub(crate) const CTA_TUPLE_IP: u16 = 1;
 /// Tuple: protocol and ports.
-pub const CTA_TUPLE_PROTO: u16 = 2;
+pub(crate) const CTA_TUPLE_PROTO: u16 = 2;
 /// Tuple: a zone of this direction only.
-pub const CTA_TUPLE_ZONE: u16 = 3;
+pub(crate) const CTA_TUPLE_ZONE: u16 = 3;
 // enum ctattr_ip
 /// IPv4 source address.
-pub const CTA_IP_V4_SRC: u16 = 1;
+pub(crate) const CTA_IP_V4_SRC: u16 = 1;
 /// IPv4 destination address.
-pub const CTA_IP_V4_DST: u16 = 2;
+pub(crate) const CTA_IP_V4_DST: u16 = 2;
 /// IPv6 source address.
-pub const CTA_IP_V6_SRC: u16 = 3;
+pub(crate) const CTA_IP_V6_SRC: u16 = 3;
 /// IPv6 destination address.
-pub const CTA_IP_V6_DST: u16 = 4;
+pub(crate) const CTA_IP_V6_DST: u16 = 4;
 // enum ctattr_l4proto
 /// Layer-4 protocol number.
-pub const CTA_PROTO_NUM: u16 = 1;
+pub(crate) const CTA_PROTO_NUM: u16 = 1;
 /// Source port.
-pub const CTA_PROTO_SRC_PORT: u16 = 2;
+pub(crate) const CTA_PROTO_SRC_PORT: u16 = 2;
 /// Destination port.
-pub const CTA_PROTO_DST_PORT: u16 = 3;
+pub(crate) const CTA_PROTO_DST_PORT: u16 = 3;
 // enum ctattr_filter
 /// Filter: which fields of the original tuple must match.
-pub const CTA_FILTER_ORIG_FLAGS: u16 = 1;
-/// Filter: which fields of the reply tuple must match.
-pub const CTA_FILTER_REPLY_FLAGS: u16 = 2;
+pub(crate) const CTA_FILTER_ORIG_FLAGS: u16 = 1;
 // CTA_FILTER_F_* (net/netfilter/nf_internals.h): which fields of the filter tuple count.
-/// Filter field: source address.
-pub const CTA_FILTER_F_IP_SRC: u32 = 1 << 0;
 /// Filter field: destination address.
-pub const CTA_FILTER_F_IP_DST: u32 = 1 << 1;
+pub(crate) const CTA_FILTER_F_IP_DST: u32 = 1 << 1;
 /// Filter field: protocol number.
-pub const CTA_FILTER_F_PROTO_NUM: u32 = 1 << 3;
-/// Filter field: source port.
-pub const CTA_FILTER_F_PROTO_SRC_PORT: u32 = 1 << 4;
+pub(crate) const CTA_FILTER_F_PROTO_NUM: u32 = 1 << 3;
 /// Filter field: destination port.
-pub const CTA_FILTER_F_PROTO_DST_PORT: u32 = 1 << 5;
+pub(crate) const CTA_FILTER_F_PROTO_DST_PORT: u32 = 1 << 5;
 
 /// TCP.
 pub const IPPROTO_TCP: u8 = 6;
 /// UDP.
 pub const IPPROTO_UDP: u8 = 17;
 /// SCTP.
-pub const IPPROTO_SCTP: u8 = 132;
+pub(crate) const IPPROTO_SCTP: u8 = 132;
 
 /// The netlink message type of a ctnetlink message.
-pub const fn msg_type(msg: u16) -> u16 {
+pub(crate) const fn msg_type(msg: u16) -> u16 {
     (NFNL_SUBSYS_CTNETLINK << 8) | msg
 }
 
 /// The address family byte of `nfgenmsg` for an address.
-pub fn family_of(ip: &IpAddr) -> u8 {
+pub(crate) fn family_of(ip: &IpAddr) -> u8 {
     match ip {
         IpAddr::V4(_) => AF_INET,
         IpAddr::V6(_) => AF_INET6,
@@ -288,7 +282,7 @@ impl DumpFilter {
 }
 
 /// `IPCTNL_MSG_CT_GET` with NLM_F_DUMP: every entry of the filter's family, optionally filtered in the kernel.
-pub fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
+pub(crate) fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
     let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, seq);
     m.raw(&nfgenmsg(filter.family));
     if let Some(proto) = filter.proto {
@@ -316,7 +310,7 @@ pub fn encode_dump(filter: &DumpFilter, seq: u32) -> Vec<u8> {
 /// `IPCTNL_MSG_CT_DELETE` of exactly one entry: its original tuple, its zone, and its id (so that an entry
 /// that replaced it under the same tuple after the dump is usually left alone, see [`Entry::id`]). Asks for an
 /// ACK when `ack`.
-pub fn encode_delete(e: &Entry, seq: u32, ack: bool) -> Vec<u8> {
+pub(crate) fn encode_delete(e: &Entry, seq: u32, ack: bool) -> Vec<u8> {
     let flags = NLM_F_REQUEST | if ack { NLM_F_ACK } else { 0 };
     let mut m = MsgBuilder::new(msg_type(IPCTNL_MSG_CT_DELETE), flags, seq);
     m.raw(&nfgenmsg(e.orig.family()));
@@ -350,7 +344,7 @@ pub struct DeleteFilter {
 impl DeleteFilter {
     /// All flows of `proto` to `dst`. The destination address is mandatory: it is what keeps the message a
     /// tuple-carrying DELETE.
-    pub fn to_ip(dst: IpAddr, proto: u8) -> DeleteFilter {
+    pub(crate) fn to_ip(dst: IpAddr, proto: u8) -> DeleteFilter {
         DeleteFilter {
             dst,
             proto,
@@ -358,15 +352,16 @@ impl DeleteFilter {
         }
     }
     /// All flows of `proto` to `dst:dport`.
-    pub fn to_socket(dst: IpAddr, dport: u16, proto: u8) -> DeleteFilter {
+    pub(crate) fn to_socket(dst: IpAddr, dport: u16, proto: u8) -> DeleteFilter {
         DeleteFilter {
             dst,
             proto,
             dport: Some(dport),
         }
     }
+    #[cfg(test)]
     /// Whether the filter selects the entry (by its original direction), as the kernel would.
-    pub fn matches(&self, e: &Entry) -> bool {
+    pub(crate) fn matches(&self, e: &Entry) -> bool {
         e.orig.dst == self.dst
             && e.orig.proto == self.proto
             && self.dport.is_none_or(|p| e.orig.dport == p)
@@ -375,7 +370,7 @@ impl DeleteFilter {
 
 /// `IPCTNL_MSG_CT_DELETE` with `CTA_FILTER` and a partial original tuple (Linux 6.12+: a filtered flush).
 /// Always carries `CTA_TUPLE_ORIG`.
-pub fn encode_filtered_delete(f: &DeleteFilter, seq: u32) -> Vec<u8> {
+pub(crate) fn encode_filtered_delete(f: &DeleteFilter, seq: u32) -> Vec<u8> {
     let mut m = MsgBuilder::new(
         msg_type(IPCTNL_MSG_CT_DELETE),
         NLM_F_REQUEST | NLM_F_ACK,
@@ -545,7 +540,7 @@ pub fn decode_entry(payload: &[u8]) -> Option<Entry> {
 
 /// True unless `bytes` holds a ctnetlink DELETE without `CTA_TUPLE_ORIG` / `CTA_TUPLE_REPLY` (a flush of the
 /// whole table) or cannot be parsed. Checked on everything the cleaner sends.
-pub fn delete_has_tuple(bytes: &[u8]) -> bool {
+pub(crate) fn delete_has_tuple(bytes: &[u8]) -> bool {
     let mut seen = 0usize;
     let mut total = 0usize;
     for m in messages(bytes) {

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 /// How long [`CleanupQueue::stop`] waits for the queued walks (each is bounded by the netlink transport's
 /// own limits; at 500k entries one takes a few hundred milliseconds).
-pub const STOP_DEADLINE: Duration = Duration::from_secs(5);
+pub(crate) const STOP_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The kernel half of a cleanup, as the worker thread uses it ([`Walker`]; tests put a fake or a wrapper
 /// in its place).
@@ -267,7 +267,7 @@ impl CleanupQueue {
 
     /// [`Self::stop`] with another deadline. Past it, the walks not started are dropped and the thread is left
     /// to end on its own after the walk in progress (whose netlink waits are bounded).
-    pub fn stop_within(mut self, deadline: Duration) {
+    pub(crate) fn stop_within(mut self, deadline: Duration) {
         let Some(thread) = self.thread.take() else {
             return;
         };

@@ -24,13 +24,13 @@ use std::time::Duration;
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
-pub fn sync_bounds() -> impl Iterator<Item = f64> {
+pub(crate) fn sync_bounds() -> impl Iterator<Item = f64> {
     (0..15).map(|i| 0.001 * (1u64 << i) as f64)
 }
 
 /// kube-proxy's network programming latency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 120..300 s
 /// by 30.
-pub fn network_programming_bounds() -> impl Iterator<Item = f64> {
+pub(crate) fn network_programming_bounds() -> impl Iterator<Item = f64> {
     [0.25, 0.5]
         .into_iter()
         .chain((1..60).map(f64::from))
@@ -49,21 +49,21 @@ pub type GaugeU64 = AtomicMetric<Gauge<u64, AtomicU64>>;
 
 impl CounterU64 {
     /// A counter at 0.
-    pub const fn counter() -> Self {
+    pub(crate) const fn counter() -> Self {
         AtomicMetric(LazyLock::new(Counter::default))
     }
 }
 
 impl GaugeU64 {
     /// A gauge at 0.
-    pub const fn gauge() -> Self {
+    pub(crate) const fn gauge() -> Self {
         AtomicMetric(LazyLock::new(Gauge::default))
     }
 }
 
 impl<M: Clone> AtomicMetric<M> {
     /// The metric itself (a handle on the same value), for a registry.
-    pub fn metric(&self) -> M {
+    pub(crate) fn metric(&self) -> M {
         (*self.0).clone()
     }
 }
@@ -80,12 +80,12 @@ pub struct DurationHistogram(LazyLock<Histogram>);
 
 impl DurationHistogram {
     /// With kube-proxy's buckets for sync durations.
-    pub const fn sync_durations() -> Self {
+    pub(crate) const fn sync_durations() -> Self {
         DurationHistogram(LazyLock::new(|| Histogram::new(sync_bounds())))
     }
 
     /// With kube-proxy's buckets for network programming latency.
-    pub const fn network_programming() -> Self {
+    pub(crate) const fn network_programming() -> Self {
         DurationHistogram(LazyLock::new(|| {
             Histogram::new(network_programming_bounds())
         }))
@@ -97,7 +97,7 @@ impl DurationHistogram {
     }
 
     /// The histogram itself (a handle on the same buckets), for a registry.
-    pub fn metric(&self) -> Histogram {
+    pub(crate) fn metric(&self) -> Histogram {
         (*self.0).clone()
     }
 }
@@ -107,7 +107,7 @@ pub struct Timestamp(LazyLock<Gauge<f64, AtomicU64>>);
 
 impl Timestamp {
     /// Unset (0).
-    pub const fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         Timestamp(LazyLock::new(Gauge::default))
     }
 
@@ -117,7 +117,7 @@ impl Timestamp {
     }
 
     /// The gauge itself (a handle on the same value), for a registry.
-    pub fn metric(&self) -> Gauge<f64, AtomicU64> {
+    pub(crate) fn metric(&self) -> Gauge<f64, AtomicU64> {
         (*self.0).clone()
     }
 }
@@ -129,18 +129,18 @@ impl Default for Timestamp {
 }
 
 /// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
-pub static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
 /// Full syncs (`sync_full_proxy_rules_duration_seconds`).
-pub static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
 /// Partial syncs (`sync_partial_proxy_rules_duration_seconds`).
-pub static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
 /// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
 /// programmed it.
 pub static NETWORK_PROGRAMMING: DurationHistogram = DurationHistogram::network_programming();
 /// When a sync was last asked for (a change arrived, or a periodic resync fell due).
 pub static LAST_QUEUED: Timestamp = Timestamp::new();
 /// When the last successful sync finished.
-pub static LAST_SYNC: Timestamp = Timestamp::new();
+pub(crate) static LAST_SYNC: Timestamp = Timestamp::new();
 /// Service / EndpointSlice changes received, in total and since the last sync started.
 pub static SERVICE_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
 /// Service changes received since the last sync started.
@@ -172,7 +172,7 @@ pub static ENDPOINTS_OVER_CAP: CounterU64 = CounterU64::counter();
 pub static KERNEL_REJECTED_PORTS: CounterU64 = CounterU64::counter();
 
 /// Unix time now, in milliseconds.
-pub fn now_unix_ms() -> u64 {
+pub(crate) fn now_unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -326,8 +326,9 @@ pub fn finish(out: &mut String) {
     let _ = encode_eof(out);
 }
 
+#[cfg(test)]
 /// Every metric above, as a whole exposition.
-pub fn render_prometheus() -> String {
+pub(crate) fn render_prometheus() -> String {
     let mut out = String::new();
     encode_into(&mut out, &registry());
     finish(&mut out);

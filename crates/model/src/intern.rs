@@ -70,7 +70,7 @@ const SWEEP_FLOOR: usize = 64;
 
 impl<T: ?Sized + Eq + Hash> Interner<T> {
     /// The shared copy of `value`, adopting `value` itself if there is none yet.
-    pub fn share(&mut self, value: &Arc<T>) -> Arc<T> {
+    pub(crate) fn share(&mut self, value: &Arc<T>) -> Arc<T> {
         if let Some(shared) = self.set.get(&**value) {
             return shared.clone();
         }
@@ -78,7 +78,7 @@ impl<T: ?Sized + Eq + Hash> Interner<T> {
     }
 
     /// The shared copy of `value`, made by `make` if there is none yet.
-    pub fn get_or_make(&mut self, value: &T, make: impl FnOnce(&T) -> Arc<T>) -> Arc<T> {
+    pub(crate) fn get_or_make(&mut self, value: &T, make: impl FnOnce(&T) -> Arc<T>) -> Arc<T> {
         match self.set.get(value) {
             Some(shared) => shared.clone(),
             None => self.insert(make(value)),
@@ -117,9 +117,9 @@ impl Interner<str> {
 #[derive(Debug, Default)]
 pub struct SharedValues {
     /// Namespaces and port names.
-    pub strings: Interner<str>,
+    pub(crate) strings: Interner<str>,
     /// Endpoint topologies (node, zone, hints), shared by the endpoints that have the same.
-    pub topologies: Interner<Topology>,
+    pub(crate) topologies: Interner<Topology>,
 }
 
 impl SharedValues {

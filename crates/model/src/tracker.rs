@@ -295,15 +295,16 @@ impl ClusterState {
     }
 
     /// An EndpointSlice by namespace and name.
-    pub fn slice(&self, namespace: &str, name: &str) -> Option<&SliceInfo> {
+    pub(crate) fn slice(&self, namespace: &str, name: &str) -> Option<&SliceInfo> {
         let service = self.slice_owners.get::<dyn NameKey>(&(namespace, name))?;
         let group = self.slices.get::<dyn NameKey>(&(namespace, &**service))?;
         let at = find_slice(group, name).ok()?;
         Some(&group[at])
     }
 
+    #[cfg(test)]
     /// Every EndpointSlice, in (namespace, name) order.
-    pub fn slices(&self) -> impl Iterator<Item = &SliceInfo> {
+    pub(crate) fn slices(&self) -> impl Iterator<Item = &SliceInfo> {
         let mut all: Vec<&SliceInfo> = self.slices.values().flatten().collect();
         all.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
         all.into_iter()
@@ -375,9 +376,10 @@ impl ClusterState {
         }
         removed
     }
+    #[cfg(test)]
     /// True if something was mutated since the last `take_changes` (the result may still be empty if
     /// the mutations cancelled out).
-    pub fn has_pending(&self) -> bool {
+    pub(crate) fn has_pending(&self) -> bool {
         !self.pending.is_empty()
     }
 

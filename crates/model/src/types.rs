@@ -28,12 +28,6 @@ impl Protocol {
             Protocol::Sctp => 132,
         }
     }
-    /// The protocol of IANA number `n`, if it is one of ours.
-    pub fn from_number(n: u8) -> Option<Protocol> {
-        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
-            .into_iter()
-            .find(|p| p.number() == n)
-    }
 
     /// Lower-case name as nft and kube-proxy chain names spell it.
     pub fn as_str(self) -> &'static str {
@@ -192,22 +186,6 @@ impl Cidr {
                 u128::from(net) & mask == u128::from(*ip) & mask
             }
             _ => false,
-        }
-    }
-
-    /// The first and last address of the prefix (for interval set elements).
-    pub fn range(&self) -> (IpAddr, IpAddr) {
-        match self.addr {
-            IpAddr::V4(net) => {
-                let host = u32::MAX.checked_shr(self.prefix as u32).unwrap_or(0);
-                let base = u32::from(net) & !host;
-                (IpAddr::V4(base.into()), IpAddr::V4((base | host).into()))
-            }
-            IpAddr::V6(net) => {
-                let host = u128::MAX.checked_shr(self.prefix as u32).unwrap_or(0);
-                let base = u128::from(net) & !host;
-                (IpAddr::V6(base.into()), IpAddr::V6((base | host).into()))
-            }
         }
     }
 }

@@ -120,7 +120,7 @@ impl MsgBuilder {
     }
 
     /// Opens a nested attribute (NLA_F_NESTED is set); close it with `end_nested`.
-    pub fn begin_nested(&mut self, kind: u16) -> &mut Self {
+    pub(crate) fn begin_nested(&mut self, kind: u16) -> &mut Self {
         self.open.push((self.buf.len(), kind));
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
         self.buf
@@ -129,7 +129,7 @@ impl MsgBuilder {
     }
 
     /// Closes the innermost nested attribute, writing its length.
-    pub fn end_nested(&mut self) -> &mut Self {
+    pub(crate) fn end_nested(&mut self) -> &mut Self {
         let (start, kind) = self.open.pop().expect("end_nested without begin_nested");
         let len = self.buf.len() - start;
         match u16::try_from(len) {
@@ -260,10 +260,6 @@ impl<'a> Attr<'a> {
     /// The payload as a big-endian u64.
     pub fn be64(&self) -> Option<u64> {
         Some(u64::from_be_bytes(self.payload.get(..8)?.try_into().ok()?))
-    }
-    /// The payload as a native-endian u32.
-    pub fn u32_ne(&self) -> Option<u32> {
-        Some(u32::from_ne_bytes(self.payload.get(..4)?.try_into().ok()?))
     }
     /// The payload as a u8.
     pub fn u8(&self) -> Option<u8> {

@@ -12,7 +12,7 @@ use super::{align4, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDRLEN};
 use std::collections::BTreeMap;
 
 /// Set on dump messages when the kernel's objects changed while it was dumping them.
-pub const NLM_F_DUMP_INTR: u16 = 0x10;
+pub(crate) const NLM_F_DUMP_INTR: u16 = 0x10;
 /// On NLMSG_ERROR: only the original header is echoed (we ask for capped acks).
 const NLM_F_CAPPED: u16 = 0x100;
 /// On NLMSG_ERROR and NLMSG_DONE: extended-ack attributes follow.
@@ -81,7 +81,7 @@ pub struct Exchange {
     /// Whether the message that asked for an acknowledgement got its answer.
     acked: bool,
     /// Messages that were not answers to this request.
-    pub discarded: u64,
+    pub(crate) discarded: u64,
 }
 
 impl Exchange {

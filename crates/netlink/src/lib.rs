@@ -17,23 +17,21 @@ pub use socket::{Limits, Membership, NlSocket, SHUTDOWN};
 use std::sync::atomic::AtomicU64;
 
 /// Messages received that answered no pending request (stale, duplicated, foreign), since start.
-pub static DISCARDED: AtomicU64 = AtomicU64::new(0);
+pub(crate) static DISCARDED: AtomicU64 = AtomicU64::new(0);
 /// Dumps asked again because the kernel marked the answer inconsistent, since start.
 pub static DUMP_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// Size of `struct nlmsghdr`.
-pub const NLMSG_HDRLEN: usize = 16;
+pub(crate) const NLMSG_HDRLEN: usize = 16;
 
 /// A request (every message to the kernel).
 pub const NLM_F_REQUEST: u16 = 0x01;
-/// Part of a multipart answer (ended by NLMSG_DONE).
-pub const NLM_F_MULTI: u16 = 0x02;
 /// Asks for an acknowledgement.
 pub const NLM_F_ACK: u16 = 0x04;
 /// GET: the whole table.
-pub const NLM_F_ROOT: u16 = 0x100;
+pub(crate) const NLM_F_ROOT: u16 = 0x100;
 /// GET: every entry that matches.
-pub const NLM_F_MATCH: u16 = 0x200;
+pub(crate) const NLM_F_MATCH: u16 = 0x200;
 /// GET: a dump.
 pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
 /// NEW: replace an existing object.
@@ -48,9 +46,9 @@ pub const NLM_F_APPEND: u16 = 0x800;
 /// Nothing; to be skipped.
 pub const NLMSG_NOOP: u16 = 1;
 /// An error or an acknowledgement.
-pub const NLMSG_ERROR: u16 = 2;
+pub(crate) const NLMSG_ERROR: u16 = 2;
 /// The end of a multipart answer.
-pub const NLMSG_DONE: u16 = 3;
+pub(crate) const NLMSG_DONE: u16 = 3;
 
 /// Round up to the 4-byte netlink alignment.
 pub const fn align4(len: usize) -> usize {

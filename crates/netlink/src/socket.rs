@@ -21,7 +21,7 @@ const RECV_BUFFER: usize = 128 << 10;
 /// How often a wait looks at the shutdown flag: SIGTERM ends any wait within two of these.
 pub const POLL_SLICE: Duration = Duration::from_millis(50);
 /// Dump attempts when the kernel marks the answer inconsistent (a concurrent change).
-pub const DUMP_ATTEMPTS: u32 = 4;
+pub(crate) const DUMP_ATTEMPTS: u32 = 4;
 
 /// Set by the signal handler; every socket wait gives up (`NetlinkError::Cancelled`) once it is set.
 pub static SHUTDOWN: AtomicBool = AtomicBool::new(false);
@@ -108,7 +108,7 @@ impl NlSocket {
     }
 
     /// The port id the kernel assigned to the current socket.
-    pub fn port_id(&mut self) -> io::Result<u32> {
+    pub(crate) fn port_id(&mut self) -> io::Result<u32> {
         self.live()?;
         Ok(self.port.load(Ordering::SeqCst))
     }
@@ -456,7 +456,7 @@ fn recv(sock: &Socket, buf: &mut [u8], flags: i32) -> io::Result<usize> {
 }
 
 /// `n` bytes came for a buffer of `capacity`: an error when the datagram did not fit.
-pub fn oversized(n: usize, capacity: usize) -> io::Result<usize> {
+pub(crate) fn oversized(n: usize, capacity: usize) -> io::Result<usize> {
     if n > capacity {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

@@ -109,7 +109,7 @@ pub fn load_concat(fields: &[Field]) -> Vec<Expr> {
 
 /// Loads the fields as one concatenated key starting at 4-byte register slot `slot`; returns the expressions
 /// and the first slot after the key.
-pub fn load_concat_at(fields: &[Field], mut slot: u32) -> (Vec<Expr>, u32) {
+pub(crate) fn load_concat_at(fields: &[Field], mut slot: u32) -> (Vec<Expr>, u32) {
     let exprs = fields
         .iter()
         .map(|f| {
@@ -405,13 +405,9 @@ impl RuleBuilder {
         self
     }
 
-    /// `dnat <family> addr . port to <fields> . numgen random mod n map @map`: the numgen value is appended
-    /// to the key in the next free register, and the map's `addr . port` value feeds the nat expression.
-    pub fn dnat_map(self, fields: &[Field], n: u32, map: &str, family: Family) -> Self {
-        self.dnat_map_offset(fields, n, 0, map, family)
-    }
-
-    /// `dnat_map` with `numgen random mod n offset o`: picks among slots o..o+n.
+    /// `dnat <family> addr . port to <fields> . numgen random mod n offset o map @map`: the numgen value (one of
+    /// the slots o..o+n) is appended to the key in the next free register, and the map's `addr . port` value
+    /// feeds the nat expression.
     pub fn dnat_map_offset(
         mut self,
         fields: &[Field],

@@ -30,7 +30,7 @@ impl Family {
         }
     }
     /// The family of an NFPROTO_* number.
-    pub fn from_nfproto(v: u8) -> Option<Family> {
+    pub(crate) fn from_nfproto(v: u8) -> Option<Family> {
         match v {
             1 => Some(Family::Inet),
             2 => Some(Family::Ip),
@@ -75,7 +75,7 @@ impl Hook {
         }
     }
     /// The hook of an NF_INET_* number.
-    pub fn from_number(v: u32) -> Option<Hook> {
+    pub(crate) fn from_number(v: u32) -> Option<Hook> {
         [
             Hook::Prerouting,
             Hook::Input,
@@ -147,7 +147,7 @@ impl Policy {
         }
     }
     /// The policy of a verdict number.
-    pub fn from_number(v: u32) -> Option<Policy> {
+    pub(crate) fn from_number(v: u32) -> Option<Policy> {
         match v {
             0 => Some(Policy::Drop),
             1 => Some(Policy::Accept),
@@ -178,7 +178,7 @@ pub struct BaseHook {
     /// The policy.
     pub policy: Policy,
     /// The device of an ingress / egress (netdev) hook; None on the hooks we use.
-    pub device: Option<String>,
+    pub(crate) device: Option<String>,
 }
 
 impl BaseHook {
@@ -245,7 +245,7 @@ pub enum DataType {
 
 impl DataType {
     /// nft's type number (`enum datatypes` in nftables' datatype.h).
-    pub fn nft_id(self) -> u32 {
+    pub(crate) fn nft_id(self) -> u32 {
         match self {
             DataType::Verdict => 1,
             DataType::Integer(_) => 4,
@@ -282,7 +282,7 @@ impl DataType {
         }
     }
     /// The type of nft's type number; `len` is the byte length an integer has.
-    pub fn from_nft_id(id: u32, len: usize) -> Option<DataType> {
+    pub(crate) fn from_nft_id(id: u32, len: usize) -> Option<DataType> {
         Some(match id {
             1 => DataType::Verdict,
             4 => DataType::Integer(len as u8),
@@ -300,7 +300,7 @@ impl DataType {
 const TYPE_BITS: u32 = 6;
 
 /// The nft type number of a (possibly concatenated) key: each component shifted in, as nft does.
-pub fn concat_type_id(types: &[DataType]) -> u32 {
+pub(crate) fn concat_type_id(types: &[DataType]) -> u32 {
     types
         .iter()
         .fold(0, |acc, t| (acc << TYPE_BITS) | t.nft_id())
@@ -317,7 +317,7 @@ pub fn key_len(types: &[DataType]) -> usize {
 
 /// Decodes a concatenated nft type number given the total key length. Only succeeds when the components
 /// are types we know and their lengths add up.
-pub fn split_type_id(mut id: u32, len: usize) -> Option<Vec<DataType>> {
+pub(crate) fn split_type_id(mut id: u32, len: usize) -> Option<Vec<DataType>> {
     let mut ids = Vec::new();
     while id != 0 {
         ids.push(id & ((1 << TYPE_BITS) - 1));
@@ -381,7 +381,7 @@ impl Set {
     }
 
     /// Whether it maps keys to values.
-    pub fn is_map(&self) -> bool {
+    pub(crate) fn is_map(&self) -> bool {
         !self.data.is_empty()
     }
     /// Whether it maps keys to verdicts.
@@ -408,17 +408,15 @@ impl Set {
 pub const TABLE_F_DORMANT: u32 = 0x1;
 
 /// NFT_SET_ANONYMOUS: belongs to one rule.
-pub const SET_F_ANONYMOUS: u32 = 0x1;
+pub(crate) const SET_F_ANONYMOUS: u32 = 0x1;
 /// NFT_SET_CONSTANT: its elements never change.
-pub const SET_F_CONSTANT: u32 = 0x2;
-/// NFT_SET_INTERVAL: its keys are ranges.
-pub const SET_F_INTERVAL: u32 = 0x4;
+pub(crate) const SET_F_CONSTANT: u32 = 0x2;
 /// NFT_SET_MAP: a map.
-pub const SET_F_MAP: u32 = 0x8;
+pub(crate) const SET_F_MAP: u32 = 0x8;
 /// NFT_SET_TIMEOUT: its elements may expire.
-pub const SET_F_TIMEOUT: u32 = 0x10;
+pub(crate) const SET_F_TIMEOUT: u32 = 0x10;
 /// NFT_SET_EVAL: updated from the packet path (nft's `dynamic`).
-pub const SET_F_EVAL: u32 = 0x20;
+pub(crate) const SET_F_EVAL: u32 = 0x20;
 
 /// One element: its key bytes (components padded to 4 bytes when concatenated) and, in maps, its value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -442,7 +440,7 @@ pub struct CommentedElement {
 
 /// The longest element comment nft accepts in its own syntax (`NFT_USERDATA_MAXLEN` is larger, but a
 /// longer comment would not reload from a listing).
-pub const ELEMENT_COMMENT_MAX: usize = 128;
+pub(crate) const ELEMENT_COMMENT_MAX: usize = 128;
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 /// A map element's value.
@@ -473,7 +471,7 @@ pub enum Verdict {
 
 impl Verdict {
     /// The kernel's verdict code (NF_DROP, NF_ACCEPT, NFT_CONTINUE, NFT_JUMP, NFT_GOTO, NFT_RETURN).
-    pub fn code(&self) -> i32 {
+    pub(crate) fn code(&self) -> i32 {
         match self {
             Verdict::Drop => 0,
             Verdict::Accept => 1,
@@ -571,7 +569,7 @@ impl MetaKey {
         }
     }
     /// The key of an NFT_META_* number.
-    pub fn from_number(v: u32) -> Option<MetaKey> {
+    pub(crate) fn from_number(v: u32) -> Option<MetaKey> {
         [
             MetaKey::Mark,
             MetaKey::L4Proto,
@@ -630,7 +628,7 @@ impl CtKey {
         }
     }
     /// The key of an NFT_CT_* number.
-    pub fn from_number(v: u32) -> Option<CtKey> {
+    pub(crate) fn from_number(v: u32) -> Option<CtKey> {
         [
             CtKey::State,
             CtKey::Status,
@@ -678,7 +676,7 @@ impl CmpOp {
         self as u32
     }
     /// The operator of an NFT_CMP_* number.
-    pub fn from_number(v: u32) -> Option<CmpOp> {
+    pub(crate) fn from_number(v: u32) -> Option<CmpOp> {
         [
             CmpOp::Eq,
             CmpOp::Neq,
@@ -719,7 +717,7 @@ pub const NAT_F_MAP_IPS: u32 = 0x1;
 /// The port register is set.
 pub const NAT_F_PROTO_SPECIFIED: u32 = 0x2;
 /// `random`: random ports.
-pub const NAT_F_PROTO_RANDOM: u32 = 0x4;
+pub(crate) const NAT_F_PROTO_RANDOM: u32 = 0x4;
 /// `persistent`: the same address for a client.
 pub const NAT_F_PERSISTENT: u32 = 0x8;
 /// `fully-random`: ports fully randomised.
@@ -755,11 +753,11 @@ pub const FIB_F_SADDR: u32 = 1;
 /// Look up the destination address.
 pub const FIB_F_DADDR: u32 = 2;
 /// Include the packet mark.
-pub const FIB_F_MARK: u32 = 4;
+pub(crate) const FIB_F_MARK: u32 = 4;
 /// Include the input interface.
 pub const FIB_F_IIF: u32 = 8;
 /// Include the output interface.
-pub const FIB_F_OIF: u32 = 16;
+pub(crate) const FIB_F_OIF: u32 = 16;
 /// Result: the output interface index.
 pub const FIB_RESULT_OIF: u32 = 1;
 /// Result: the address type (RTN_*).
@@ -926,7 +924,7 @@ pub enum Expr {
 
 impl Expr {
     /// The kernel's expression name.
-    pub fn kernel_name(&self) -> &'static str {
+    pub(crate) fn kernel_name(&self) -> &'static str {
         match self {
             Expr::Payload { .. } => "payload",
             Expr::Meta { .. } | Expr::MetaSet { .. } => "meta",
@@ -960,7 +958,7 @@ pub struct AnonSet {
 }
 
 /// Name prefix the kernel gives anonymous sets (`__set%d`, the number chosen by the kernel).
-pub const ANON_SET_NAME: &str = "__set%d";
+pub(crate) const ANON_SET_NAME: &str = "__set%d";
 
 /// A rule: the expressions in order, and an optional comment (kept in the rule's userdata as nft does).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -20,13 +20,13 @@ pub struct Drift {
     /// Set when our tables changed behind our back (or events were lost); cleared by the agent.
     pub detected: AtomicBool,
     /// Foreign changes seen, for metrics and logs.
-    pub events: AtomicU64,
+    pub(crate) events: AtomicU64,
     /// Times events were lost (ENOBUFS, or a datagram too big to read).
-    pub lost: AtomicU64,
+    pub(crate) lost: AtomicU64,
 }
 
 /// Whether an nf_tables event is someone else's change to one of our tables.
-pub fn is_foreign_change(
+pub(crate) fn is_foreign_change(
     msg_type: u16,
     pid: u32,
     payload: &[u8],
@@ -62,16 +62,16 @@ pub trait EventSubscriber: Send {
 
 /// Called after the drift flag is raised: the owner's doorbell (the agent passes the one that wakes its
 /// proxy loop). A plain closure, so that the monitor knows nothing of who listens.
-pub type OnDrift = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type OnDrift = Arc<dyn Fn() + Send + Sync>;
 
 /// What the monitor thread does with each read of its socket, apart from the socket itself.
 pub struct Watcher {
     /// The port id of the socket the sync engine commits through (it changes when that socket is replaced).
-    pub own_port: Arc<AtomicU32>,
+    pub(crate) own_port: Arc<AtomicU32>,
     /// The table whose changes count.
     pub table: String,
     /// Raised on a foreign change (or lost events).
-    pub drift: Arc<Drift>,
+    pub(crate) drift: Arc<Drift>,
     /// A foreign change to our table was seen in a transaction whose NEWGEN has not come yet.
     pending: AtomicBool,
     /// Called after the drift flag is raised (wakes the proxy loop).
@@ -112,7 +112,7 @@ impl Watcher {
 
     /// Takes one read: a datagram of events, or the error the read failed with. Lost events raise the
     /// drift flag; any other error stops the monitor.
-    pub fn on_read(&self, read: io::Result<&[u8]>) -> io::Result<()> {
+    pub(crate) fn on_read(&self, read: io::Result<&[u8]>) -> io::Result<()> {
         match read {
             Ok(datagram) => {
                 self.on_events(datagram);

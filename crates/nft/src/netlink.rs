@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 /// Reads of our tables before giving up on one that is not changed by someone else meanwhile.
-pub const READ_ATTEMPTS: u32 = 6;
+pub(crate) const READ_ATTEMPTS: u32 = 6;
 
 /// A rejected transaction: nothing of it was applied. Each error names the object that caused it.
 #[derive(Debug)]
@@ -391,11 +391,6 @@ impl NftSocket {
     /// events with it.
     pub fn port_handle(&self) -> Arc<AtomicU32> {
         self.sock.port_handle()
-    }
-
-    /// The raw socket, for event subscriptions.
-    pub fn socket(&mut self) -> &mut NlSocket {
-        &mut self.sock
     }
 }
 

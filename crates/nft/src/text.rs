@@ -121,7 +121,7 @@ fn duration(ms: u64) -> String {
 }
 
 /// One element as nft writes it: `key : value`.
-pub fn element_text(set: &Set, e: &Element) -> String {
+pub(crate) fn element_text(set: &Set, e: &Element) -> String {
     let mut s = value_text(&set.key, &e.key);
     match &e.value {
         Some(ElementValue::Verdict(v)) => {

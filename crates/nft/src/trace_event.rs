@@ -10,7 +10,7 @@ use serde::Serialize;
 /// The multicast group of trace events.
 pub const NFNLGRP_NFTRACE: u32 = 9;
 /// `NFT_MSG_TRACE`.
-pub const NFT_MSG_TRACE: u16 = 17;
+pub(crate) const NFT_MSG_TRACE: u16 = 17;
 
 const NFTA_TRACE_TABLE: u16 = 1;
 const NFTA_TRACE_CHAIN: u16 = 2;

@@ -57,7 +57,7 @@ const BYTEORDER_BIG: u32 = 2;
 
 impl TypeofExpr {
     /// How nft writes the expression in a declaration.
-    pub fn text(self) -> String {
+    pub(crate) fn text(self) -> String {
         match self {
             TypeofExpr::IpSaddr => "ip saddr".into(),
             TypeofExpr::IpDaddr => "ip daddr".into(),

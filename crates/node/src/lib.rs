@@ -118,7 +118,7 @@ fn global_addresses(answers: &[(u16, Vec<u8>)]) -> Vec<NodeAddress> {
 }
 
 /// Links that carry a default route in the main table: the node's primary interfaces.
-pub fn default_route_links() -> io::Result<Vec<u32>> {
+pub(crate) fn default_route_links() -> io::Result<Vec<u32>> {
     let request = RouteNetlinkMessage::GetRoute(RouteMessage::default());
     Ok(links_of_default_routes(&dump("dumping routes", request)?))
 }

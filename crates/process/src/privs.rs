@@ -12,17 +12,17 @@
 use std::io;
 
 /// linux/capability.h
-pub const CAP_NET_BIND_SERVICE: u32 = 10;
+pub(crate) const CAP_NET_BIND_SERVICE: u32 = 10;
 /// CAP_NET_ADMIN: nf_tables, ctnetlink, rtnetlink writes.
-pub const CAP_NET_ADMIN: u32 = 12;
+pub(crate) const CAP_NET_ADMIN: u32 = 12;
 /// CAP_SETPCAP: changing the bounding set.
-pub const CAP_SETPCAP: u32 = 8;
+pub(crate) const CAP_SETPCAP: u32 = 8;
 
 /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
 const CAP_VERSION_3: u32 = 0x2008_0522;
 
 /// A capability set as a bit mask (bit n: capability n), as `/proc/PID/status` shows it.
-pub type CapSet = u64;
+pub(crate) type CapSet = u64;
 
 /// Ports below this need CAP_NET_BIND_SERVICE (the kernel's default `ip_unprivileged_port_start`).
 const FIRST_UNPRIVILEGED_PORT: u16 = 1024;

@@ -44,7 +44,7 @@ impl Balancer {
 
     /// Replaces the endpoint list. Clients pinned to an endpoint that remains stay pinned; pins to removed
     /// endpoints go. The round-robin position is kept (wrapped into the new list).
-    pub fn set_endpoints(&mut self, endpoints: Vec<SocketAddr>) {
+    pub(crate) fn set_endpoints(&mut self, endpoints: Vec<SocketAddr>) {
         self.pinned.retain(|_, p| endpoints.contains(&p.endpoint));
         self.endpoints = endpoints;
         if self.next >= self.endpoints.len() {
@@ -53,7 +53,7 @@ impl Balancer {
     }
 
     /// Changes the affinity timeout (None: no affinity, every pin dropped).
-    pub fn set_affinity(&mut self, ttl: Option<Duration>) {
+    pub(crate) fn set_affinity(&mut self, ttl: Option<Duration>) {
         if ttl.is_none() {
             self.pinned.clear();
         }
@@ -62,7 +62,7 @@ impl Balancer {
 
     /// The endpoint for a new connection from `client`. `reset`: the client's previous choice just failed to
     /// dial, so its pin is ignored and replaced. None when there is no endpoint.
-    pub fn pick(&mut self, client: IpAddr, reset: bool, now: Instant) -> Option<SocketAddr> {
+    pub(crate) fn pick(&mut self, client: IpAddr, reset: bool, now: Instant) -> Option<SocketAddr> {
         if self.endpoints.is_empty() {
             return None;
         }
@@ -105,8 +105,9 @@ impl Balancer {
         self.swept_at = self.pinned.len();
     }
 
+    #[cfg(test)]
     /// Pins currently held (expired ones not yet swept included).
-    pub fn pinned_clients(&self) -> usize {
+    pub(crate) fn pinned_clients(&self) -> usize {
         self.pinned.len()
     }
 }

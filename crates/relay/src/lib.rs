@@ -250,7 +250,7 @@ impl Relay {
     }
 
     /// The address a frontend's listener is bound to (its port when it asked for port 0).
-    pub fn local_addr(
+    pub(crate) fn local_addr(
         &self,
         service: &str,
         protocol: Protocol,

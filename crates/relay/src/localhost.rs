@@ -61,9 +61,4 @@ impl LocalhostNodePorts {
             tracing::warn!("localhost NodePort not served: {e}");
         }
     }
-
-    /// The relay that serves them.
-    pub fn relay(&self) -> &Relay {
-        &self.relay
-    }
 }

@@ -13,9 +13,9 @@ use tokio::sync::{oneshot, Semaphore};
 #[derive(Debug)]
 pub struct Limits {
     /// One permit per relayed TCP connection or UDP flow.
-    pub connections: Arc<Semaphore>,
+    pub(crate) connections: Arc<Semaphore>,
     /// Dial timeouts, one per attempt (each attempt tries the next endpoint).
-    pub dial_timeouts: Vec<Duration>,
+    pub(crate) dial_timeouts: Vec<Duration>,
     /// Counters for logs and tests.
     pub stats: Stats,
 }
@@ -28,24 +28,24 @@ pub struct Stats {
     /// Connections to an endpoint that failed.
     pub dial_failures: AtomicU64,
     /// Accepts or dials that failed for want of file descriptors (EMFILE / ENFILE).
-    pub fd_exhausted: AtomicU64,
+    pub(crate) fd_exhausted: AtomicU64,
     /// Connections closed because their endpoint left the service.
     pub closed_by_endpoint_removal: AtomicU64,
 }
 
 impl Stats {
     /// Adds one.
-    pub fn bump(counter: &AtomicU64) {
+    pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 /// One relayed service port.
 #[derive(Debug)]
-pub struct Service {
+pub(crate) struct Service {
     /// For logs: "namespace/name:port".
     pub name: String,
-    pub limits: Arc<Limits>,
+    pub(crate) limits: Arc<Limits>,
     balancer: Mutex<Balancer>,
     live: Mutex<Live>,
     /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
@@ -60,7 +60,7 @@ struct Live {
 }
 
 /// Ends a connection's registration when dropped.
-pub struct Registration {
+pub(crate) struct Registration {
     service: Arc<Service>,
     id: u64,
 }
@@ -98,13 +98,13 @@ impl Service {
     }
 
     /// The endpoint for a new connection from `client` (see [`Balancer::pick`]).
-    pub fn pick(&self, client: IpAddr, reset: bool) -> Option<SocketAddr> {
+    pub(crate) fn pick(&self, client: IpAddr, reset: bool) -> Option<SocketAddr> {
         lock(&self.balancer).pick(client, reset, Instant::now())
     }
 
     /// New endpoints and affinity. Connections and flows to endpoints that remain are untouched; those to
     /// removed endpoints are told to close. Returns how many were.
-    pub fn update(&self, endpoints: Vec<SocketAddr>, affinity: Option<Duration>) -> usize {
+    pub(crate) fn update(&self, endpoints: Vec<SocketAddr>, affinity: Option<Duration>) -> usize {
         {
             let mut b = lock(&self.balancer);
             b.set_affinity(affinity);
@@ -124,7 +124,7 @@ impl Service {
 
     /// Registers a connection to `endpoint`; the receiver completes when it must close (its endpoint left).
     /// An endpoint that left between the pick and now closes it at once.
-    pub fn register(
+    pub(crate) fn register(
         self: &Arc<Self>,
         endpoint: SocketAddr,
     ) -> (Registration, oneshot::Receiver<()>) {
@@ -149,7 +149,7 @@ impl Service {
 
     /// Whether `endpoint` is still one of the service's. `checked` is the generation the caller last saw it
     /// valid at: while no update happened since, the answer needs no lock.
-    pub fn still_serves(&self, endpoint: SocketAddr, checked: &AtomicU64) -> bool {
+    pub(crate) fn still_serves(&self, endpoint: SocketAddr, checked: &AtomicU64) -> bool {
         let now = self.generation.load(Ordering::Acquire);
         if checked.load(Ordering::Relaxed) == now {
             return true;
@@ -167,7 +167,7 @@ impl Service {
     }
 
     /// Connections and flows currently relayed.
-    pub fn live_count(&self) -> usize {
+    pub(crate) fn live_count(&self) -> usize {
         self.live().by_id.len()
     }
 }

@@ -105,7 +105,7 @@ fn bound(addr: SocketAddr, ty: libc::c_int) -> io::Result<OwnedFd> {
 }
 
 /// A TCP listener on `addr` (port 0: one the kernel picks).
-pub fn tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+pub(crate) fn tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
     let domain = if addr.is_ipv4() {
         libc::AF_INET
     } else {
@@ -141,7 +141,7 @@ pub fn tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
 }
 
 /// A UDP socket on `addr` that reports each datagram's destination address.
-pub fn udp_listener(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
+pub(crate) fn udp_listener(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
     let fd = bound(addr, libc::SOCK_DGRAM)?;
     if addr.is_ipv4() {
         set_int(&fd, libc::IPPROTO_IP, libc::IP_PKTINFO, 1)?;
@@ -152,7 +152,7 @@ pub fn udp_listener(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
 }
 
 /// A UDP socket on an ephemeral port of `peer`'s family, connected to `peer`: one flow's upstream side.
-pub fn udp_connected(peer: SocketAddr) -> io::Result<std::net::UdpSocket> {
+pub(crate) fn udp_connected(peer: SocketAddr) -> io::Result<std::net::UdpSocket> {
     let any: SocketAddr = if peer.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -179,7 +179,7 @@ struct CmsgBuf([u8; CMSG_SPACE]);
 
 /// Receives one datagram into `buf`: (length, sender, the address it was sent to). A datagram longer than
 /// `buf` is an error (it would arrive cut).
-pub fn recv_with_destination(
+pub(crate) fn recv_with_destination(
     fd: RawFd,
     buf: &mut [u8],
 ) -> io::Result<(usize, SocketAddr, Option<IpAddr>)> {
@@ -240,7 +240,7 @@ fn destination(msg: &libc::msghdr) -> Option<IpAddr> {
 
 /// Sends `data` without blocking to `to` (None: the connected peer), from source address `from` when given
 /// (the address the client's datagram reached). A full send buffer is `WouldBlock`: the datagram is dropped.
-pub fn send_from(
+pub(crate) fn send_from(
     fd: RawFd,
     data: &[u8],
     to: Option<SocketAddr>,
@@ -310,7 +310,7 @@ pub fn send_from(
 }
 
 /// Length of the next datagram queued on `fd`, without taking it.
-pub fn next_datagram_len(fd: RawFd) -> io::Result<usize> {
+pub(crate) fn next_datagram_len(fd: RawFd) -> io::Result<usize> {
     // SAFETY: a zero-length receive with MSG_PEEK | MSG_TRUNC writes nothing and returns the real length.
     let n = unsafe {
         libc::recv(

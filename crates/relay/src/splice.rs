@@ -13,7 +13,7 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// Most bytes moved per splice call; also the pipe's capacity (the kernel default, 16 pages).
-pub const CHUNK: usize = 64 * 1024;
+pub(crate) const CHUNK: usize = 64 * 1024;
 /// Drained pipes kept for reuse; more are closed.
 const POOL_MAX: usize = 64;
 
@@ -76,7 +76,7 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
 /// Copies `from` → `to` until `from` reaches end of stream (everything before its FIN delivered); then shuts
 /// down `to`'s sending side (half-close propagated). An error ends the direction (the caller tears the
 /// connection down).
-pub async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<()> {
+pub(crate) async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<()> {
     let mut spliceable = true;
     loop {
         from.readable().await?;
@@ -162,7 +162,7 @@ async fn copy_once(from: &TcpStream, to: &TcpStream) -> io::Result<Option<usize>
 }
 
 /// Sends FIN on `s` (its peer reads end of stream) while its receiving side stays open.
-pub fn shutdown_write(s: &TcpStream) {
+pub(crate) fn shutdown_write(s: &TcpStream) {
     // SAFETY: plain syscall on an fd `s` keeps open. A failure (the peer already reset) needs no handling:
     // the other direction will see the error.
     unsafe {
@@ -172,7 +172,7 @@ pub fn shutdown_write(s: &TcpStream) {
 
 /// Makes closing `s` send a reset instead of FIN: a relayed connection that broke on one side is reset on the
 /// other, as a direct connection would be.
-pub fn reset_on_close(s: &TcpStream) {
+pub(crate) fn reset_on_close(s: &TcpStream) {
     let linger = libc::linger {
         l_onoff: 1,
         l_linger: 0,

@@ -24,7 +24,7 @@ const FD_BACKOFF_MIN: Duration = Duration::from_millis(50);
 const FD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Out of file descriptors, for the process (EMFILE) or the system (ENFILE).
-pub fn fd_exhausted(e: &io::Error) -> bool {
+pub(crate) fn fd_exhausted(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
@@ -35,7 +35,7 @@ fn memory_short(e: &io::Error) -> bool {
 
 /// Accepts connections until the task is aborted. At the connection limit it stops accepting (clients
 /// wait in the kernel's backlog); without file descriptors it backs off, logs, and tries again.
-pub async fn serve(listener: TcpListener, svc: Arc<Service>) {
+pub(crate) async fn serve(listener: TcpListener, svc: Arc<Service>) {
     let mut backoff = FD_BACKOFF_MIN;
     loop {
         let Ok(permit) = svc.limits.connections.clone().acquire_owned().await else {

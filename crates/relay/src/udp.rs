@@ -21,7 +21,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::OwnedSemaphorePermit;
 
 /// Largest UDP payload (IPv6 jumbograms aside): what one read must hold so no datagram arrives cut.
-pub const MAX_DATAGRAM: usize = 65_536;
+pub(crate) const MAX_DATAGRAM: usize = 65_536;
 
 struct Flow {
     upstream: UdpSocket,
@@ -41,7 +41,7 @@ fn lock(flows: &Flows) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<Flow
 }
 
 /// Relays datagrams until the task is aborted.
-pub async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: Duration) {
+pub(crate) async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: Duration) {
     let listener = Arc::new(listener);
     let flows: Flows = Arc::default();
     let epoch = Instant::now();

@@ -130,9 +130,4 @@ impl UserspaceProxy {
         }
         out
     }
-
-    /// The relay that serves the services.
-    pub fn relay(&self) -> &Relay {
-        &self.relay
-    }
 }

@@ -315,7 +315,7 @@ fn add_reject(t: &mut TableState, f: IpFamily) {
 
 /// The most affinity entries a table holds (one per client and frontend while it lasts). kube-proxy's
 /// `recent` lists hold 100 each; a full map records nothing new (connections still flow, unpinned).
-pub const AFFINITY_CAPACITY: u32 = 262_144;
+pub(crate) const AFFINITY_CAPACITY: u32 = 262_144;
 
 /// `ct state new ct status dnat jump affinity-record`: after DNAT (filter runs after nat), a new connection's
 /// endpoint is known; the forward, input and output hooks together see every DNATed connection.

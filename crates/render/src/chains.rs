@@ -138,7 +138,7 @@ fn endpoint_key(kind: LbKind, f: IpFamily) -> (Vec<Field>, &'static str) {
 }
 
 /// `pick`, `pick-local`, `pick-np`, `pick-np-local`: one rule per shared count (see `Counts`).
-pub fn pick_chain_name(node_port: bool, local: bool) -> &'static str {
+pub(crate) fn pick_chain_name(node_port: bool, local: bool) -> &'static str {
     match (node_port, local) {
         (false, false) => CHAIN_PICK,
         (false, true) => CHAIN_PICK_LOCAL,

@@ -251,7 +251,7 @@ impl Claims {
     }
 
     /// Whether `holder` holds the frontend of `element`.
-    pub fn holds(
+    pub(crate) fn holds(
         &self,
         holder: &ServicePortName,
         family: Family,

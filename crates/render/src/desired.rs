@@ -115,7 +115,7 @@ impl<'a> Desired<'a> {
     }
 
     /// An owned copy (for `plan`, tests and anything else that keeps the result).
-    pub fn to_table(&self) -> TableState {
+    pub(crate) fn to_table(&self) -> TableState {
         TableState {
             family: self.family,
             name: self.name.to_owned(),

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// An `lb-*` chain of a family under a config, built once and shared by every service piece that needs it
 /// (10k services would otherwise hold 10k copies of a handful of chains).
-pub fn lb_chain(
+pub(crate) fn lb_chain(
     family: Family,
     kind: LbKind,
     counts: Counts,
@@ -49,7 +49,7 @@ pub fn lb_chain(
 }
 
 /// `affinity-<seconds>` of a family, shared like `lb_chain`.
-pub fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
+pub(crate) fn affinity_chain(family: Family, seconds: u32) -> Arc<ChainState> {
     type Cache = Mutex<HashMap<(Family, u32), Arc<ChainState>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let mut cache = CACHE
@@ -125,7 +125,7 @@ pub fn all_pieces(
 /// The skeleton with every service port's pieces added: the complete desired tables, owned. Where two ports
 /// claim one frontend, the one of highest precedence keeps it (see `claims`), as the sync engine decides:
 /// every claim is counted first, so the order of the ports does not matter.
-pub fn assemble(
+pub(crate) fn assemble(
     skeleton: Vec<TableState>,
     pieces: &BTreeMap<ServicePortName, Vec<Piece>>,
 ) -> Vec<TableState> {
@@ -169,7 +169,7 @@ pub fn render(
 }
 
 /// The longest ClientIP affinity timeout the API allows (one day).
-pub const MAX_AFFINITY_SECONDS: u32 = 86_400;
+pub(crate) const MAX_AFFINITY_SECONDS: u32 = 86_400;
 
 /// What shapes the rules besides the services themselves (kube-proxy's flags).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

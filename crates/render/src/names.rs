@@ -10,25 +10,25 @@ pub const TABLE: &str = "nftkube";
 pub const TRACE_TABLE_PREFIX: &str = "nftkube-trace-";
 
 /// Base chain: nat prerouting (dstnat), jumps to `services`.
-pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
+pub(crate) const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
 /// Base chain: nat output (dstnat), jumps to `services`.
-pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
+pub(crate) const CHAIN_NAT_OUTPUT: &str = "nat-output";
 /// Base chain: nat postrouting (srcnat), jumps to `masquerading`.
-pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
+pub(crate) const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
 /// Base chain: filter forward, the checks after NAT.
-pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+pub(crate) const CHAIN_FILTER_FORWARD: &str = "filter-forward";
 /// Base chain: filter output, the checks after NAT.
-pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
+pub(crate) const CHAIN_FILTER_OUTPUT: &str = "filter-output";
 /// The dispatch: frontends and NodePorts to their `lb*` chains.
-pub const CHAIN_SERVICES: &str = "services";
+pub(crate) const CHAIN_SERVICES: &str = "services";
 /// Masquerades marked packets and hairpin connections.
-pub const CHAIN_MASQUERADING: &str = "masquerading";
+pub(crate) const CHAIN_MASQUERADING: &str = "masquerading";
 /// After NAT: rejects what still goes to a ClusterIP or to a frontend without endpoints.
-pub const CHAIN_CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
+pub(crate) const CHAIN_CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
 /// TCP reset, ICMP port unreachable otherwise.
-pub const CHAIN_REJECT: &str = "reject-chain";
+pub(crate) const CHAIN_REJECT: &str = "reject-chain";
 /// kubelet's guard: the drop mark and martian localnet traffic.
-pub const CHAIN_FIREWALL: &str = "firewall";
+pub(crate) const CHAIN_FIREWALL: &str = "firewall";
 
 /// Every ClusterIP: whatever reaches one un-NATed is rejected.
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
@@ -37,9 +37,9 @@ pub const MAP_SERVICE_IPS: &str = "service-ips";
 /// Endpoint slots of frontends: `addr . proto . port . slot : endpoint addr . port`.
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 /// `endpoint . endpoint`: an endpoint reaching itself through its service is masqueraded.
-pub const SET_HAIRPIN: &str = "hairpin-endpoints";
+pub(crate) const SET_HAIRPIN: &str = "hairpin-endpoints";
 /// The addresses NodePorts are served on, when `--nodeport-addresses` names them.
-pub const SET_NODEPORT_IPS: &str = "nodeport-ips";
+pub(crate) const SET_NODEPORT_IPS: &str = "nodeport-ips";
 /// ClientIP affinity: `saddr . daddr . proto . port : endpoint addr . port`, filled by the packet path.
 pub const MAP_AFFINITY: &str = "affinity";
 /// Frontends of services with ClientIP affinity: `addr . proto . port : goto affinity-<seconds>`.
@@ -47,9 +47,9 @@ pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
 /// NodePorts of services with ClientIP affinity: `proto . port : goto affinity-<seconds>`.
 pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 /// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
-pub const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
+pub(crate) const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
 /// The NodePort dispatch: `proto . port : goto lb-np*`.
-pub const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
+pub(crate) const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
 /// The verdict maps, which send packets to a service's chains: a partial sync withdraws their elements first
 /// and publishes them last, so no chunk of it leaves one pointing at a service half written (a full sync
 /// orders by the sets' declarations, `Set::is_verdict_map`; a unit test keeps the two in step).
@@ -62,35 +62,35 @@ pub const DISPATCH_MAPS: [&str; 4] = [
 /// Endpoint slots of NodePorts: `proto . port . slot : endpoint addr . port`.
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 /// NodePorts of services without endpoints (`proto . port`): rejected on input.
-pub const SET_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+pub(crate) const SET_NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 /// Base chain: filter input (the NodePort check, the guard, affinity records).
-pub const CHAIN_FILTER_INPUT: &str = "filter-input";
+pub(crate) const CHAIN_FILTER_INPUT: &str = "filter-input";
 /// On input: rejects NodePorts of services without endpoints.
-pub const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
+pub(crate) const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
 /// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
-pub const MAP_RELAY_PORTS: &str = "relay-ports";
+pub(crate) const MAP_RELAY_PORTS: &str = "relay-ports";
 
 /// External and LoadBalancer frontends of services without endpoints (`addr . proto . port`): rejected in
 /// filter. A plain set, so that a service losing its last endpoint adds no verdict element.
-pub const SET_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+pub(crate) const SET_NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 
 /// Frontends (`addr . proto . port`) whose service has endpoints, none of them on this node, under a Local
 /// traffic policy: their `lb-*` chain drops what no local endpoint took.
-pub const SET_NO_LOCAL_ENDPOINTS: &str = "no-local-endpoints";
+pub(crate) const SET_NO_LOCAL_ENDPOINTS: &str = "no-local-endpoints";
 
 /// The same for NodePorts (`proto . port`).
-pub const SET_NO_LOCAL_NODEPORTS: &str = "no-local-endpoint-nodeports";
+pub(crate) const SET_NO_LOCAL_NODEPORTS: &str = "no-local-endpoint-nodeports";
 
 /// The shared choice of an endpoint by count (see `chains::Counts`): frontends, their local endpoints,
 /// NodePorts, and their local endpoints.
-pub const CHAIN_PICK: &str = "pick";
+pub(crate) const CHAIN_PICK: &str = "pick";
 /// The choice among a frontend's node-local endpoints.
-pub const CHAIN_PICK_LOCAL: &str = "pick-local";
+pub(crate) const CHAIN_PICK_LOCAL: &str = "pick-local";
 /// The choice among a NodePort's endpoints.
-pub const CHAIN_PICK_NODEPORT: &str = "pick-np";
+pub(crate) const CHAIN_PICK_NODEPORT: &str = "pick-np";
 /// The choice among a NodePort's node-local endpoints.
-pub const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
+pub(crate) const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
 /// services), where a 16-byte `&str` cost ~10 MB.
@@ -131,7 +131,7 @@ impl PieceSet {
     }
 
     /// Whether the set's keys are a NodePort's `proto . port` (else a frontend's `addr . proto . port`).
-    pub fn is_nodeport_keyed(self) -> bool {
+    pub(crate) fn is_nodeport_keyed(self) -> bool {
         [
             MAP_SERVICE_NODEPORTS,
             MAP_NODEPORT_ENDPOINTS,
@@ -155,11 +155,11 @@ impl std::fmt::Display for PieceSet {
 }
 
 /// Prefix of the load-balancing chains (see `chains::lb_chain_state`).
-pub const LB_CHAIN_PREFIX: &str = "lb-";
+pub(crate) const LB_CHAIN_PREFIX: &str = "lb-";
 
 /// `affinity-<seconds>`: records the endpoint of a new connection for that long (one chain per timeout in
 /// use, shared by every service with that timeout).
-pub fn affinity_chain(seconds: u32) -> String {
+pub(crate) fn affinity_chain(seconds: u32) -> String {
     format!("affinity-{seconds}")
 }
 
@@ -175,7 +175,7 @@ const FIREWALL_ID_MAX: usize = 160;
 /// Bounded by construction whatever the input: an identity longer than `FIREWALL_ID_MAX` or with a byte
 /// outside `[A-Za-z0-9._/-]` (neither passes the sources' checks) is shown cut and cleaned, followed by a
 /// hash of all of it, so that two such identities still name two chains.
-pub fn firewall_chain(spn: &ServicePortName, family: &str, content: &str) -> String {
+pub(crate) fn firewall_chain(spn: &ServicePortName, family: &str, content: &str) -> String {
     let id = format!(
         "{}/{}/{}/{}",
         spn.service.namespace, spn.service.name, spn.protocol, spn.port

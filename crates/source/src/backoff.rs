@@ -27,13 +27,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The first delay after an error (before jitter); it doubles every second error.
-pub const MIN_DELAY: Duration = Duration::from_millis(200);
+pub(crate) const MIN_DELAY: Duration = Duration::from_millis(200);
 /// The longest delay before jitter.
-pub const MAX_DELAY: Duration = Duration::from_secs(30);
+pub(crate) const MAX_DELAY: Duration = Duration::from_secs(30);
 
 /// Successful answers to one watcher's requests, counted by its client.
 #[derive(Debug, Clone, Default)]
-pub struct Answered(Arc<AtomicU64>);
+pub(crate) struct Answered(Arc<AtomicU64>);
 
 impl Answered {
     /// How many times it backed off.
@@ -42,7 +42,7 @@ impl Answered {
     }
 
     /// Counts `res` if it is a success; hands it on unchanged.
-    pub fn observe<B>(&self, res: http::Response<B>) -> http::Response<B> {
+    pub(crate) fn observe<B>(&self, res: http::Response<B>) -> http::Response<B> {
         if res.status().is_success() {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
@@ -51,7 +51,7 @@ impl Answered {
 }
 
 /// A client for `config` whose successful answers `answered` counts.
-pub fn counting_client(
+pub(crate) fn counting_client(
     config: kube::Config,
     answered: &Answered,
 ) -> Result<kube::Client, kube::Error> {
@@ -65,7 +65,7 @@ pub fn counting_client(
 }
 
 /// Exponential backoff with jitter that starts over once the watcher's requests are answered again.
-pub struct WatchBackoff {
+pub(crate) struct WatchBackoff {
     answered: Answered,
     /// `answered` when the last delay was handed out.
     seen: u64,

@@ -22,11 +22,11 @@ use nftkube_model::{
 };
 
 /// Label of an EndpointSlice naming the service it belongs to.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// ClientIP affinity timeout when the Service does not set one (kube's default, 3 hours).
-pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+pub(crate) const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// Largest ClientIP affinity timeout the API accepts (one day).
-pub const MAX_AFFINITY_TIMEOUT: i32 = 86400;
+pub(crate) const MAX_AFFINITY_TIMEOUT: i32 = 86400;
 
 /// An object that cannot be converted; the whole object is rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -35,9 +35,9 @@ pub struct ConvertError {
     /// "Service" or "EndpointSlice".
     pub kind: &'static str,
     /// "namespace/name" (`namespace/<unnamed>` if the name is missing).
-    pub object: String,
+    pub(crate) object: String,
     /// Why the object was not used.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// Result of converting a Service.
@@ -299,13 +299,13 @@ fn created(meta: &ObjectMeta) -> Created {
 }
 
 /// Converts an EndpointSlice.
-pub fn endpoint_slice(slice: &EndpointSlice) -> Result<SliceConversion, ConvertError> {
+pub(crate) fn endpoint_slice(slice: &EndpointSlice) -> Result<SliceConversion, ConvertError> {
     endpoint_slice_sharing(slice, &mut SharedValues::default())
 }
 
 /// Converts an EndpointSlice, taking namespaces, port names and endpoint topologies from `shared`: the
 /// slices of one read then hold one copy of each before they reach the store.
-pub fn endpoint_slice_sharing(
+pub(crate) fn endpoint_slice_sharing(
     slice: &EndpointSlice,
     shared: &mut SharedValues,
 ) -> Result<SliceConversion, ConvertError> {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Runs `work` on each of `units` on up to one thread per CPU (taking the next unit as each finishes), and
 /// hands the results to `done`, on the calling thread, in the units' order.
-pub fn map_in_order<U: Sync, R: Send>(
+pub(crate) fn map_in_order<U: Sync, R: Send>(
     units: &[U],
     work: impl Fn(&U) -> R + Sync,
     mut done: impl FnMut(R),

@@ -76,7 +76,7 @@ impl ManifestWatcher {
     }
 
     /// Every event received so far, in order.
-    pub fn poll(&mut self) -> Vec<Event> {
+    pub(crate) fn poll(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
         while let Ok(batch) = self.rx.try_recv() {
             out.extend(batch);

@@ -18,10 +18,10 @@ use std::collections::HashSet;
 
 /// The maps that send a frontend's (or a NodePort's) new connections to have their endpoint recorded: a
 /// frontend with an element there has ClientIP affinity.
-pub const AFFINITY_MAPS: [&str; 2] = [MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS];
+pub(crate) const AFFINITY_MAPS: [&str; 2] = [MAP_AFFINITY_SERVICES, MAP_AFFINITY_NODEPORTS];
 
 /// Whether a service port's pieces give it ClientIP affinity (its frontends are in the affinity maps).
-pub fn has_affinity(pieces: &[Piece]) -> bool {
+pub(crate) fn has_affinity(pieces: &[Piece]) -> bool {
     pieces
         .iter()
         .any(|p| matches!(p, Piece::Element { set, .. } if AFFINITY_MAPS.contains(&set.name())))
@@ -29,14 +29,14 @@ pub fn has_affinity(pieces: &[Piece]) -> bool {
 
 /// (frontend key without slot, endpoint) pairs of one family's endpoint maps.
 #[derive(Debug, Default)]
-pub struct EndpointPairs {
+pub(crate) struct EndpointPairs {
     frontends: HashSet<(Vec<u8>, Vec<u8>)>,
     nodeports: HashSet<(Vec<u8>, Vec<u8>)>,
 }
 
 impl EndpointPairs {
     /// Notes an element of `set` if it is an endpoint slot; other sets are ignored.
-    pub fn add(&mut self, set: &str, e: &Element) {
+    pub(crate) fn add(&mut self, set: &str, e: &Element) {
         let Some(pair) = slot_pair(e) else { return };
         match set {
             MAP_SERVICE_ENDPOINTS => self.frontends.insert(pair),
@@ -46,7 +46,7 @@ impl EndpointPairs {
     }
 
     /// Forgets an element (it left the kernel).
-    pub fn remove(&mut self, set: &str, e: &Element) {
+    pub(crate) fn remove(&mut self, set: &str, e: &Element) {
         let Some(pair) = slot_pair(e) else { return };
         match set {
             MAP_SERVICE_ENDPOINTS => self.frontends.remove(&pair),
@@ -74,7 +74,7 @@ impl EndpointPairs {
 }
 
 /// Entries whose endpoint is not among the valid pairs (a full sync: `valid` holds every endpoint slot).
-pub fn stale_against_valid(
+pub(crate) fn stale_against_valid(
     family: Family,
     entries: &[Element],
     valid: &EndpointPairs,
@@ -88,7 +88,7 @@ pub fn stale_against_valid(
 
 /// Entries pointing at a (frontend, endpoint) pair that a partial sync removed and did not add back. An
 /// entry whose port is also a removed NodePort's is deleted too: at worst its client chooses again.
-pub fn stale_against_removed(
+pub(crate) fn stale_against_removed(
     family: Family,
     entries: &[Element],
     removed: &EndpointPairs,
@@ -104,7 +104,7 @@ pub fn stale_against_removed(
 /// took the frontend over from another), with their endpoints now. Entries of such a frontend were
 /// recorded for another holder or another time: those that point elsewhere are stale.
 #[derive(Debug, Default)]
-pub struct GainedAffinity {
+pub(crate) struct GainedAffinity {
     frontends: HashSet<Vec<u8>>,
     nodeports: HashSet<Vec<u8>>,
     current: EndpointPairs,
@@ -112,7 +112,7 @@ pub struct GainedAffinity {
 
 impl GainedAffinity {
     /// Notes an element added to an affinity set: its key is the frontend (or NodePort) that gained it.
-    pub fn gained(&mut self, set: &str, e: &Element) {
+    pub(crate) fn gained(&mut self, set: &str, e: &Element) {
         match set {
             MAP_AFFINITY_SERVICES => self.frontends.insert(e.key.to_vec()),
             MAP_AFFINITY_NODEPORTS => self.nodeports.insert(e.key.to_vec()),
@@ -121,13 +121,8 @@ impl GainedAffinity {
     }
 
     /// Notes an endpoint slot the frontend has now.
-    pub fn current(&mut self, set: &str, e: &Element) {
+    pub(crate) fn current(&mut self, set: &str, e: &Element) {
         self.current.add(set, e);
-    }
-
-    /// Nothing gained.
-    pub fn is_empty(&self) -> bool {
-        self.frontends.is_empty() && self.nodeports.is_empty()
     }
 
     /// Entries of a gained frontend whose endpoint it does not have.

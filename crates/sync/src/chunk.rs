@@ -19,7 +19,7 @@ pub const MAX_ELEMENTS_PER_TRANSACTION: usize = 25_000;
 
 /// The ordered changes of one sync, before they are cut into transactions.
 #[derive(Debug, Default)]
-pub struct Plan<'a> {
+pub(crate) struct Plan<'a> {
     changes: Vec<Planned<'a>>,
 }
 
@@ -81,7 +81,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Adds elements to a set.
-    pub fn add_elements(
+    pub(crate) fn add_elements(
         &mut self,
         family: Family,
         table: &str,
@@ -92,7 +92,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Deletes elements from a set.
-    pub fn delete_elements(
+    pub(crate) fn delete_elements(
         &mut self,
         family: Family,
         table: &str,
@@ -123,7 +123,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Plans the changes `f` makes as a group that no cut splits (see the module's comment).
-    pub fn group(&mut self, f: impl FnOnce(&mut Plan<'a>)) {
+    pub(crate) fn group(&mut self, f: impl FnOnce(&mut Plan<'a>)) {
         let mut inner = Plan::default();
         f(&mut inner);
         if !inner.changes.is_empty() {
@@ -153,7 +153,7 @@ impl<'a> Plan<'a> {
     }
 
     /// One line per change, for trace logs.
-    pub fn describe(&self) -> impl Iterator<Item = String> + '_ {
+    pub(crate) fn describe(&self) -> impl Iterator<Item = String> + '_ {
         fn lines(p: &Planned, out: &mut Vec<String>) {
             match p {
                 Planned::Group(g) => g.iter().for_each(|q| lines(q, out)),
@@ -167,7 +167,7 @@ impl<'a> Plan<'a> {
 
     /// The plan as transactions of at most `max` elements each (other objects count one), in order. Lazy:
     /// each part's elements are copied only when the part is asked for.
-    pub fn parts(self, max: usize) -> Parts<'a> {
+    pub(crate) fn parts(self, max: usize) -> Parts<'a> {
         Parts {
             changes: self.changes.into_iter().peekable(),
             pending: None,
@@ -212,7 +212,7 @@ impl fmt::Display for Planned<'_> {
 }
 
 /// The parts of a plan, in order (see [`Plan::parts`]).
-pub struct Parts<'a> {
+pub(crate) struct Parts<'a> {
     changes: std::iter::Peekable<std::vec::IntoIter<Planned<'a>>>,
     /// An element operation cut part-way: what is left of it goes first into the next part.
     pending: Option<Pending<'a>>,

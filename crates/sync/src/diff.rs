@@ -11,7 +11,7 @@ use nftkube_render::{Desired, DesiredSet};
 /// chains it left in place because something in `old` still pointed at them: kernels before 6.2 can answer
 /// EBUSY when a chain is deleted in the transaction that removes the last reference to it, so such chains
 /// are deleted by the next sync instead (as upstream kube-proxy does).
-pub fn diff_table<'a>(
+pub(crate) fn diff_table<'a>(
     tx: &mut Plan<'a>,
     old: Option<&'a TableState>,
     new: Desired<'a>,

@@ -17,25 +17,15 @@ use std::sync::Arc;
 
 /// The kernel-level effect of replacing some services' pieces.
 #[derive(Debug, Default)]
-pub struct Delta {
+pub(crate) struct Delta {
     /// Chains a service now needs that nobody needed.
-    pub chains_added: Vec<(Family, Arc<ChainState>)>,
+    pub(crate) chains_added: Vec<(Family, Arc<ChainState>)>,
     /// Chains no service needs any more (deleted in a later transaction, see docs/kernel-facts.md, "Deleting chains: EBUSY before 6.2").
-    pub chains_unused: Vec<(Family, String)>,
+    pub(crate) chains_unused: Vec<(Family, String)>,
     /// Elements to delete, by family and set.
     pub elements_removed: BTreeMap<(Family, &'static str), Vec<Element>>,
     /// Elements to add, by family and set.
     pub elements_added: BTreeMap<(Family, &'static str), Vec<Element>>,
-}
-
-impl Delta {
-    /// Nothing changes.
-    pub fn is_empty(&self) -> bool {
-        self.chains_added.is_empty()
-            && self.chains_unused.is_empty()
-            && self.elements_removed.is_empty()
-            && self.elements_added.is_empty()
-    }
 }
 
 /// Service ports' pieces before a `replace`: what `restore` puts back.
@@ -76,7 +66,7 @@ impl Index {
     }
 
     /// Every piece that is in the kernel: all of them but those whose frontend another port holds.
-    pub fn committed_pieces(&self) -> impl Iterator<Item = &Piece> {
+    pub(crate) fn committed_pieces(&self) -> impl Iterator<Item = &Piece> {
         self.pieces.iter().flat_map(move |(spn, list)| {
             list.iter()
                 .filter(move |p| claims::committed(&self.claims, spn, p))
@@ -84,18 +74,18 @@ impl Index {
     }
 
     /// Claims that wait because another service port holds their frontend (see `claims`).
-    pub fn refused_claims(&self) -> usize {
+    pub(crate) fn refused_claims(&self) -> usize {
         self.claims.refused()
     }
 
     /// Service ports of a service currently committed (a range of the name-ordered map: O(log n)).
     /// The committed pieces of one service port.
-    pub fn pieces_of(&self, port: &ServicePortName) -> &[Piece] {
+    pub(crate) fn pieces_of(&self, port: &ServicePortName) -> &[Piece] {
         self.pieces.get(port).map(Vec::as_slice).unwrap_or(&[])
     }
 
     /// The ports of a service that are committed.
-    pub fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
+    pub(crate) fn ports_of(&self, service: &NamespacedName) -> Vec<ServicePortName> {
         let first = ServicePortName {
             service: service.clone(),
             port: "".into(),
@@ -108,20 +98,18 @@ impl Index {
             .collect()
     }
 
-    /// How many service ports are committed.
-    pub fn service_ports(&self) -> usize {
-        self.pieces.len()
-    }
-
     /// Whether a chain is needed by some service.
-    pub fn chain_in_use(&self, family: Family, name: &str) -> bool {
+    pub(crate) fn chain_in_use(&self, family: Family, name: &str) -> bool {
         self.chains.contains_key(&(family, name.to_owned()))
     }
 
     /// Replaces the pieces of the given service ports (empty: the port is gone) and returns what changes in
     /// the kernel, and the ports' former pieces (for `restore`). Applying the delta is the caller's
     /// business; on failure the caller restores the former pieces or discards this index.
-    pub fn replace(&mut self, updates: Vec<(ServicePortName, Vec<Piece>)>) -> (Delta, Former) {
+    pub(crate) fn replace(
+        &mut self,
+        updates: Vec<(ServicePortName, Vec<Piece>)>,
+    ) -> (Delta, Former) {
         let mut delta = Delta::default();
         let mut former = Former(Vec::with_capacity(updates.len()));
         for (spn, new) in updates {
@@ -164,12 +152,12 @@ impl Index {
     /// Puts back what `replace` returned, after the kernel refused its delta: the index describes the
     /// kernel again. Claims are a function of who claims what, not of the order, so they come back as they
     /// were.
-    pub fn restore(&mut self, former: Former) {
+    pub(crate) fn restore(&mut self, former: Former) {
         self.replace(former.0);
     }
 
     /// The endpoint slots the frontend of `element` has in the kernel now (its holder's), by set.
-    pub fn frontend_slots(
+    pub(crate) fn frontend_slots(
         &self,
         family: Family,
         set: PieceSet,
@@ -187,7 +175,7 @@ impl Index {
     }
 
     /// The given ports' pieces as they are now, for another try.
-    pub fn current(&self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
+    pub(crate) fn current(&self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
         ports
             .iter()
             .map(|p| (p.clone(), self.pieces_of(p).to_vec()))
@@ -196,7 +184,7 @@ impl Index {
 
     /// The ports with a committed piece that `present` says the kernel does not hold: the only ones whose
     /// objects a commit of this index adds, so the only ones the kernel can refuse it for.
-    pub fn ports_adding(&self, present: impl Fn(&Piece) -> bool) -> Vec<ServicePortName> {
+    pub(crate) fn ports_adding(&self, present: impl Fn(&Piece) -> bool) -> Vec<ServicePortName> {
         self.pieces
             .iter()
             .filter(|(spn, list)| {
@@ -208,7 +196,10 @@ impl Index {
     }
 
     /// Takes the given ports out, as if they were gone, and returns their pieces.
-    pub fn withdraw(&mut self, ports: &[ServicePortName]) -> Vec<(ServicePortName, Vec<Piece>)> {
+    pub(crate) fn withdraw(
+        &mut self,
+        ports: &[ServicePortName],
+    ) -> Vec<(ServicePortName, Vec<Piece>)> {
         let held = self.current(ports);
         self.replace(ports.iter().map(|p| (p.clone(), Vec::new())).collect());
         held

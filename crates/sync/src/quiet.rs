@@ -13,7 +13,7 @@ pub const QUIET_COMMIT_ELEMENTS: usize = 1000;
 
 /// The generation id after `commits` successful commits from `generation` (the kernel skips 0 when it
 /// wraps around).
-pub fn advanced(generation: u32, commits: usize) -> u32 {
+pub(crate) fn advanced(generation: u32, commits: usize) -> u32 {
     let mut g = generation;
     for _ in 0..commits {
         g = g.wrapping_add(1);

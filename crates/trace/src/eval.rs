@@ -20,7 +20,7 @@ const JUMP_STACK: usize = 16;
 
 /// Why a run stopped early.
 #[derive(Debug)]
-pub enum Interrupt {
+pub(crate) enum Interrupt {
     /// A `numgen` value read with no choice made yet: run again once per group of its values (`decide.rs`);
     /// `groups` of them.
     Choice {
@@ -59,15 +59,19 @@ pub(super) struct Conntrack {
 }
 
 /// Everything the evaluator needs besides the packet.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     pub tables: &'a [&'a TableState],
     pub node: &'a NodeContext,
     pub origin: Origin,
-    pub attribution: &'a dyn Attribution,
+    pub(crate) attribution: &'a dyn Attribution,
 }
 
 /// One run of the packet through the hooks it meets.
-pub fn run(ctx: &Context<'_>, packet: &Packet, choices: &[u32]) -> Result<Branch, Interrupt> {
+pub(crate) fn run(
+    ctx: &Context<'_>,
+    packet: &Packet,
+    choices: &[u32],
+) -> Result<Branch, Interrupt> {
     let mut ev = Eval {
         ctx,
         choices,

@@ -96,12 +96,12 @@ fn ip_bytes(ip: &IpAddr) -> Vec<u8> {
 }
 
 /// A new trace table name for this run: `nftkube-trace-PID-START-RANDOM` (see `owner.rs`).
-pub fn table_name() -> String {
+pub(crate) fn table_name() -> String {
     super::owner::new_table_name()
 }
 
 /// The trace table: a raw-priority chain on prerouting and on output, one rule each.
-pub fn trace_table(name: &str, filter: &Filter) -> TableState {
+pub(crate) fn trace_table(name: &str, filter: &Filter) -> TableState {
     let mut t = TableState::new(filter.family(), name);
     for (chain, hook) in [("prerouting", Hook::Prerouting), ("output", Hook::Output)] {
         t.add_chain(Chain::base(chain, ChainType::Filter, hook, RAW_PRIORITY))
@@ -189,7 +189,7 @@ fn nft_socket() -> Result<NftSocket, TraceError> {
 
 /// One event, with the rule it names and the packet as it was there.
 #[derive(Debug, Clone, Serialize)]
-pub struct LiveEvent {
+pub(crate) struct LiveEvent {
     /// `ip nftkube`.
     pub table: String,
     /// The chain the event is in.
@@ -199,7 +199,7 @@ pub struct LiveEvent {
     /// The rule's handle, for rule events.
     pub rule_handle: Option<u64>,
     /// The rule in nft syntax (read from the kernel by its handle).
-    pub rule: Option<String>,
+    pub(crate) rule: Option<String>,
     /// The verdict the event reports (accept, jump CHAIN, …).
     pub verdict: Option<String>,
     /// `tcp 10.244.0.2:40000 -> 10.244.1.2:8080`: addresses after any NAT so far.
@@ -207,31 +207,31 @@ pub struct LiveEvent {
     /// Incoming interface index.
     pub iif: Option<u32>,
     /// Outgoing interface index.
-    pub oif: Option<u32>,
+    pub(crate) oif: Option<u32>,
     /// The packet mark.
     pub mark: Option<u32>,
 }
 
 /// One traced packet: its events in the order the kernel sent them.
 #[derive(Debug, Clone, Serialize)]
-pub struct LivePacket {
+pub(crate) struct LivePacket {
     /// The kernel's trace id (reused across packets of one flow).
     pub id: u32,
     /// What the packet met.
-    pub events: Vec<LiveEvent>,
+    pub(crate) events: Vec<LiveEvent>,
 }
 
 /// What `--live` saw.
 #[derive(Debug, Clone, Serialize)]
-pub struct LiveTrace {
+pub(crate) struct LiveTrace {
     /// The trace table and its rule, as installed.
     pub table: String,
     /// The `meta nftrace set 1` rule, in nft syntax.
-    pub rule: String,
+    pub(crate) rule: String,
     /// The packets seen, in order.
-    pub packets: Vec<LivePacket>,
+    pub(crate) packets: Vec<LivePacket>,
     /// Why it stopped: `count`, `timeout` or `signal`.
-    pub stopped_by: String,
+    pub(crate) stopped_by: String,
 }
 
 /// What `--live` traces and for how long: the command line's request, already checked.

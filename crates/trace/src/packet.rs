@@ -118,7 +118,7 @@ impl Packet {
     }
 
     /// The network header bytes (only the fields our rules read are filled in: protocol, addresses).
-    pub fn network_header(&self) -> Vec<u8> {
+    pub(crate) fn network_header(&self) -> Vec<u8> {
         match (self.src.ip(), self.dst.ip()) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 let mut h = vec![0u8; 20];
@@ -140,7 +140,7 @@ impl Packet {
     }
 
     /// The transport header bytes: ports (the rest zero).
-    pub fn transport_header(&self) -> Vec<u8> {
+    pub(crate) fn transport_header(&self) -> Vec<u8> {
         let mut h = vec![0u8; 20];
         h[0..2].copy_from_slice(&self.src.port().to_be_bytes());
         h[2..4].copy_from_slice(&self.dst.port().to_be_bytes());
@@ -149,7 +149,7 @@ impl Packet {
 }
 
 /// The address's bytes, as nf_tables compares them.
-pub fn ip_octets(ip: &IpAddr) -> Vec<u8> {
+pub(crate) fn ip_octets(ip: &IpAddr) -> Vec<u8> {
     match ip {
         IpAddr::V4(a) => a.octets().to_vec(),
         IpAddr::V6(a) => a.octets().to_vec(),

@@ -10,20 +10,20 @@ const SLOTS: usize = 16;
 
 /// What a slot holds: the expression that loaded it (`ip saddr`, `numgen random mod 2`) and its type.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Label {
+pub(crate) struct Label {
     pub name: String,
-    pub ty: DataType,
+    pub(crate) ty: DataType,
 }
 
 /// An undecided `numgen random mod modulus offset offset` in a 4-byte slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Random {
+pub(crate) struct Random {
     pub modulus: u32,
-    pub offset: u32,
+    pub(crate) offset: u32,
 }
 
 #[derive(Debug, Clone)]
-pub struct Regs {
+pub(crate) struct Regs {
     data: [u8; SLOTS * 4],
     labels: [Option<Label>; SLOTS],
     random: [Option<Random>; SLOTS],
@@ -52,7 +52,7 @@ fn start(reg: u32, len: usize) -> Result<usize, TraceError> {
 
 impl Regs {
     /// Stores `bytes` at `reg`, zero-padding the last 4-byte word as the kernel does.
-    pub fn write(
+    pub(crate) fn write(
         &mut self,
         reg: u32,
         bytes: &[u8],
@@ -71,7 +71,12 @@ impl Regs {
     }
 
     /// Marks the slot at `reg` as holding an undecided random value.
-    pub fn write_random(&mut self, reg: u32, r: Random, label: Label) -> Result<(), TraceError> {
+    pub(crate) fn write_random(
+        &mut self,
+        reg: u32,
+        r: Random,
+        label: Label,
+    ) -> Result<(), TraceError> {
         self.write(reg, &[0; 4], Some(label))?;
         let at = start(reg, 4)?;
         self.random[at / 4] = Some(r);
@@ -79,13 +84,13 @@ impl Regs {
     }
 
     /// The first undecided slot among the `len` bytes at `reg`: (slot, what it holds).
-    pub fn random_in(&self, reg: u32, len: usize) -> Option<(usize, Random)> {
+    pub(crate) fn random_in(&self, reg: u32, len: usize) -> Option<(usize, Random)> {
         let at = start(reg, len).ok()?;
         (at / 4..(at + len).div_ceil(4)).find_map(|slot| self.random[slot].map(|r| (slot, r)))
     }
 
     /// How many undecided slots the `len` bytes at `reg` hold.
-    pub fn randoms_in(&self, reg: u32, len: usize) -> usize {
+    pub(crate) fn randoms_in(&self, reg: u32, len: usize) -> usize {
         match start(reg, len) {
             Ok(at) => (at / 4..(at + len).div_ceil(4))
                 .filter(|s| self.random[*s].is_some())
@@ -95,7 +100,7 @@ impl Regs {
     }
 
     /// The `len` bytes at `reg` as they would be with `slot` holding `value`.
-    pub fn read_with(
+    pub(crate) fn read_with(
         &self,
         reg: u32,
         len: usize,
@@ -109,13 +114,13 @@ impl Regs {
     }
 
     /// Decides an undecided slot.
-    pub fn fix(&mut self, slot: usize, value: u32) {
+    pub(crate) fn fix(&mut self, slot: usize, value: u32) {
         self.data[slot * 4..slot * 4 + 4].copy_from_slice(&value.to_ne_bytes());
         self.random[slot] = None;
     }
 
     /// The `len` bytes at `reg`. Undecided slots must have been decided first (`super::decide`).
-    pub fn read(&self, reg: u32, len: usize) -> Result<&[u8], TraceError> {
+    pub(crate) fn read(&self, reg: u32, len: usize) -> Result<&[u8], TraceError> {
         if self.random_in(reg, len).is_some() {
             return Err(TraceError::Unsupported(format!(
                 "a read of an undecided numgen value in register {reg}"
@@ -126,7 +131,7 @@ impl Regs {
     }
 
     /// What the slot at `reg` was loaded from, if known.
-    pub fn label(&self, reg: u32) -> Option<&Label> {
+    pub(crate) fn label(&self, reg: u32) -> Option<&Label> {
         let slot = reg_slot(reg)? as usize;
         self.labels.get(slot)?.as_ref()
     }

@@ -18,20 +18,20 @@ pub struct Step {
     /// The chain (`(routing)` for the routing decision).
     pub chain: String,
     /// The rule's position in its chain (None: not a rule).
-    pub rule: Option<usize>,
+    pub(crate) rule: Option<usize>,
     /// The rule in nft syntax, with its comment.
-    pub text: String,
+    pub(crate) text: String,
     /// Whether it matched (a policy and a routing decision always do).
-    pub matched: bool,
+    pub(crate) matched: bool,
     /// What the rule did, or why it did not match.
-    pub result: String,
+    pub(crate) result: String,
     /// Lookups, random choices, NAT and mark changes, with the service they belong to where known.
     pub notes: Vec<String>,
 }
 
 impl Step {
     /// Rule `index` of `chain`, before evaluation.
-    pub fn rule(
+    pub(crate) fn rule(
         hook: &'static str,
         table: &TableState,
         chain: &str,
@@ -54,7 +54,12 @@ impl Step {
         }
     }
     /// The end of a base chain: its policy.
-    pub fn policy(hook: &'static str, table: &TableState, chain: &str, policy: &str) -> Step {
+    pub(crate) fn policy(
+        hook: &'static str,
+        table: &TableState,
+        chain: &str,
+        policy: &str,
+    ) -> Step {
         Step {
             hook,
             table: table_name(table),
@@ -66,7 +71,7 @@ impl Step {
         }
     }
     /// A chain the packet does not traverse, and why.
-    pub fn skipped(hook: &'static str, table: &TableState, chain: &str, why: &str) -> Step {
+    pub(crate) fn skipped(hook: &'static str, table: &TableState, chain: &str, why: &str) -> Step {
         Step {
             hook,
             table: table_name(table),
@@ -76,7 +81,7 @@ impl Step {
         }
     }
     /// The routing decision between hooks.
-    pub fn routing(hook: &'static str, decision: String) -> Step {
+    pub(crate) fn routing(hook: &'static str, decision: String) -> Step {
         Step {
             hook,
             chain: "(routing)".into(),
@@ -86,7 +91,7 @@ impl Step {
         }
     }
     /// `table chain rule N` for messages.
-    pub fn place(&self) -> String {
+    pub(crate) fn place(&self) -> String {
         match self.rule {
             Some(i) => format!("{} chain {} rule {i}", self.table, self.chain),
             None => format!("{} chain {}", self.table, self.chain),
@@ -100,26 +105,26 @@ fn table_name(t: &TableState) -> String {
 
 /// What happened to the packet in the end.
 #[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-pub struct Fate {
+pub(crate) struct Fate {
     /// `accept`, `drop` or `reject`.
     pub verdict: String,
-    pub detail: String,
+    pub(crate) detail: String,
 }
 
 impl Fate {
-    pub fn accepted(detail: String) -> Fate {
+    pub(crate) fn accepted(detail: String) -> Fate {
         Fate {
             verdict: "accept".into(),
             detail,
         }
     }
-    pub fn dropped(by: &str) -> Fate {
+    pub(crate) fn dropped(by: &str) -> Fate {
         Fate {
             verdict: "drop".into(),
             detail: format!("dropped by {by}"),
         }
     }
-    pub fn rejected(with: &str, by: &str) -> Fate {
+    pub(crate) fn rejected(with: &str, by: &str) -> Fate {
         Fate {
             verdict: "reject".into(),
             detail: format!("{with}, by {by}"),
@@ -129,23 +134,23 @@ impl Fate {
 
 /// One run: a value for every random choice met, and what followed.
 #[derive(Debug, Clone, Default)]
-pub struct Branch {
-    pub steps: Vec<Step>,
-    pub fate: Fate,
+pub(crate) struct Branch {
+    pub(crate) steps: Vec<Step>,
+    pub(crate) fate: Fate,
     /// (values leading this way, modulus) of each random choice that mattered, in order.
-    pub choices: Vec<(u32, u32)>,
-    pub dnat: Option<SocketAddr>,
-    pub snat: Option<SocketAddr>,
+    pub(crate) choices: Vec<(u32, u32)>,
+    pub(crate) dnat: Option<SocketAddr>,
+    pub(crate) snat: Option<SocketAddr>,
     /// The rule that masqueraded, if one did.
-    pub masquerade: Option<String>,
+    pub(crate) masquerade: Option<String>,
     /// Rules that changed the packet mark (what asks for masquerade).
-    pub mark_changes: Vec<String>,
+    pub(crate) mark_changes: Vec<String>,
     pub affinity: Vec<String>,
-    pub final_packet: Option<(SocketAddr, SocketAddr)>,
+    pub(crate) final_packet: Option<(SocketAddr, SocketAddr)>,
 }
 
 impl Branch {
-    pub fn probability(&self) -> f64 {
+    pub(crate) fn probability(&self) -> f64 {
         self.choices
             .iter()
             .map(|(n, m)| *n as f64 / *m as f64)
@@ -181,25 +186,25 @@ impl Branch {
 #[derive(Debug, Clone, Serialize)]
 pub struct Outcome {
     /// The probability of this outcome (sum over its branches).
-    pub probability: f64,
+    pub(crate) probability: f64,
     /// The final verdict (accept, drop, reject …).
     pub verdict: String,
     /// The verdict and where the packet ends up, in a line.
-    pub detail: String,
+    pub(crate) detail: String,
     /// Where DNAT sent the packet (None: not DNATed).
-    pub dnat: Option<SocketAddr>,
+    pub(crate) dnat: Option<SocketAddr>,
     /// Where SNAT sent the source (None: not SNATed).
-    pub snat: Option<SocketAddr>,
+    pub(crate) snat: Option<SocketAddr>,
     /// Whether the packet is masqueraded.
-    pub masquerade: bool,
+    pub(crate) masquerade: bool,
     /// The rule that decided masquerading, and why.
-    pub masquerade_reason: String,
+    pub(crate) masquerade_reason: String,
     /// Affinity entries hit or recorded.
     pub affinity: Vec<String>,
     /// The random choices that lead here (values leading this way, modulus), one list per branch.
-    pub choices: Vec<Vec<(u32, u32)>>,
+    pub(crate) choices: Vec<Vec<(u32, u32)>>,
     /// The path of the first branch of this outcome.
-    pub path: Vec<Step>,
+    pub(crate) path: Vec<Step>,
 }
 
 /// The whole answer.
@@ -210,15 +215,15 @@ pub struct Trace {
     /// `pod`, `node` or `outside`.
     pub origin: &'static str,
     /// Where the ruleset came from (`kernel`, `manifests DIR`).
-    pub ruleset: String,
+    pub(crate) ruleset: String,
     /// What the path depends on that the ruleset does not say, and what was assumed for it.
     pub assumptions: Vec<String>,
     /// The outcomes, most likely first.
-    pub outcomes: Vec<Outcome>,
+    pub(crate) outcomes: Vec<Outcome>,
 }
 
 /// Groups branches by what the operator cares about: verdict, DNAT target, SNAT, masquerade.
-pub fn outcomes(branches: Vec<Branch>) -> Vec<Outcome> {
+pub(crate) fn outcomes(branches: Vec<Branch>) -> Vec<Outcome> {
     type Key = (Fate, Option<SocketAddr>, Option<SocketAddr>, bool, String);
     let mut groups: BTreeMap<Key, Outcome> = BTreeMap::new();
     for b in branches {

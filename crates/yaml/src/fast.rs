@@ -22,7 +22,7 @@ use super::{flow, scalar};
 
 /// Deepest nesting accepted, block and flow together: well inside serde-saphyr's limit (`super::MAX_DEPTH`),
 /// so that a document it would reject for depth is never accepted here.
-pub const MAX_DEPTH: usize = 32;
+pub(crate) const MAX_DEPTH: usize = 32;
 
 /// Comments in a row (comment lines, and the one that may end the line before them) accepted. Past 32 (its
 /// budget's default) or 96 (its parser's), serde-saphyr stops at some places where it looks ahead ("too many

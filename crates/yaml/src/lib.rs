@@ -22,7 +22,7 @@ mod flow;
 mod scalar;
 
 /// Deepest nesting accepted, block and flow alike. A Service or EndpointSlice nests about ten levels.
-pub const MAX_DEPTH: usize = 64;
+pub(crate) const MAX_DEPTH: usize = 64;
 
 /// Slack for tiny documents, whose node and event counts can exceed their byte count (`[]` is one node in
 /// two bytes, but the stream and document events come on top).

@@ -10,7 +10,7 @@ use serde_json::Value;
 /// ... in any case), an integer (decimal, `0x`, `0o`, `0b`, legacy octal `0777`, underscores), a float
 /// (Rust's syntax plus `.inf` / `.nan`), and a string otherwise. Here: null and booleans exactly, plain
 /// decimal integers, and strings that can be none of the others; any other number-like text declines.
-pub fn plain(text: &str) -> Option<Value> {
+pub(crate) fn plain(text: &str) -> Option<Value> {
     if matches!(text, "" | "~" | "null" | "Null" | "NULL") {
         return Some(Value::Null);
     }
@@ -31,7 +31,7 @@ pub fn plain(text: &str) -> Option<Value> {
 
 /// A plain mapping key: kept only when it is a string for certain (serde-saphyr reads a key like `80` or
 /// `yes` through its own rules), and never the merge key `<<` or anything with a colon.
-pub fn plain_key(text: &str) -> Option<String> {
+pub(crate) fn plain_key(text: &str) -> Option<String> {
     if text.len() > MAX_KEY || text.starts_with('<') || text.contains(':') {
         return None;
     }
@@ -43,10 +43,10 @@ pub fn plain_key(text: &str) -> Option<String> {
 
 /// YAML forbids implicit keys longer than 1024 characters (serde-saphyr's scanner looks that far ahead for
 /// the colon); stay well below, counting from the key's first character to its colon.
-pub const MAX_KEY: usize = 1000;
+pub(crate) const MAX_KEY: usize = 1000;
 
 /// A quoted mapping key at the start of `s` (see [`quoted`]), no longer than a plain one may be.
-pub fn quoted_key(s: &str) -> Option<(String, &str)> {
+pub(crate) fn quoted_key(s: &str) -> Option<(String, &str)> {
     let (key, rest) = quoted(s)?;
     (s.len() - rest.len() <= MAX_KEY).then_some((key, rest))
 }
@@ -94,7 +94,7 @@ fn negative_integer(t: &str) -> Option<Value> {
 
 /// A quoted scalar at the start of `s` (which starts with `'` or `"`), ending on the same line: its
 /// value and what follows the closing quote. Double-quoted escapes beyond `\\ \" \/ \n \t \r \0` decline.
-pub fn quoted(s: &str) -> Option<(String, &str)> {
+pub(crate) fn quoted(s: &str) -> Option<(String, &str)> {
     let b = s.as_bytes();
     let single = b[0] == b'\'';
     let mut out = String::new();
@@ -139,7 +139,7 @@ fn escape(c: u8) -> Option<char> {
 
 /// Whether a plain scalar may start with `s` (YAML's indicators may not start one, except `-` before a
 /// digit here).
-pub fn may_start_plain(s: &str) -> bool {
+pub(crate) fn may_start_plain(s: &str) -> bool {
     let b = s.as_bytes();
     match b.first() {
         None => false,

@@ -11,7 +11,7 @@ pub struct DecodeError {
     /// What kind of message ("table", "rule", ...).
     pub what: &'static str,
     /// What is wrong with it.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 fn err(what: &'static str, reason: impl Into<String>) -> DecodeError {
@@ -55,7 +55,7 @@ pub fn decode_table(payload: &[u8]) -> Result<(Family, String), DecodeError> {
 }
 
 /// A table message's NFT_TABLE_F_* flags (0 when absent).
-pub fn decode_table_flags(payload: &[u8]) -> Result<u32, DecodeError> {
+pub(crate) fn decode_table_flags(payload: &[u8]) -> Result<u32, DecodeError> {
     let (_, a) = split(payload, "table")?;
     Ok(be32(&a, NFTA_TABLE_FLAGS).unwrap_or(0))
 }
@@ -162,7 +162,7 @@ pub fn decode_elements(payload: &[u8]) -> Result<(String, String, Vec<Element>),
 
 /// A set element message with each element's comment (nft's user data TLV), if it has one.
 #[allow(clippy::type_complexity)]
-pub fn decode_commented_elements(
+pub(crate) fn decode_commented_elements(
     payload: &[u8],
 ) -> Result<(String, String, Vec<(Element, Option<String>)>), DecodeError> {
     let (_, a) = split(payload, "set elements")?;
@@ -279,7 +279,7 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
 }
 
 /// A rule message's handle (what trace events name the rule by).
-pub fn decode_rule_handle(payload: &[u8]) -> Result<u64, DecodeError> {
+pub(crate) fn decode_rule_handle(payload: &[u8]) -> Result<u64, DecodeError> {
     let (_, a) = split(payload, "rule")?;
     a.get(NFTA_RULE_HANDLE)
         .and_then(|h| h.be64())
@@ -312,15 +312,15 @@ fn need(a: &Attrs<'_>, kind: u16, field: &str) -> Result<u32, String> {
 /// An expression the IR does not model (or not in this form).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{expr} expression: {reason}")]
-pub struct ExprError {
+pub(crate) struct ExprError {
     /// The expression's kernel name ("payload", "nat", ...).
-    pub expr: String,
+    pub(crate) expr: String,
     /// What in it is not modelled or missing.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// One expression from its kernel name and attributes.
-pub fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, ExprError> {
+pub(crate) fn decode_expr(name: &str, a: &Attrs<'_>) -> Result<Expr, ExprError> {
     expr_of(name, a).map_err(|reason| ExprError {
         expr: name.into(),
         reason,

@@ -16,14 +16,14 @@ pub struct EncodedBatch {
     /// The batch's bytes, ready for one `sendmsg`.
     pub bytes: Vec<u8>,
     /// (sequence number, index of the change in the transaction) for every object message.
-    pub seqs: Vec<(u32, usize)>,
+    pub(crate) seqs: Vec<(u32, usize)>,
     /// The sequence number whose acknowledgement closes the batch.
     pub ack_seq: u32,
 }
 
 impl EncodedBatch {
     /// The change a kernel error's sequence number points at.
-    pub fn change_index(&self, seq: u32) -> Option<usize> {
+    pub(crate) fn change_index(&self, seq: u32) -> Option<usize> {
         self.seqs.iter().find(|(s, _)| *s == seq).map(|(_, i)| *i)
     }
 }
@@ -375,7 +375,7 @@ fn encode_commented_elements(
 }
 
 /// An element comment as nft writes it: one TLV, the text NUL-terminated.
-pub fn element_comment_udata(comment: &str) -> Vec<u8> {
+pub(crate) fn element_comment_udata(comment: &str) -> Vec<u8> {
     let text = &comment.as_bytes()[..comment.len().min(ELEMENT_COMMENT_MAX)];
     let mut out = vec![NFTNL_UDATA_SET_ELEM_COMMENT, text.len() as u8 + 1];
     out.extend_from_slice(text);
@@ -436,7 +436,7 @@ fn encode_rule(m: &mut MsgBuilder, table: &str, chain: &str, rule: &Rule, anon_i
 }
 
 /// The longest comment stored, in bytes, without its NUL (nft accepts 128 with the NUL).
-pub const MAX_COMMENT_BYTES: usize = 127;
+pub(crate) const MAX_COMMENT_BYTES: usize = 127;
 
 /// The part of a comment that is stored in the kernel and read back: at most `MAX_COMMENT_BYTES`, cut at a
 /// character boundary (a cut inside a UTF-8 sequence would not decode back as text).
@@ -449,7 +449,7 @@ pub fn stored_comment(c: &str) -> &str {
 }
 
 /// nftnl's userdata TLV holding a comment (NUL-terminated, at most 128 bytes with the NUL).
-pub fn comment_udata(c: &str) -> Vec<u8> {
+pub(crate) fn comment_udata(c: &str) -> Vec<u8> {
     let mut text: Vec<u8> = stored_comment(c).as_bytes().to_vec();
     text.push(0);
     let mut out = vec![NFTNL_UDATA_RULE_COMMENT, text.len() as u8];
@@ -651,7 +651,7 @@ fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
 }
 
 /// A dump request for one object kind of one family, optionally naming the table (and set, for elements).
-pub fn dump_request(
+pub(crate) fn dump_request(
     msg: u16,
     family: Family,
     table: Option<&str>,

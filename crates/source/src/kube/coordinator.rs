@@ -147,7 +147,7 @@ pub struct Coordinator {
     /// Trigger times from before this instant are not ours to measure (kube-proxy's rule).
     started: SystemTime,
     /// Malformed objects skipped so far (for tests and metrics).
-    pub skipped: u64,
+    pub(crate) skipped: u64,
 }
 
 impl Default for Coordinator {
@@ -169,14 +169,15 @@ impl Coordinator {
         }
     }
 
+    #[cfg(test)]
     /// Whether `Synced` was sent.
-    pub fn synced(&self) -> bool {
+    pub(crate) fn synced(&self) -> bool {
         self.synced
     }
 
     /// Handles one watcher event of `kind` (objects already converted). Returns the events to send, as
     /// one batch.
-    pub fn handle(&mut self, kind: Kind, ev: watcher::Event<Converted>) -> Vec<Event> {
+    pub(crate) fn handle(&mut self, kind: Kind, ev: watcher::Event<Converted>) -> Vec<Event> {
         let started = self.started;
         let skipped = &mut self.skipped;
         let tracker = match kind {

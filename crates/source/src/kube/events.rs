@@ -60,7 +60,7 @@ impl Converted {
     }
 
     /// Converts an EndpointSlice.
-    pub fn slice(slice: &EndpointSlice) -> Converted {
+    pub(crate) fn slice(slice: &EndpointSlice) -> Converted {
         let key = meta_key(&slice.metadata);
         let model = match convert::endpoint_slice(slice) {
             Ok(SliceConversion::Slice(s)) => Ok(Some(Model::Slice(s))),

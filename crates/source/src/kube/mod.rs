@@ -56,7 +56,7 @@ use super::Event;
 
 /// kube-proxy's selector for Services and EndpointSlices: objects that another proxy implementation
 /// claims, and headless services, are not its business.
-pub const PROXY_LABEL_SELECTOR: &str =
+pub(crate) const PROXY_LABEL_SELECTOR: &str =
     "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// How to reach the API server (kube-proxy's `--kubeconfig` / `--master`), and which node this is.

@@ -46,13 +46,13 @@ use super::Event;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceError {
     /// The file.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// 0-based index of the document in the file (among non-empty documents); None for the whole file.
-    pub document: Option<usize>,
+    pub(crate) document: Option<usize>,
     /// "namespace/name" of the object, when known.
-    pub object: Option<String>,
+    pub(crate) object: Option<String>,
     /// What is wrong.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 impl SourceError {
@@ -115,18 +115,14 @@ impl ManifestSource {
     }
 
     /// The directory or file watched.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
+    #[cfg(test)]
     /// How many files the last read opened (all of them, or only those that changed).
-    pub fn files_read(&self) -> usize {
+    pub(crate) fn files_read(&self) -> usize {
         self.files_read
-    }
-
-    /// Whether [`ManifestSource::initial`] has run.
-    pub fn started(&self) -> bool {
-        self.fingerprint.is_some()
     }
 
     /// A complete snapshot (Applied for every object, in the files' order) followed by `Event::Synced`.
@@ -140,7 +136,10 @@ impl ManifestSource {
     /// What [`ManifestSource::initial`] gives, handed to `send` a batch at a time while the files are
     /// parsed, in the files' order, so that the consumer can start on the first objects before the last
     /// are parsed; the last batch is `Event::Synced`. Returns the errors.
-    pub fn initial_streamed(&mut self, send: &mut dyn FnMut(Vec<Event>)) -> Vec<SourceError> {
+    pub(crate) fn initial_streamed(
+        &mut self,
+        send: &mut dyn FnMut(Vec<Event>),
+    ) -> Vec<SourceError> {
         self.fingerprint = Some(self.fingerprint());
         let mut first = FirstRead::default();
         self.read_into(&mut |part| send(first.take(part)));
@@ -154,7 +153,7 @@ impl ManifestSource {
 
     /// If any file changed (mtime, ctime, size, inode, or the set of files), re-reads and returns the
     /// difference against what was last emitted. Nothing (and no errors) if nothing changed.
-    pub fn poll(&mut self) -> (Vec<Event>, Vec<SourceError>) {
+    pub(crate) fn poll(&mut self) -> (Vec<Event>, Vec<SourceError>) {
         let fingerprint = self.fingerprint();
         if self.fingerprint.as_ref() == Some(&fingerprint) {
             return (Vec::new(), Vec::new());
