@@ -96,7 +96,7 @@ fn no_module_uses_one_of_its_own_or_a_higher_layer() {
     let mut unknown = Vec::new();
     for file in &files {
         let Some(module) = module_of(&src, file) else {
-            // lib.rs, main.rs and the binary's own modules sit above every layer.
+            // lib.rs and main.rs sit above every layer.
             continue;
         };
         let layer = layer_of(&module).expect("module_of only returns layered modules");
