@@ -1,14 +1,7 @@
 //! The `nftkube` binary: the agent (`proxy`), the CNI portmap plugin, the tracer and the tools around them,
 //! one command line over the library.
 
-// `nftkube demo`: the demo and the namespace topology it builds belong to the binary, not to the library.
-// The sandbox is the nftkube-sandbox crate (kernel-tests and benches use it); that crate depends on the
-// library, so the binary compiles its source as a module of its own rather than depending on it (a cycle).
 mod cli;
-mod demo;
-#[path = "../sandbox/src/lib.rs"]
-#[allow(dead_code, unused_imports)] // the demo uses part of what the tests use
-mod sandbox;
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
@@ -95,8 +88,9 @@ fn forward_stop_signals(
 ///
 /// The drop happens here, on the main thread while every other thread is reduced already (the conntrack
 /// probe's thread drops its own first; the signal thread is started after it, the source, monitor and admin
-/// threads by `run_proxy`), so every thread inherits the reduced sets. Not in `run_proxy`: `nftkube demo`
-/// and tests run that inside a process that keeps its privileges.
+/// threads by `run_proxy`), so every thread inherits the reduced sets. Not in `run_proxy`: the demo
+/// (`nftkube-demo`, of the nftkube-sandbox package) and the tests run that inside a process that keeps its
+/// privileges, to build and remove network namespaces around it.
 fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
     signals: libc::sigset_t,
@@ -212,7 +206,8 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Proxy(args) => {
-            // The long-running agent only: `demo` must unwind to remove the namespaces it built.
+            // The long-running agent only, where a thread that dies alone leaves it half alive; the other
+            // commands end on their own, and `trace --live` must unwind to remove its trace table.
             nftkube::agent::exit_on_panic();
             let signals = block_stop_signals();
             let sub = matches.subcommand_matches("proxy");
@@ -250,7 +245,6 @@ fn main() -> ExitCode {
             };
             removed.map(|n| say!("removed {n} table(s)"))
         }
-        Command::Demo(args) => demo::run(&args.manifests, args.requests),
         Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
         Command::Version => {
             let _ = writeln!(std::io::stdout(), "nftkube {}", env!("CARGO_PKG_VERSION"));

@@ -1,12 +1,12 @@
-//! The library's layering, checked: a top-level module may use only modules of lower layers
-//! (docs/architecture.md). Until the layers are crates of their own, this test is what makes an upward
-//! import fail: it reads every non-test source file under `src/` and names each `crate::` path that points
-//! at a module of the same or a higher layer.
+//! The workspace's layering, checked (docs/architecture.md). Each layer is a crate under `crates/`, so the
+//! compiler already refuses a cycle; what it cannot refuse is a dependency that runs sideways or up the
+//! layers (render on source, sync on relay), which would let the next cycle in through the back door. This
+//! test reads each crate's manifest and names every such dependency.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// Each top-level module of the library and its layer: the lower the number, the more basic the module.
-/// Modules of one layer do not use each other.
+/// Each crate of the workspace (its directory under `crates/`) and its layer: the lower the number, the
+/// more basic the crate. Crates of one layer do not use each other.
 const LAYERS: &[(&str, u8)] = &[
     // The kernel's and the world's formats, and the process itself.
     ("netlink", 0),
@@ -28,126 +28,116 @@ const LAYERS: &[(&str, u8)] = &[
     // What runs beside the sync loop.
     ("relay", 4),
     ("admin", 4),
-    // Settings, the agent that ties everything together, and the command line on top.
+    // Settings, then the agent that ties everything together. The command line is the binary's, on top.
     ("config", 5),
     ("agent", 6),
-    ("cli", 7),
 ];
 
-fn layer_of(module: &str) -> Option<u8> {
-    LAYERS.iter().find(|(m, _)| *m == module).map(|(_, l)| *l)
+fn layer_of(krate: &str) -> Option<u8> {
+    LAYERS.iter().find(|(c, _)| *c == krate).map(|(_, l)| *l)
 }
 
-/// Every `.rs` file under `dir`, but test modules kept in files of their own (`tests.rs`, `tests/`).
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).expect("reading src/") {
-        let path = entry.expect("a directory entry").path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if path.is_dir() {
-            if name != "tests" {
-                sources(&path, out);
-            }
-        } else if name.ends_with(".rs") && name != "tests.rs" {
-            out.push(path);
+/// The workspace crates a manifest depends on (normal and dev dependencies): `nftkube-x` gives `x`.
+fn workspace_dependencies(manifest: &str) -> Vec<String> {
+    let mut in_dependencies = false;
+    let mut out = Vec::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_dependencies = matches!(line, "[dependencies]" | "[dev-dependencies]");
+            continue;
         }
-    }
-}
-
-/// The code of a file without its trailing `#[cfg(test)] mod tests` (tests may reach anywhere) and
-/// without line comments (which may name any module).
-fn production_code(text: &str) -> String {
-    let code = match text.find("#[cfg(test)]\nmod tests") {
-        Some(at) => &text[..at],
-        None => text,
-    };
-    code.lines()
-        .map(|line| line.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// The top-level modules a piece of code names through `crate::`.
-fn crate_paths(code: &str) -> Vec<String> {
-    code.match_indices("crate::")
-        .map(|(at, _)| {
-            code[at + "crate::".len()..]
+        if !in_dependencies {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("nftkube-") {
+            let name: String = rest
                 .chars()
                 .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect()
-        })
-        .collect()
-}
-
-/// The top-level module a file under `src/` belongs to (None for the crate roots and the binary's files).
-fn module_of(src: &Path, file: &Path) -> Option<String> {
-    let rel = file.strip_prefix(src).ok()?;
-    let first = rel.components().next()?.as_os_str().to_str()?;
-    let module = first.strip_suffix(".rs").unwrap_or(first);
-    layer_of(module).map(|_| module.to_string())
-}
-
-#[test]
-fn no_module_uses_one_of_its_own_or_a_higher_layer() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&src, &mut files);
-    files.sort();
-    let mut upward = Vec::new();
-    let mut unknown = Vec::new();
-    for file in &files {
-        let Some(module) = module_of(&src, file) else {
-            // lib.rs, main.rs and the binary's own modules sit above every layer.
-            continue;
-        };
-        let layer = layer_of(&module).expect("module_of only returns layered modules");
-        let text = std::fs::read_to_string(file).expect("reading a source file");
-        for target in crate_paths(&production_code(&text)) {
-            if target == module {
-                continue;
-            }
-            match layer_of(&target) {
-                Some(l) if l < layer => {}
-                Some(l) => upward.push(format!(
-                    "{}: {module} (layer {layer}) uses crate::{target} (layer {l})",
-                    file.display()
-                )),
-                None => unknown.push(format!("{}: crate::{target}", file.display())),
-            }
+                .collect();
+            out.push(name);
         }
     }
-    assert!(
-        unknown.is_empty(),
-        "modules missing from LAYERS (give each a layer):\n{}",
-        unknown.join("\n")
-    );
-    assert!(
-        upward.is_empty(),
-        "imports that run sideways or up the layers (move the shared part down instead):\n{}",
-        upward.join("\n")
-    );
+    out
 }
 
-#[test]
-fn every_top_level_module_has_a_layer() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("reading src/lib.rs");
-    let missing: Vec<&str> = lib
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("pub mod "))
-        .map(|m| m.trim_end_matches(';'))
-        .filter(|m| layer_of(m).is_none())
+/// Every crate directory under `crates/`, sorted.
+fn crates() -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("reading crates/")
+        .map(|e| e.expect("a directory entry").file_name())
+        .filter_map(|n| n.to_str().map(str::to_string))
         .collect();
-    assert!(missing.is_empty(), "modules without a layer: {missing:?}");
+    names.sort();
+    names
+}
+
+/// The dependencies of `krate` (its manifest `text`) that run sideways or up, and those on unknown crates.
+fn violations(krate: &str, text: &str) -> Vec<String> {
+    let layer = layer_of(krate).expect("only layered crates are checked");
+    let mut out = Vec::new();
+    for dep in workspace_dependencies(text) {
+        match layer_of(&dep) {
+            Some(l) if l < layer => {}
+            Some(l) => out.push(format!(
+                "{krate} (layer {layer}) depends on nftkube-{dep} (layer {l})"
+            )),
+            None => out.push(format!(
+                "{krate} depends on nftkube-{dep}, which has no layer"
+            )),
+        }
+    }
+    out
 }
 
 #[test]
-fn an_upward_import_is_caught() {
-    // The check itself: a sync file naming the agent is found; a comment naming it is not.
-    let code = production_code(
-        "use crate::nft::ir;\n// crate::agent in a comment\nfn f() { crate::agent::run(); }\n",
+fn no_crate_depends_on_one_of_its_own_or_a_higher_layer() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
+    let mut found = Vec::new();
+    for krate in crates() {
+        let text = std::fs::read_to_string(root.join(&krate).join("Cargo.toml"))
+            .expect("reading a crate's Cargo.toml");
+        found.extend(violations(&krate, &text));
+    }
+    assert!(
+        found.is_empty(),
+        "dependencies that run sideways or up the layers (move the shared part down instead):\n{}",
+        found.join("\n")
     );
-    assert_eq!(crate_paths(&code), ["nft", "agent"]);
-    let tests_only =
-        production_code("use crate::nft;\n#[cfg(test)]\nmod tests {\n use crate::agent;\n}\n");
-    assert_eq!(crate_paths(&tests_only), ["nft"]);
+}
+
+#[test]
+fn every_crate_has_a_layer_and_every_layer_a_crate() {
+    let crates = crates();
+    let unlayered: Vec<&String> = crates.iter().filter(|c| layer_of(c).is_none()).collect();
+    assert!(
+        unlayered.is_empty(),
+        "crates without a layer: {unlayered:?}"
+    );
+    let missing: Vec<&str> = LAYERS
+        .iter()
+        .map(|(c, _)| *c)
+        .filter(|c| !crates.iter().any(|k| k == c))
+        .collect();
+    assert!(missing.is_empty(), "layers without a crate: {missing:?}");
+}
+
+#[test]
+fn an_upward_dependency_is_caught() {
+    // The check itself: sync on render is fine; sync on relay (higher) and on trace (same layer) are not,
+    // in either dependency table; other tables and other crates' names are not dependencies.
+    let manifest = "[package]\nname = \"nftkube-sync\"\n\n[dependencies]\nnftkube-render = { path = \"../render\" }\n\
+                    nftkube-relay = { path = \"../relay\" }\ntracing = \"0.1\"\n\n[lints]\nworkspace = true\n\n\
+                    [dev-dependencies]\nnftkube-trace = { path = \"../trace\" }\n";
+    assert_eq!(
+        workspace_dependencies(manifest),
+        ["render", "relay", "trace"]
+    );
+    assert_eq!(
+        violations("sync", manifest),
+        [
+            "sync (layer 3) depends on nftkube-relay (layer 4)",
+            "sync (layer 3) depends on nftkube-trace (layer 3)"
+        ]
+    );
 }

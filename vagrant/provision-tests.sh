@@ -33,5 +33,5 @@ fi
 export PATH=$HOME/.cargo/bin:$PATH
 cd /nftkube
 bash ci/build-static
-cargo build --bins
+cargo build --bins --workspace
 cargo test -p kernel-tests -- --test-threads=2

@@ -60,6 +60,24 @@ pub fn nftkube_bin() -> PathBuf {
     bin
 }
 
+/// The demo binary (the nftkube-sandbox package's `nftkube-demo`): `$NFTKUBE_DEMO_BIN`, or the workspace's debug
+/// build (`cargo build --bins --workspace` first: the sandbox is not a default member).
+pub fn demo_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NFTKUBE_DEMO_BIN") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/nftkube-demo");
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build --bins --workspace` first (ci/kernel-tests does), or set NFTKUBE_DEMO_BIN",
+        bin.display()
+    );
+    bin
+}
+
 /// A fresh sandbox with running backends; the name prefix is unique per test and process.
 pub fn sandbox(tag: &str, backends: usize) -> Sandbox {
     require_root();

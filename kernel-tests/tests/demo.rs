@@ -1,6 +1,7 @@
-//! README's first command, `nftkube demo`, works and cleans up after itself.
+//! README's first command, the demo (`nftkube-demo`, of the nftkube-sandbox package), works and cleans up after
+//! itself.
 
-use kernel_tests::{examples_dir, nftkube_bin, require_root};
+use kernel_tests::{demo_bin, examples_dir, require_root};
 use std::process::Command;
 
 #[test]
@@ -8,11 +9,11 @@ fn demo_shows_balanced_traffic_rejections_and_the_ruleset_then_removes_its_sandb
     require_root();
     // README's command runs from the repository root, where `examples/` is the default manifest directory.
     let root = examples_dir().join("..");
-    let out = Command::new(nftkube_bin())
-        .args(["demo", "--requests", "30"])
+    let out = Command::new(demo_bin())
+        .args(["--requests", "30"])
         .current_dir(&root)
         .output()
-        .expect("running nftkube demo");
+        .expect("running nftkube-demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");

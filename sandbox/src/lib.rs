@@ -1,6 +1,6 @@
-//! The namespace topology used by `nftkube demo` and by the kernel tests: a node, an outside client, a client pod
-//! and N backend pods, wired with veth pairs, fixed addresses and routes, plus tiny TCP/UDP backend servers and
-//! client helpers that run inside a namespace.
+//! The namespace topology used by the demo (this package's `nftkube-demo` binary) and by the kernel tests: a node,
+//! an outside client, a client pod and N backend pods, wired with veth pairs, fixed addresses and routes, plus tiny
+//! TCP/UDP backend servers and client helpers that run inside a namespace.
 //!
 //! ```text
 //!   {prefix}-ext  eth0 192.168.200.2/24, fd00:200::2/64

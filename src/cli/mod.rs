@@ -46,8 +46,6 @@ pub enum Command {
     Trace(trace::TraceArgs),
     /// Remove every table nftkube owns, and nothing else (with --traces: only abandoned trace tables).
     Cleanup(CleanupArgs),
-    /// Build a sandbox of network namespaces, run the agent in it on examples/, send traffic, tear down.
-    Demo(DemoArgs),
     /// Act as the CNI portmap plugin (CNI_COMMAND etc. in the environment, the network configuration on
     /// stdin); the same as running this binary under the name `portmap` or `nftkube-portmap`.
     Portmap,
@@ -291,15 +289,4 @@ pub struct CleanupArgs {
     /// processes this command cannot see loses its table.
     #[arg(long)]
     pub traces: bool,
-}
-
-#[derive(Debug, Args)]
-/// `nftkube demo`'s flags.
-pub struct DemoArgs {
-    /// Manifests to load into the sandbox's node.
-    #[arg(long, default_value = "examples")]
-    pub manifests: PathBuf,
-    /// Connections (and datagrams) to send through each ClusterIP.
-    #[arg(long, default_value_t = 30)]
-    pub requests: usize,
 }

@@ -1,6 +1,6 @@
-//! `nftkube demo`: the whole agent in a sandbox of network namespaces, with real traffic.
+//! The demo: the whole agent in a sandbox of network namespaces, with real traffic.
 //!
-//! Builds an outside client, a client pod, a node and three backend pods (the sandbox module), runs the proxy
+//! Builds an outside client, a client pod, a node and three backend pods (this package's library), runs the proxy
 //! loop on a thread inside the node namespace against the manifests, sends connections and datagrams to every
 //! ClusterIP service port from the pod and from outside, prints which backend answered and which client
 //! address it saw, prints the live ruleset read back from the kernel, and removes everything. The host's own
@@ -9,8 +9,6 @@
 // The demo talks to the terminal that started it.
 #![allow(clippy::disallowed_macros)]
 
-use crate::sandbox::netns::{unique_name, NetNs};
-use crate::sandbox::{self, parse_answer, tcp_requests, udp_requests, Sandbox};
 use anyhow::Context;
 use nftkube::agent::{run_proxy, Inbox, ProxyOptions};
 use nftkube::model::{ClusterState, Protocol, ServicePort};
@@ -18,6 +16,8 @@ use nftkube::nft::ir::Family;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{names::TABLE, RenderConfig};
 use nftkube::source::{apply_event, ManifestSource};
+use nftkube_sandbox::netns::{unique_name, NetNs};
+use nftkube_sandbox::{self as sandbox, parse_answer, tcp_requests, udp_requests, Sandbox};
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
@@ -87,7 +87,7 @@ pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("the agent thread panicked"))?;
     let prefix = sb.prefix().to_owned();
     drop(sb);
-    let left = std::fs::read_dir(crate::sandbox::netns::NETNS_RUN_DIR)
+    let left = std::fs::read_dir(sandbox::netns::NETNS_RUN_DIR)
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
