@@ -22,21 +22,21 @@ use std::net::Ipv4Addr;
 use std::path::Path;
 
 /// Upstream nftables mode's first full sync.
-pub const NFT_FULL: &str = "nft-full.nft";
+pub(crate) const NFT_FULL: &str = "nft-full.nft";
 /// Upstream nftables mode's later full sync of the same state.
 const NFT_RESYNC: &str = "nft-resync.nft";
 /// Upstream nftables mode's partial sync after one endpoint is added to the last service.
-pub const NFT_PARTIAL: &str = "nft-inc.nft";
+pub(crate) const NFT_PARTIAL: &str = "nft-inc.nft";
 /// Upstream iptables mode's one-time jumps from the built-in chains, as iptables-restore input.
-pub const IPT_JUMPS: &str = "ipt-jumps.restore";
+pub(crate) const IPT_JUMPS: &str = "ipt-jumps.restore";
 /// The same jumps, one `table<TAB>chain<TAB>from<TAB>arguments` a line, for upstream's per-sync checks.
 const IPT_JUMP_CHECKS: &str = "ipt-jumps.txt";
 /// Upstream iptables mode's full sync.
-pub const IPT_FULL: &str = "ipt-full.restore";
+pub(crate) const IPT_FULL: &str = "ipt-full.restore";
 /// Upstream iptables mode's full sync after the endpoint change.
 const IPT_FULL_AFTER_CHANGE: &str = "ipt-full-inc.restore";
 /// Upstream iptables mode's partial sync after the endpoint change.
-pub const IPT_PARTIAL: &str = "ipt-partial-inc.restore";
+pub(crate) const IPT_PARTIAL: &str = "ipt-partial-inc.restore";
 /// Counts, the first and last services' addresses, and each file's size.
 const META: &str = "meta.json";
 
@@ -55,14 +55,14 @@ const SERVICE_PORT: u16 = 80;
 const ENDPOINT_PORT: u16 = 8080;
 
 /// The anchors' files, by name, in memory.
-pub struct Anchors {
+pub(crate) struct Anchors {
     services: usize,
     endpoints_per_service: usize,
     files: Vec<(&'static str, String)>,
 }
 
 /// The anchors for `services` services of `endpoints_per_service` endpoints each.
-pub fn generate(services: usize, endpoints_per_service: usize) -> Anchors {
+pub(crate) fn generate(services: usize, endpoints_per_service: usize) -> Anchors {
     check_address_plan(services, endpoints_per_service);
     let before: Vec<Service> = (0..services)
         .map(|i| Service::new(i, endpoints_per_service))
@@ -116,7 +116,7 @@ fn with_endpoint_added_to_last(services: &[Service]) -> Vec<Service> {
 
 impl Anchors {
     /// Writes every file into `dir`, creating it if needed.
-    pub fn write_to(&self, dir: &Path) -> std::io::Result<()> {
+    pub(crate) fn write_to(&self, dir: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         for (name, text) in &self.files {
             std::fs::write(dir.join(name), text)?;
@@ -1014,7 +1014,7 @@ impl Anchors {
     /// Counts upstream's shapes in every ruleset against the service and endpoint counts, and looks for the
     /// pinned names, so that an edit breaking the generator fails the bench loudly instead of timing some
     /// other ruleset. Cheap next to what the bench then does with the files.
-    pub fn assert_shape(&self) {
+    pub(crate) fn assert_shape(&self) {
         let (n, e) = (self.services, self.endpoints_per_service);
         let before = shape(n, n * e, n);
         let after = shape(n, n * e + 1, n);

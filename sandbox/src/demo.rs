@@ -30,7 +30,7 @@ const BACKEND_UDP_PORT: u16 = 5353;
 const BACKENDS: usize = 3;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-pub fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
+pub(crate) fn run(manifests: &Path, requests: usize) -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     anyhow::ensure!(

@@ -12,7 +12,7 @@ use nftkube::render::RenderConfig;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub mod trace;
+pub(crate) mod trace;
 
 #[cfg(test)]
 mod tests;
@@ -24,7 +24,7 @@ mod tests;
     about = "Kubernetes services in nf_tables, over netlink, with no binaries"
 )]
 /// The command line.
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
@@ -36,7 +36,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once
 /// The subcommands.
-pub enum Command {
+pub(crate) enum Command {
     /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
     Proxy(ProxyArgs),
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
@@ -55,7 +55,7 @@ pub enum Command {
 
 #[derive(Debug, Args, Clone)]
 /// The flags that shape the rendered ruleset (shared by `proxy` and `plan`).
-pub struct RenderArgs {
+pub(crate) struct RenderArgs {
     /// Directory (or file) of Service and EndpointSlice YAML manifests (`proxy`: instead of the API).
     #[arg(long)]
     pub manifests: Option<PathBuf>,
@@ -101,7 +101,7 @@ pub struct RenderArgs {
 
 /// Flags (or a config file) that do not make a usable configuration; `main` exits 64 with it.
 #[derive(Debug, thiserror::Error)]
-pub enum OptionsError {
+pub(crate) enum OptionsError {
     /// The config file, or a flag it is combined with.
     #[error(transparent)]
     Config(#[from] config::ConfigError),
@@ -118,7 +118,7 @@ pub enum OptionsError {
 
 impl RenderArgs {
     /// The render configuration, or what is wrong with the flags.
-    pub fn render_config(&self) -> Result<RenderConfig, OptionsError> {
+    pub(crate) fn render_config(&self) -> Result<RenderConfig, OptionsError> {
         let local_detector = DetectLocal::parse(
             &self.detect_local_mode,
             &self.pod_interface_name_prefix,
@@ -151,7 +151,7 @@ impl RenderArgs {
 
 #[derive(Debug, Args)]
 /// `nftkube proxy`'s flags.
-pub struct ProxyArgs {
+pub(crate) struct ProxyArgs {
     /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -207,7 +207,7 @@ pub struct ProxyArgs {
 impl ProxyArgs {
     /// The flags given on the command line (`given(id)`: the argument with that id was given), for
     /// [`config::resolve`]; flags left at their defaults do not override the config file.
-    pub fn flags(&self, given: &dyn Fn(&str) -> bool) -> config::Flags {
+    pub(crate) fn flags(&self, given: &dyn Fn(&str) -> bool) -> config::Flags {
         fn when<T: Clone>(given: &dyn Fn(&str) -> bool, id: &str, v: &T) -> Option<T> {
             given(id).then(|| v.clone())
         }
@@ -244,7 +244,10 @@ impl ProxyArgs {
     }
 
     /// Config file, flags and defaults combined (warnings are logged); Err: what is invalid.
-    pub fn options(&self, given: &dyn Fn(&str) -> bool) -> Result<ProxyOptions, OptionsError> {
+    pub(crate) fn options(
+        &self,
+        given: &dyn Fn(&str) -> bool,
+    ) -> Result<ProxyOptions, OptionsError> {
         let r = config::resolve(&self.flags(given), &config::Env::current())?;
         for w in &r.warnings {
             tracing::warn!("config: {w}");
@@ -273,7 +276,7 @@ impl ProxyArgs {
 
 #[derive(Debug, Args)]
 /// `nftkube plan`'s flags.
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     #[command(flatten)]
     /// The flags that shape the ruleset.
     pub render: RenderArgs,
@@ -281,7 +284,7 @@ pub struct PlanArgs {
 
 #[derive(Debug, Args)]
 /// `nftkube cleanup`'s flags.
-pub struct CleanupArgs {
+pub(crate) struct CleanupArgs {
     /// Remove only the tables that ended `nftkube trace --live` runs left behind (a killed run, or one whose
     /// removal failed), not the proxy's tables and not the table of a trace still running. A run counts as
     /// running when this command sees its process (the PID and start time in the table's name): run it in

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 /// `nftkube trace`'s arguments: the packet, where the ruleset comes from, live mode and output.
 #[derive(Debug, Args)]
-pub struct TraceArgs {
+pub(crate) struct TraceArgs {
     /// The packet's source: IP[:PORT] ([IPv6]:PORT); the port defaults to 40000.
     #[arg(long, value_parser = parse_src)]
     pub src: Source,
@@ -60,7 +60,7 @@ pub struct TraceArgs {
 
 /// `--src`: the address, and whether the port was given (`--live` matches the source port only then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Source {
+pub(crate) struct Source {
     /// The address, with the default port when none was given.
     pub addr: SocketAddr,
     /// Whether the port was given.
@@ -78,7 +78,7 @@ fn parse_dst(s: &str) -> Result<SocketAddr, String> {
 
 impl TraceArgs {
     /// Checks what clap cannot: arguments that only make sense together.
-    pub fn validate(&self) -> Result<(), TraceError> {
+    pub(crate) fn validate(&self) -> Result<(), TraceError> {
         if self.src.addr.is_ipv4() != self.dst.is_ipv4() {
             return Err(TraceError::Usage(format!(
                 "--src {} and --dst {} are of different IP families",
@@ -130,12 +130,12 @@ impl TraceArgs {
 }
 
 /// Runs `--live` (the kernel's own trace events) and returns its output (text or JSON).
-pub fn run_live(args: &TraceArgs) -> Result<String, TraceError> {
+pub(crate) fn run_live(args: &TraceArgs) -> Result<String, TraceError> {
     nftkube::trace::live::run(&args.live_request()?)
 }
 
 /// Runs an offline trace and returns its output (text or JSON).
-pub fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
+pub(crate) fn run_offline(args: &TraceArgs) -> Result<String, TraceError> {
     args.validate()?;
     let packet = args.packet();
     let (ruleset, attribution, node) = match &args.render.manifests {

@@ -61,7 +61,7 @@ impl Quarantine {
     /// After a successful sync that rendered `tried` (every service but the withheld ones, on a full
     /// sync): a service refused again waits twice as long, one refused for the first time waits
     /// `FIRST_RETRY`, and one the kernel took is released.
-    pub fn after_sync(
+    pub(crate) fn after_sync(
         &mut self,
         report: &SyncReport,
         tried: impl Fn(&NamespacedName) -> bool,

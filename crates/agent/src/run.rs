@@ -82,7 +82,7 @@ pub(super) struct ProxyLoop<'a> {
 }
 
 impl ProxyLoop<'_> {
-    pub fn new<'a>(
+    pub(crate) fn new<'a>(
         opts: &'a ProxyOptions,
         source: ProxySource,
         engine: SyncEngine<NftSocket>,
@@ -116,7 +116,7 @@ impl ProxyLoop<'_> {
     }
 
     /// Ends the conntrack worker (its queued walks finish, within a bound).
-    pub fn finish(self) {
+    pub(crate) fn finish(self) {
         self.conntrack.stop();
     }
 

@@ -18,7 +18,7 @@ pub(crate) struct SyncRunner {
 
 impl SyncRunner {
     /// A runner with a full bucket at `now`: [`BURST`] syncs may run at once, then one per `min_interval`.
-    pub fn new(min_interval: Duration, now: Instant) -> SyncRunner {
+    pub(crate) fn new(min_interval: Duration, now: Instant) -> SyncRunner {
         SyncRunner {
             min_interval,
             tokens: f64::from(BURST),

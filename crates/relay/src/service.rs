@@ -11,7 +11,7 @@ use tokio::sync::{oneshot, Semaphore};
 
 /// Limits shared by every listener of a relay.
 #[derive(Debug)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// One permit per relayed TCP connection or UDP flow.
     pub(crate) connections: Arc<Semaphore>,
     /// Dial timeouts, one per attempt (each attempt tries the next endpoint).
@@ -76,7 +76,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Service {
-    pub fn new(
+    pub(crate) fn new(
         name: String,
         limits: Arc<Limits>,
         endpoints: Vec<SocketAddr>,
@@ -162,7 +162,7 @@ impl Service {
     }
 
     /// The current generation (see [`Service::still_serves`]).
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
 

@@ -37,7 +37,7 @@ pub(crate) struct Answered(Arc<AtomicU64>);
 
 impl Answered {
     /// How many times it backed off.
-    pub fn count(&self) -> u64 {
+    pub(crate) fn count(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
 
@@ -76,7 +76,7 @@ pub(crate) struct WatchBackoff {
 
 impl WatchBackoff {
     /// A backoff that starts over whenever `answered` moves (a request of the watcher was answered).
-    pub fn new(answered: Answered) -> WatchBackoff {
+    pub(crate) fn new(answered: Answered) -> WatchBackoff {
         WatchBackoff::with_rng(answered, fastrand::Rng::new())
     }
 

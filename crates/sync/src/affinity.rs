@@ -56,7 +56,7 @@ impl EndpointPairs {
     }
 
     /// Nothing pending.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.frontends.is_empty() && self.nodeports.is_empty()
     }
 
@@ -126,7 +126,7 @@ impl GainedAffinity {
     }
 
     /// Entries of a gained frontend whose endpoint it does not have.
-    pub fn stale(&self, family: Family, entries: &[Element]) -> Vec<Element> {
+    pub(crate) fn stale(&self, family: Family, entries: &[Element]) -> Vec<Element> {
         entries
             .iter()
             .filter(|e| {

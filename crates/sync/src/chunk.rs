@@ -68,7 +68,7 @@ impl Planned<'_> {
 
 impl<'a> Plan<'a> {
     /// An object change (anything but elements: see `add_elements` / `delete_elements`).
-    pub fn push(&mut self, family: Family, table: &str, op: Op) {
+    pub(crate) fn push(&mut self, family: Family, table: &str, op: Op) {
         debug_assert!(
             !matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. }),
             "element operations borrow their elements"
@@ -132,7 +132,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Number of planned changes (an element operation counts one, a group its members).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         fn count(p: &Planned) -> usize {
             match p {
                 Planned::Group(g) => g.iter().map(count).sum(),
@@ -143,12 +143,12 @@ impl<'a> Plan<'a> {
     }
 
     /// Its weight: element operations count their elements, other changes one each.
-    pub fn elements(&self) -> usize {
+    pub(crate) fn elements(&self) -> usize {
         self.changes.iter().map(Planned::load).sum()
     }
 
     /// No changes.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.changes.is_empty()
     }
 

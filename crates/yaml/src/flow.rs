@@ -25,7 +25,7 @@ enum Expect {
 /// Parses the flow collection that starts `s` (at `[` or `{`; `s` ends where its line ends): its value and
 /// the rest of the line after the closing bracket. `depth` is how many more levels of nesting are allowed.
 /// A collection that does not close on the line declines.
-pub fn parse(s: &str, depth: usize) -> Option<(Value, &str)> {
+pub(crate) fn parse(s: &str, depth: usize) -> Option<(Value, &str)> {
     let b = s.as_bytes();
     let mut stack: Vec<Frame> = Vec::new();
     let mut i = 0;
