@@ -20,7 +20,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-/// The content type of [`render_prometheus`]'s text.
+/// The content type of the OpenMetrics text that `/metrics` answers.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
