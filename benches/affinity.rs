@@ -1,7 +1,7 @@
 //! ClientIP session affinity: new-connection latency on the hit path and on the miss path, as ratios against
 //! the same endpoints without affinity, all measured in the same run, interleaved.
 //!
-//! Real packets in a sandbox (see src/sandbox.rs): the client pod opens a TCP connection to a ClusterIP that
+//! Real packets in a sandbox (see sandbox/src/lib.rs): the client pod opens a TCP connection to a ClusterIP that
 //! the library programmed in the node namespace (`SyncEngine` + `render::all_pieces`), the backend answers
 //! one line and closes. The client pod has `CLIENTS` extra addresses, and round r of the measurement binds
 //! every probe to client address r mod `CLIENTS`, so all variants send from the same addresses. For each

@@ -1,7 +1,7 @@
 //! The userspace relay's data path against HAProxy in TCP mode and the kernel's DNAT, on the same endpoints,
 //! in the same run, interleaved (round r measures every path once before round r+1), medians and ratios.
 //!
-//! Real packets in a sandbox (see src/sandbox.rs): clients in pod0, servers in pod1, the proxies in the node.
+//! Real packets in a sandbox (see sandbox/src/lib.rs): clients in pod0, servers in pod1, the proxies in the node.
 //! - relay: `nftkube proxy --proxy-mode userspace` (the release binary) on a Service of ClusterIP 10.96.0.50:
 //!   nf_tables redirects the ClusterIP to the relay's listener;
 //! - HAProxy (Debian's `haproxy`, `mode tcp`, 2 threads like the relay's runtime) listening on the node's

@@ -1,4 +1,7 @@
 //! nftkube: Kubernetes services programmed into nf_tables over netlink, with no binaries.
+//!
+//! A facade over the workspace's crates (docs/architecture.md): each is re-exported under its old module name,
+//! which the binary, the tests and benches, the kernel tests, the fuzz targets and the sandbox keep using.
 #![warn(missing_docs)]
 pub use nftkube_admin as admin;
 pub use nftkube_agent as agent;
@@ -12,8 +15,6 @@ pub use nftkube_source as source;
 pub use nftkube_sync as sync;
 pub use nftkube_trace as trace;
 
-// The bottom layers, crates of their own so that the compiler refuses an upward import; re-exported under
-// their module names, which the rest of the library and its users keep using.
 pub use nftkube_conntrack as conntrack;
 pub use nftkube_model as model;
 pub use nftkube_netlink as netlink;

@@ -1,7 +1,7 @@
-//! The workspace's layering, checked (docs/architecture.md). Each layer is a crate under `crates/`, so the
-//! compiler already refuses a cycle; what it cannot refuse is a dependency that runs sideways or up the
-//! layers (render on source, sync on relay), which would let the next cycle in through the back door. This
-//! test reads each crate's manifest and names every such dependency.
+//! The workspace's layering, checked (docs/architecture.md). The layers are made of crates under `crates/`,
+//! so the compiler already refuses a cycle; what it cannot refuse is a dependency that runs sideways or up
+//! the layers (render on source, sync on relay), which would let the next cycle in through the back door.
+//! This test reads each crate's manifest and names every such dependency.
 
 use std::path::Path;
 

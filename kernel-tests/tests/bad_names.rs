@@ -2,7 +2,7 @@
 //! agent, real packets. A LoadBalancer Service with a 300-character `metadata.name`,
 //! `loadBalancerSourceRanges` and an ingress IP (with its EndpointSlice); a Service in a 300-character
 //! namespace; a Service with a 40-character port name. Each is refused at conversion with the rule it breaks
-//! (`src/source/validate.rs`, logged with the file and the rule; the line shows prefixes of the name, never
+//! (`crates/source/src/validate.rs`, logged with the file and the rule; the line shows prefixes of the name, never
 //! all of it: the last test), and
 //! everything else is programmed: at start, and when such an object arrives while the agent runs beside an
 //! ordinary change. /healthz and /livez stay 200, and no chain in the kernel has a name longer than the

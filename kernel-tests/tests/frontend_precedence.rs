@@ -2,7 +2,7 @@
 //! the `kubernetes` Service's ClusterIP 10.96.0.1:443 against another namespace's Service whose `externalIPs`
 //! name that address (CVE-2020-8554 class). A ClusterIP outranks an external IP whatever the names, the ages
 //! and the order of arrival; a waiting claim takes the frontend when its holder goes, and gives it back when
-//! the holder returns (see `src/render/claims.rs`). `nftkube_refused_frontend_claims` counts one waiting
+//! the holder returns (see `crates/render/src/claims.rs`). `nftkube_refused_frontend_claims` counts one waiting
 //! claim per family the attacker contests.
 //!
 //! Why this fails on the code before the precedence fix (4271f00's parent): there the first claimant in
@@ -467,7 +467,7 @@ fn attacker_by_load_balancer(pods: &[usize]) -> String {
 /// second later. A new creationTimestamp of the attacker instead of the kind change does the same. Each
 /// change alone, or the victim with an endpoint change of the attacker, syncs fine.
 ///
-/// Why it happened (fixed in src/sync/index.rs, `cancel_out` now keeps each element's net count): a piece's precedence is part of its identity, so the holder's elements are
+/// Why it happened (fixed in crates/sync/src/index.rs, `cancel_out` now keeps each element's net count): a piece's precedence is part of its identity, so the holder's elements are
 /// released (removed) and acquired again (added) with the same bytes; the victim's takeover then removes
 /// the holder's new elements once more. Net: one removal. `cancel_out` drops an element that is on both
 /// sides whatever the counts, so neither side keeps it: the holder's element stays in the kernel and the

@@ -1,4 +1,4 @@
-//! Large commits with the event monitor paused (`src/sync/quiet.rs`): the kernel builds no notification of
+//! Large commits with the event monitor paused (`crates/sync/src/quiet.rs`): the kernel builds no notification of
 //! them for the monitor's socket, small commits still reach it, and a foreign commit made while the monitor
 //! was deaf is still reported, from the generation id. Real kernel, real monitor socket, real packets.
 

@@ -1,5 +1,5 @@
 //! Facts about the node that rules depend on, as plain values: its addresses and where NodePorts are
-//! served. `crate::node` reads them over rtnetlink; render takes them from here, with no I/O of its own.
+//! served. The node crate reads them over rtnetlink; render takes them from here, with no I/O of its own.
 
 use super::Cidr;
 use std::net::IpAddr;

@@ -23,7 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// Set by the signal thread: stop waiting, remove the table, print what was seen. Not the library's
+/// Set by the signal thread: stop waiting, remove the table, print what was seen. Not netlink's
 /// `SHUTDOWN`, which would also abandon the removal's own netlink exchange.
 pub static STOP: AtomicBool = AtomicBool::new(false);
 
