@@ -15,8 +15,8 @@
 //! `ip` matches are allowed in `conditionsV4` only, `ip6` in `conditionsV6` only. Parsing is linear in the
 //! input and every error names the list, the string's index and the word at fault.
 
-use crate::nft::build::{Field, RuleBuilder};
-use crate::nft::ir::{CmpOp, Family};
+use nftkube_nft::build::{Field, RuleBuilder};
+use nftkube_nft::ir::{CmpOp, Family};
 use std::net::IpAddr;
 
 /// One parsed match.
@@ -64,7 +64,7 @@ impl Match {
                 let full = if net.is_ipv4() { 32 } else { 128 };
                 if *prefix == full {
                     let op = if *negate { CmpOp::Neq } else { CmpOp::Eq };
-                    rule.cmp(*field, op, crate::nft::build::ip_bytes(net))
+                    rule.cmp(*field, op, nftkube_nft::build::ip_bytes(net))
                 } else {
                     rule.prefix(*field, net, *prefix, *negate)
                 }

@@ -8,17 +8,18 @@
 //! - [`netconf`]: the configuration on stdin, typed;
 //! - [`conditions`]: `conditionsV4/V6`, a subset of nft match syntax parsed into IR;
 //! - [`render`]: the objects of a network and the elements of an attachment;
-//! - [`state`]: reading them back and planning one batch;
-//! - [`flows`]: UDP conntrack cleanup;
-//! - [`plugin`]: the commands.
+//! - `state`: reading them back and planning one batch;
+//! - `flows`: UDP conntrack cleanup;
+//! - `plugin`: the commands.
+#![forbid(unsafe_code)]
 
 pub mod cni;
 pub mod conditions;
-pub mod flows;
+mod flows;
 pub mod netconf;
-pub mod plugin;
+mod plugin;
 pub mod render;
-pub mod state;
+mod state;
 
 use std::io::{Read, Write};
 

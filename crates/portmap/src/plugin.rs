@@ -6,9 +6,9 @@ use super::flows::{self, HostPort};
 use super::netconf::{self, NetConf, Protocol};
 use super::render::{self, Names, Wanted, FAMILIES};
 use super::state::{self, NetworkView, Removed};
-use crate::nft::ir::{Element, Family};
-use crate::nft::netlink::NftSocket;
-use crate::nft::tx::Transaction;
+use nftkube_nft::ir::{Element, Family};
+use nftkube_nft::netlink::NftSocket;
+use nftkube_nft::tx::Transaction;
 use std::collections::BTreeSet;
 
 /// What an invocation prints on stdout and whether it succeeded.

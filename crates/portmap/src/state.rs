@@ -3,9 +3,9 @@
 
 use super::netconf::{NetConf, Subnet};
 use super::render::{self, Names, Wanted, TABLE};
-use crate::nft::ir::*;
-use crate::nft::netlink::{DumpError, NftSocket};
-use crate::nft::tx::{Op, Transaction};
+use nftkube_nft::ir::*;
+use nftkube_nft::netlink::{DumpError, NftSocket};
+use nftkube_nft::tx::{Op, Transaction};
 use std::collections::BTreeMap;
 
 /// An element as read back, with its comment.
@@ -241,7 +241,7 @@ pub fn differences(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::portmap::netconf::{self, PortMapping, Protocol};
+    use crate::netconf::{self, PortMapping, Protocol};
 
     fn conf() -> NetConf {
         netconf::parse(br#"{"cniVersion": "1.1.0", "name": "n1"}"#).unwrap()

@@ -38,8 +38,8 @@
 //! another network. No rule per mapping: a mapping is one element in each of three sets.
 
 use super::netconf::{NetConf, PortMapping, Subnet};
-use crate::nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
-use crate::nft::ir::*;
+use nftkube_nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
+use nftkube_nft::ir::*;
 use std::net::IpAddr;
 
 /// The plugin's table, in each family; never the proxy's `nftkube`.
@@ -392,7 +392,7 @@ pub fn published(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::portmap::netconf::Protocol;
+    use crate::netconf::Protocol;
 
     fn mapping(host_ip: Option<&str>) -> PortMapping {
         PortMapping {
@@ -443,7 +443,7 @@ mod tests {
         let n = Names::of("net1");
         let conf = |snat: bool| {
             let text = format!(r#"{{"cniVersion": "1.1.0", "name": "net1", "snat": {snat}}}"#);
-            crate::portmap::netconf::parse(text.as_bytes()).unwrap()
+            crate::netconf::parse(text.as_bytes()).unwrap()
         };
         let guards = |family, snat| -> Vec<(Option<Hook>, String)> {
             let mut t = TableState::new(family, TABLE);
@@ -458,7 +458,7 @@ mod tests {
                     let rules: Vec<String> = c
                         .rules
                         .iter()
-                        .map(|r| crate::nft::text::render_rule(r, &t))
+                        .map(|r| nftkube_nft::text::render_rule(r, &t))
                         .collect();
                     (hook, rules.join("; "))
                 })

@@ -2,7 +2,7 @@
 
 use super::cni::{check_container_id, check_ifname, code, negotiate_version, Attachment, CniError};
 use super::conditions::{self, Match};
-use crate::nft::ir::Family;
+use nftkube_nft::ir::Family;
 use serde_json::{Map, Value};
 use std::net::IpAddr;
 
@@ -10,7 +10,7 @@ use std::net::IpAddr;
 pub const DEFAULT_MARK_MASQ_BIT: u32 = 13;
 
 /// The model's protocol: the same three, the same numbers.
-pub use crate::model::Protocol;
+pub use nftkube_model::Protocol;
 
 /// One `runtimeConfig.portMappings` entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
