@@ -1,8 +1,9 @@
 //! The CNI portmap plugin on nf_tables: hostPorts mapped to containers through maps in its own tables
 //! (`ip nftkube-portmap`, `ip6 nftkube-portmap`), with the kernel as its only record.
 //!
-//! The nftkube binary speaks the CNI protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a
-//! copy) and as `nftkube portmap`.
+//! Its binary, `nftkube-portmap`, is what a runtime runs (installed as `portmap` in its CNI_PATH); the nftkube
+//! binary still speaks the protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a copy) and as
+//! `nftkube portmap`, for nodes set up before the plugin had a binary of its own.
 //!
 //! - [`cni`]: the protocol (environment, error object, versions);
 //! - [`netconf`]: the configuration on stdin, typed;
