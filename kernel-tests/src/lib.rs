@@ -60,6 +60,24 @@ pub fn nftkube_bin() -> PathBuf {
     bin
 }
 
+/// The CNI portmap plugin's own binary: `$NFTKUBE_PORTMAP_BIN`, or the workspace's debug build of
+/// nftkube-portmap (`cargo build --bins` first).
+pub fn portmap_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NFTKUBE_PORTMAP_BIN") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/nftkube-portmap");
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build --bins` first (ci/test does), or set NFTKUBE_PORTMAP_BIN",
+        bin.display()
+    );
+    bin
+}
+
 /// A fresh sandbox with running backends; the name prefix is unique per test and process.
 pub fn sandbox(tag: &str, backends: usize) -> Sandbox {
     require_root();
