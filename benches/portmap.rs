@@ -1,17 +1,20 @@
 //! CNI portmap ADD and DEL latency, from process start to exit, with 1, 100 and 1000 mappings already in place:
-//! nftkube's plugin (the release binary under the name `portmap`) against Debian's stock portmap
-//! (containernetworking-plugins 1.1.1, which runs `iptables`, iptables-nft here) in the same run, each in a
-//! fresh namespace of its own.
+//! nftkube's plugin as two binaries, `new` (nftkube-portmap, the plugin's own small binary, what ships) and
+//! `old` (the nftkube agent binary under the name `portmap`, as nodes ran it before the plugin had its own),
+//! against Debian's `stock` portmap (containernetworking-plugins 1.1.1, which runs `iptables`, iptables-nft
+//! here) in the same run, each in a fresh namespace of its own.
 //!
 //! Each plugin's namespace is filled with mappings (one container, one TCP host port each, ADDed the way a
 //! runtime does) up to each size in turn; at each size, rounds of ADD then DEL of one more container are timed,
-//! from spawning the plugin to its exit, the two plugins interleaved round by round (a shared machine's load
-//! then weighs on both alike). The floor, measured in the same rounds, is nftkube's VERSION: the same process
-//! start and exit with no kernel work. Printed: median, 90th percentile and minimum per command and size, and
-//! the stock plugin's median over ours. The goal (issue 11): ours ≤ 5 ms, flat in the number of mappings.
+//! from spawning the plugin to its exit, the plugins interleaved round by round (a shared machine's load
+//! then weighs on all alike). The floors, measured in the same rounds, are each nftkube binary's VERSION: the
+//! same process start and exit with no kernel work (`old VER`, `new VER`). Printed: median, 90th percentile
+//! and minimum per command and size, and the old and stock plugins' medians over the new one's. The goal
+//! (issue 11): ours ≤ 5 ms, flat in the number of mappings.
 //!
-//! Run as root: `cargo bench --bench portmap -- 1,100,1000` (also run by `bash ci/bench`).
-//! `NFTKUBE_BENCH_PORTMAP_REPS` sets the timed rounds per size (default 30).
+//! Run as root: `cargo bench --bench portmap -- 1,100,1000` (also run by `bash ci/bench`), after
+//! `cargo build --release --bins`. `NFTKUBE_BENCH_PORTMAP_REPS` sets the timed rounds per size (default 30);
+//! `NFTKUBE_BIN` and `NFTKUBE_PORTMAP_BIN` name other builds of the two binaries.
 
 // A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
@@ -53,16 +56,21 @@ fn main() {
     );
     let dir = std::env::temp_dir().join(unique_name("nftkube-bench-portmap"));
     std::fs::create_dir_all(&dir).unwrap();
-    let ours = dir.join("portmap");
-    std::os::unix::fs::symlink(release_binary(), &ours).unwrap();
+    // The agent binary answers as the plugin by its file name.
+    let old = dir.join("portmap");
+    std::os::unix::fs::symlink(release_binary("NFTKUBE_BIN", "nftkube"), &old).unwrap();
+    let new = release_binary("NFTKUBE_PORTMAP_BIN", "nftkube-portmap");
 
+    // The order of the medians' ratios below: new first.
     let mut subjects = [
-        Subject::new("nftkube", ours.clone()),
+        Subject::new("new", new),
+        Subject::new("old", old),
         Subject::new("stock", PathBuf::from(STOCK)),
     ];
     println!("portmap ADD / DEL latency, process start to exit, {reps} rounds per size, plugins interleaved");
+    println!("(new: nftkube-portmap; old: nftkube as portmap; stock: {STOCK})");
     println!(
-        "(floor: nftkube VERSION, the same process start and exit without touching the kernel)"
+        "(floors: each nftkube binary's VERSION, the same process start and exit without touching the kernel)"
     );
     println!(
         "{:>8} {:>8} | {:>10} {:>10} {:>10} | {:>10} {:>10} {:>10}",
@@ -72,7 +80,7 @@ fn main() {
         for s in subjects.iter_mut() {
             s.fill(n);
         }
-        let mut floor = Vec::new();
+        let mut floors = [Vec::new(), Vec::new()];
         let mut times: Vec<(Vec<Duration>, Vec<Duration>)> =
             vec![Default::default(); subjects.len()];
         for r in 0..reps {
@@ -81,9 +89,10 @@ fn main() {
                 adds.push(add);
                 dels.push(del);
             }
-            floor.push(subjects[0].version());
+            for (floor, s) in floors.iter_mut().zip(&subjects) {
+                floor.push(s.version());
+            }
         }
-        let floor = stats(floor);
         let mut medians = Vec::new();
         for (s, (adds, dels)) in subjects.iter().zip(times) {
             let (add, del) = (stats(adds), stats(dels));
@@ -99,19 +108,24 @@ fn main() {
             );
             medians.push((add.p50, del.p50));
         }
-        println!(
-            "{:>8} {n:>8} | {:>10} {:>10} {:>10} |",
-            "floor",
-            ms(floor.p50),
-            ms(floor.p90),
-            ms(floor.min)
-        );
-        println!(
-            "{:>8} {n:>8} | stock / nftkube medians: ADD {:.1}x, DEL {:.1}x",
-            "",
-            ratio(medians[1].0, medians[0].0),
-            ratio(medians[1].1, medians[0].1)
-        );
+        for (floor, s) in floors.iter_mut().zip(&subjects) {
+            let floor = stats(std::mem::take(floor));
+            println!(
+                "{:>8} {n:>8} | {:>10} {:>10} {:>10} |",
+                format!("{} VER", s.label),
+                ms(floor.p50),
+                ms(floor.p90),
+                ms(floor.min)
+            );
+        }
+        for (i, other) in [(1, "old"), (2, "stock")] {
+            println!(
+                "{:>8} {n:>8} | {other} / new medians: ADD {:.1}x, DEL {:.1}x",
+                "",
+                ratio(medians[i].0, medians[0].0),
+                ratio(medians[i].1, medians[0].1)
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -172,18 +186,18 @@ impl Subject {
     }
 }
 
-/// `$NFTKUBE_BIN`, or the workspace's release build (`cargo build --release --bins`; ci/bench does).
-fn release_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NFTKUBE_BIN") {
+/// `$var`, or the workspace's release build of `name` (`cargo build --release --bins`; ci/bench does).
+fn release_binary(var: &str, name: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(var) {
         return PathBuf::from(p);
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let bin = target.join("release/nftkube");
+    let bin = target.join("release").join(name);
     assert!(
         bin.exists(),
-        "{} not found: cargo build --release --bins",
+        "{} not found: cargo build --release --bins, or set {var}",
         bin.display()
     );
     std::fs::canonicalize(bin).unwrap()

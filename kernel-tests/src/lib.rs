@@ -43,36 +43,36 @@ pub fn require_root() {
     );
 }
 
-/// The agent binary: `$NFTKUBE_BIN`, or the workspace's debug build (`cargo build --bins` first).
+/// The agent binary: `$NFTKUBE_BIN`, or the workspace's debug build.
 pub fn nftkube_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NFTKUBE_BIN") {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let bin = target.join("debug/nftkube");
-    assert!(
-        bin.exists(),
-        "{} not found: run `cargo build --bins` first (ci/test does), or set NFTKUBE_BIN",
-        bin.display()
-    );
-    bin
+    workspace_bin("nftkube", "NFTKUBE_BIN")
 }
 
-/// The demo binary (the nftkube-sandbox package's `nftkube-demo`): `$NFTKUBE_DEMO_BIN`, or the workspace's debug
-/// build (`cargo build --bins --workspace` first: the sandbox is not a default member).
+/// The CNI portmap plugin's own binary (the nftkube-portmap package's): `$NFTKUBE_PORTMAP_BIN`, or the
+/// workspace's debug build.
+pub fn portmap_bin() -> PathBuf {
+    workspace_bin("nftkube-portmap", "NFTKUBE_PORTMAP_BIN")
+}
+
+/// The demo binary (the nftkube-sandbox package's `nftkube-demo`): `$NFTKUBE_DEMO_BIN`, or the workspace's
+/// debug build.
 pub fn demo_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NFTKUBE_DEMO_BIN") {
+    workspace_bin("nftkube-demo", "NFTKUBE_DEMO_BIN")
+}
+
+/// Binary `name` of the workspace: the path in `$env` (the VM matrix sets them), else the debug build, which
+/// `cargo build --bins --workspace` makes (ci/kernel-tests runs it; the sandbox is not a default member).
+fn workspace_bin(name: &str, env: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let bin = target.join("debug/nftkube-demo");
+    let bin = target.join("debug").join(name);
     assert!(
         bin.exists(),
-        "{} not found: run `cargo build --bins --workspace` first (ci/kernel-tests does), or set NFTKUBE_DEMO_BIN",
+        "{} not found: run `cargo build --bins --workspace` first (ci/kernel-tests does), or set {env}",
         bin.display()
     );
     bin

@@ -1,6 +1,6 @@
 //! The CNI portmap plugin, driven as a runtime drives it: Debian's stock `bridge` + `host-local` plugins make the
-//! container's interface and address (so `prevResult` is real), then nftkube's portmap (the binary under the
-//! name `portmap`, as a runtime finds it in CNI_PATH) publishes the host ports. Everything runs inside a node
+//! container's interface and address (so `prevResult` is real), then nftkube's portmap (the nftkube-portmap
+//! binary under the name `portmap`, as a runtime finds it in CNI_PATH) publishes the host ports. Everything runs inside a node
 //! namespace of the test's own (the bridge plugin makes its bridge in the namespace it runs in); the client
 //! is the sandbox's outside namespace, wired to the node's uplink. Real packets decide every case, and the
 //! ruleset must list and reload under nft after every step.
@@ -32,8 +32,11 @@ const UDP_PORT: u16 = 5353;
 struct Node {
     sb: Sandbox,
     dir: PathBuf,
-    /// A directory holding `portmap` (a symlink to the nftkube binary) and Debian's plugins, as CNI_PATH.
+    /// A directory holding `portmap` (a symlink to the nftkube-portmap binary) and Debian's plugins, as CNI_PATH.
     cni_path: PathBuf,
+    /// `portmap` as nodes set up before nftkube-portmap have it: a symlink to the agent binary, which answers
+    /// as the plugin by that name.
+    legacy: PathBuf,
 }
 
 impl Node {
@@ -50,11 +53,20 @@ impl Node {
         let dir = std::env::temp_dir().join(format!("nftkube-{name}"));
         let cni_path = dir.join("bin");
         std::fs::create_dir_all(&cni_path).unwrap();
-        std::os::unix::fs::symlink(nftkube_bin(), cni_path.join("portmap")).unwrap();
+        std::os::unix::fs::symlink(portmap_bin(), cni_path.join("portmap")).unwrap();
         for p in ["bridge", "host-local"] {
             std::os::unix::fs::symlink(Path::new(CNI_BIN).join(p), cni_path.join(p)).unwrap();
         }
-        Node { sb, dir, cni_path }
+        let legacy = dir.join("legacy");
+        std::fs::create_dir_all(&legacy).unwrap();
+        let legacy = legacy.join("portmap");
+        std::os::unix::fs::symlink(nftkube_bin(), &legacy).unwrap();
+        Node {
+            sb,
+            dir,
+            cni_path,
+            legacy,
+        }
     }
 
     fn ns(&self) -> &NetNs {
@@ -70,7 +82,18 @@ impl Node {
         att: Option<(&Container, &str)>,
         conf: &Value,
     ) -> (bool, Value) {
-        let mut cmd = command_in(self.ns(), self.cni_path.join(plugin));
+        self.invoke_program(&self.cni_path.join(plugin), command, att, conf)
+    }
+
+    /// [`Node::invoke`] of the executable at `program`.
+    fn invoke_program(
+        &self,
+        program: &Path,
+        command: &str,
+        att: Option<(&Container, &str)>,
+        conf: &Value,
+    ) -> (bool, Value) {
+        let mut cmd = command_in(self.ns(), program);
         cmd.env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("CNI_COMMAND", command)
@@ -823,6 +846,28 @@ fn check_gc_status_and_version() {
     );
 }
 
+/// The agent binary under the name `portmap` (nodes that installed it so before nftkube-portmap existed) is
+/// the same plugin: it checks and deletes what nftkube-portmap added, over the same tables.
+#[test]
+fn the_agent_binary_named_portmap_is_the_same_plugin() {
+    let node = Node::new("pm-legacy");
+    let net = Network::a();
+    let c1 = Container::start("c1");
+    let maps = json!([mapping(8080, TCP_PORT, "tcp")]);
+    let prev = node.attach(&net, &c1, "eth0", maps.clone());
+    let (ext, n4) = (node.sb.ext(), v4(node_ip_v4()));
+    assert_eq!(tcp(ext, n4, 8080).unwrap(), "c1");
+    let conf = net.portmap_conf(Some(&prev), maps);
+    for command in ["CHECK", "DEL"] {
+        let (ok, out) = node.invoke_program(&node.legacy, command, Some((&c1, "eth0")), &conf);
+        assert!(ok, "{command} through nftkube as portmap: {out}");
+        assert_listable(node.ns());
+    }
+    assert_unanswered(tcp_short(ext, n4, 8080), "the port after DEL");
+    let (ok, out) = node.invoke("portmap", "CHECK", Some((&c1, "eth0")), &conf);
+    assert!(!ok, "CHECK after DEL must fail: {out}");
+}
+
 #[test]
 fn bad_configs_are_refused_naming_the_field_and_change_nothing() {
     let node = Node::new("pm-bad");
@@ -871,7 +916,8 @@ fn bad_configs_are_refused_naming_the_field_and_change_nothing() {
         (no_name, 7, "name: missing"),
     ];
     for (conf, code, field) in cases {
-        // Through `nftkube portmap`, the subcommand.
+        // Through `nftkube portmap`, the agent binary's subcommand (kept for nodes set up before
+        // nftkube-portmap).
         let mut cmd = command_in(node.ns(), nftkube_bin());
         cmd.arg("portmap")
             .env("CNI_COMMAND", "ADD")
@@ -1014,7 +1060,7 @@ impl Podman {
         for p in ["bridge", "host-local", "loopback"] {
             std::os::unix::fs::symlink(Path::new(CNI_BIN).join(p), bin.join(p)).unwrap();
         }
-        std::os::unix::fs::symlink(nftkube_bin(), bin.join("nftkube-portmap")).unwrap();
+        std::os::unix::fs::symlink(portmap_bin(), bin.join("nftkube-portmap")).unwrap();
         let conflist = json!({"cniVersion": "1.0.0", "name": "pmnet", "plugins": [
             {"type": "bridge", "bridge": "pmpod0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
              "ipam": {"type": "host-local", "dataDir": dir.join("ipam"),

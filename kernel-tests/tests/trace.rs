@@ -599,7 +599,7 @@ fn cleanup_traces_removes_abandoned_trace_tables_only() {
     assert!(!has_table(ns, &alive), "{alive} left after SIGINT");
 }
 
-/// `nftkube portmap` (the CNI plugin) ADD for pod1 as the container, with `mappings`; the previous result is
+/// `nftkube-portmap` (the CNI plugin, as shipped) ADD for pod1 as the container, with `mappings`; the previous result is
 /// written by hand (pod1's address on its eth0), as a bridge plugin would have returned it.
 fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
     use std::io::Write as _;
@@ -615,8 +615,7 @@ fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
                      "gateway": sandbox::pod_gateway_v4(1).to_string()}]
         }
     });
-    let mut child = command_in(sb.node(), nftkube_bin())
-        .arg("portmap")
+    let mut child = command_in(sb.node(), portmap_bin())
         .env("CNI_COMMAND", "ADD")
         .env("CNI_CONTAINERID", "trace-container")
         .env("CNI_NETNS", pod.path())
@@ -626,7 +625,7 @@ fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("running nftkube portmap");
+        .expect("running nftkube-portmap");
     child
         .stdin
         .take()

@@ -38,14 +38,14 @@
 //! another network. No rule per mapping: a mapping is one element in each of three sets.
 
 use super::netconf::{NetConf, PortMapping, Subnet};
-use crate::nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
-use crate::nft::ir::*;
+use nftkube_nft::build::{concat_key, ip_bytes, load_concat, Field, RuleBuilder};
+use nftkube_nft::ir::*;
 use std::net::IpAddr;
 
 /// The plugin's table, in each family; never the proxy's `nftkube`.
-pub const TABLE: &str = "nftkube-portmap";
+pub(crate) const TABLE: &str = "nftkube-portmap";
 /// The table's families.
-pub const FAMILIES: [Family; 2] = [Family::Ip, Family::Ip6];
+pub(crate) const FAMILIES: [Family; 2] = [Family::Ip, Family::Ip6];
 
 /// Base chain priorities, nft's `dstnat`, `srcnat` and `filter`.
 const DSTNAT: i32 = -100;
@@ -56,23 +56,23 @@ const FILTER: i32 = 0;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
     /// The prerouting chain.
-    pub pre: String,
+    pub(crate) pre: String,
     /// The output chain.
-    pub out: String,
+    pub(crate) out: String,
     /// The postrouting chain.
-    pub post: String,
+    pub(crate) post: String,
     /// The DNAT chain.
-    pub dnat: String,
+    pub(crate) dnat: String,
     /// The host-port map.
-    pub ports: String,
+    pub(crate) ports: String,
     /// The host-IP map.
-    pub hostip: String,
+    pub(crate) hostip: String,
     /// The set of mapping targets.
-    pub targets: String,
+    pub(crate) targets: String,
     /// The input chain that drops martian packets to 127.0.0.0/8 (IPv4).
-    pub guard_in: String,
+    pub(crate) guard_in: String,
     /// The forward chain that drops them.
-    pub guard_fwd: String,
+    pub(crate) guard_fwd: String,
 }
 
 impl Names {
@@ -94,20 +94,8 @@ impl Names {
     }
 
     /// The sets that hold elements of attachments.
-    pub fn element_sets(&self) -> [&str; 3] {
+    pub(crate) fn element_sets(&self) -> [&str; 3] {
         [&self.ports, &self.hostip, &self.targets]
-    }
-
-    /// The chains (in IPv4 with `snat`, the guard chains too).
-    pub fn chains(&self) -> [&str; 6] {
-        [
-            &self.pre,
-            &self.out,
-            &self.post,
-            &self.dnat,
-            &self.guard_in,
-            &self.guard_fwd,
-        ]
     }
 }
 
@@ -290,7 +278,7 @@ fn subnet_comment(s: &Subnet) -> String {
 }
 
 /// The container subnets a network's postrouting chain already masquerades (from its rules' comments).
-pub fn known_subnets(chain: Option<&ChainState>) -> Vec<Subnet> {
+pub(crate) fn known_subnets(chain: Option<&ChainState>) -> Vec<Subnet> {
     chain
         .into_iter()
         .flat_map(|c| &c.rules)
@@ -305,7 +293,7 @@ pub fn owner_comment(container_id: &str, ifname: &str) -> String {
 }
 
 /// Splits a comment written by `owner_comment`.
-pub fn parse_owner(comment: &str) -> Option<(&str, &str)> {
+pub(crate) fn parse_owner(comment: &str) -> Option<(&str, &str)> {
     let (id, ifname) = comment.split_once(' ')?;
     (!id.is_empty() && !ifname.is_empty() && !ifname.contains(' ')).then_some((id, ifname))
 }
@@ -314,7 +302,7 @@ pub fn parse_owner(comment: &str) -> Option<(&str, &str)> {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Wanted {
     /// The set or map.
-    pub set: String,
+    pub(crate) set: String,
     /// The element, with its comment.
     pub element: CommentedElement,
 }
@@ -367,7 +355,7 @@ pub fn elements(
 }
 
 /// A host port a `ports` or `hostip` element publishes: (node address or any, protocol number, port).
-pub fn published(
+pub(crate) fn published(
     family: Family,
     names: &Names,
     set: &str,
@@ -392,7 +380,7 @@ pub fn published(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::portmap::netconf::Protocol;
+    use crate::netconf::Protocol;
 
     fn mapping(host_ip: Option<&str>) -> PortMapping {
         PortMapping {
@@ -443,7 +431,7 @@ mod tests {
         let n = Names::of("net1");
         let conf = |snat: bool| {
             let text = format!(r#"{{"cniVersion": "1.1.0", "name": "net1", "snat": {snat}}}"#);
-            crate::portmap::netconf::parse(text.as_bytes()).unwrap()
+            crate::netconf::parse(text.as_bytes()).unwrap()
         };
         let guards = |family, snat| -> Vec<(Option<Hook>, String)> {
             let mut t = TableState::new(family, TABLE);
@@ -458,7 +446,7 @@ mod tests {
                     let rules: Vec<String> = c
                         .rules
                         .iter()
-                        .map(|r| crate::nft::text::render_rule(r, &t))
+                        .map(|r| nftkube_nft::text::render_rule(r, &t))
                         .collect();
                     (hook, rules.join("; "))
                 })

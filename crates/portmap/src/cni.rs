@@ -8,30 +8,30 @@ use serde_json::{json, Value};
 
 /// The versions this plugin speaks. Chaining (`prevResult`) exists since 0.3.0, and a portmap plugin is only
 /// ever chained, so older versions are refused.
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+pub(crate) const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 /// The version of the answers that carry no result of their own (VERSION).
-pub const CURRENT_VERSION: &str = "1.1.0";
+pub(crate) const CURRENT_VERSION: &str = "1.1.0";
 
 /// Well-known error codes of the CNI specification.
 pub mod code {
     /// CNI error code: the runtime's CNI version is not supported.
-    pub const INCOMPATIBLE_VERSION: u32 = 1;
+    pub(crate) const INCOMPATIBLE_VERSION: u32 = 1;
     /// CNI error code: a field of the configuration is not supported.
-    pub const UNSUPPORTED_FIELD: u32 = 2;
+    pub(crate) const UNSUPPORTED_FIELD: u32 = 2;
     /// CNI error code: the environment variables are invalid.
-    pub const INVALID_ENVIRONMENT: u32 = 4;
+    pub(crate) const INVALID_ENVIRONMENT: u32 = 4;
     /// CNI error code: an I/O error.
-    pub const IO_FAILURE: u32 = 5;
+    pub(crate) const IO_FAILURE: u32 = 5;
     /// CNI error code: the configuration does not decode.
-    pub const DECODE_FAILURE: u32 = 6;
+    pub(crate) const DECODE_FAILURE: u32 = 6;
     /// CNI error code: the configuration is invalid.
-    pub const INVALID_CONFIG: u32 = 7;
+    pub(crate) const INVALID_CONFIG: u32 = 7;
     /// CNI error code: try again later.
-    pub const TRY_AGAIN_LATER: u32 = 11;
+    pub(crate) const TRY_AGAIN_LATER: u32 = 11;
     /// CNI error code (STATUS): the plugin is not available.
-    pub const NOT_AVAILABLE: u32 = 50;
+    pub(crate) const NOT_AVAILABLE: u32 = 50;
     /// Plugin-specific (codes from 100 are the plugin's own): CHECK found the kernel's state differs.
-    pub const CHECK_FAILED: u32 = 100;
+    pub(crate) const CHECK_FAILED: u32 = 100;
 }
 
 /// A failure reported to the runtime as the CNI error object.
@@ -43,12 +43,12 @@ pub struct CniError {
     /// A short message.
     pub msg: String,
     /// Details (may be empty).
-    pub details: String,
+    pub(crate) details: String,
 }
 
 impl CniError {
     /// An error with this code and message.
-    pub fn new(code: u32, msg: impl Into<String>) -> CniError {
+    pub(crate) fn new(code: u32, msg: impl Into<String>) -> CniError {
         CniError {
             code,
             msg: msg.into(),
@@ -56,7 +56,7 @@ impl CniError {
         }
     }
     /// Adds details.
-    pub fn with_details(mut self, details: impl Into<String>) -> CniError {
+    pub(crate) fn with_details(mut self, details: impl Into<String>) -> CniError {
         self.details = details.into();
         self
     }
@@ -72,7 +72,7 @@ impl CniError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 /// `CNI_COMMAND`.
-pub enum Command {
+pub(crate) enum Command {
     /// Add the container's mappings.
     Add,
     /// Remove the container's mappings.
@@ -103,24 +103,24 @@ impl Command {
 
 /// The attachment a command is about: the container and its interface name, as the runtime names them.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Attachment {
+pub(crate) struct Attachment {
     /// `CNI_CONTAINERID`.
-    pub container_id: String,
+    pub(crate) container_id: String,
     /// `CNI_IFNAME`.
-    pub ifname: String,
+    pub(crate) ifname: String,
 }
 
 /// The environment of one invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Env {
+pub(crate) struct Env {
     /// `CNI_COMMAND`.
-    pub command: Command,
+    pub(crate) command: Command,
     /// Set for ADD, DEL and CHECK.
-    pub attachment: Option<Attachment>,
+    pub(crate) attachment: Option<Attachment>,
 }
 
 /// Reads the CNI variables through `get` (the process environment, or a map in tests).
-pub fn read_env(get: impl Fn(&str) -> Option<String>) -> Result<Env, CniError> {
+pub(crate) fn read_env(get: impl Fn(&str) -> Option<String>) -> Result<Env, CniError> {
     let var = |name: &str| get(name).filter(|v| !v.is_empty());
     let command = var("CNI_COMMAND")
         .ok_or_else(|| CniError::new(code::INVALID_ENVIRONMENT, "CNI_COMMAND: missing"))?;
@@ -164,10 +164,10 @@ pub fn read_env(get: impl Fn(&str) -> Option<String>) -> Result<Env, CniError> {
 
 /// The longest container id accepted: the id and the interface name go into element comments, which nft
 /// prints only up to 128 bytes (runtimes use 64 hex digits).
-pub const CONTAINER_ID_MAX: usize = 100;
+pub(crate) const CONTAINER_ID_MAX: usize = 100;
 
 /// The spec's rule for container ids (alphanumerics, underscore, dot, hyphen), and our length limit.
-pub fn check_container_id(id: &str) -> Result<(), CniError> {
+pub(crate) fn check_container_id(id: &str) -> Result<(), CniError> {
     let bad = |why: &str| {
         Err(CniError::new(
             code::INVALID_ENVIRONMENT,
@@ -188,7 +188,7 @@ pub fn check_container_id(id: &str) -> Result<(), CniError> {
 }
 
 /// An interface name as the kernel allows it (the spec's rule).
-pub fn check_ifname(name: &str) -> Result<(), CniError> {
+pub(crate) fn check_ifname(name: &str) -> Result<(), CniError> {
     let bad = |why: &str| {
         Err(CniError::new(
             code::INVALID_ENVIRONMENT,
@@ -211,7 +211,7 @@ pub fn check_ifname(name: &str) -> Result<(), CniError> {
 }
 
 /// The `cniVersion` of a configuration: present, a string, and one we speak.
-pub fn negotiate_version(conf: &Value) -> Result<String, CniError> {
+pub(crate) fn negotiate_version(conf: &Value) -> Result<String, CniError> {
     let v = match conf.get("cniVersion") {
         None => {
             return Err(CniError::new(
@@ -238,12 +238,12 @@ pub fn negotiate_version(conf: &Value) -> Result<String, CniError> {
 }
 
 /// The answer to VERSION.
-pub fn version_info() -> String {
+pub(crate) fn version_info() -> String {
     json!({"cniVersion": CURRENT_VERSION, "supportedVersions": SUPPORTED_VERSIONS}).to_string()
 }
 
 /// Whether `version` is 1.0.0 or later (results without `ips[].version`).
-pub fn is_v1(version: &str) -> bool {
+pub(crate) fn is_v1(version: &str) -> bool {
     version
         .split('.')
         .next()
@@ -254,7 +254,7 @@ pub fn is_v1(version: &str) -> bool {
 /// `prevResult` converted to the result format of `version`: the same object, with `cniVersion` set and
 /// `ips[].version` present before 1.0.0 and absent from 1.0.0 on (the only difference between 0.3.0 and 1.1.0
 /// results that a chained plugin passes through).
-pub fn convert_result(prev: &Value, version: &str) -> Value {
+pub(crate) fn convert_result(prev: &Value, version: &str) -> Value {
     let mut out = prev.clone();
     if let Some(obj) = out.as_object_mut() {
         obj.insert("cniVersion".into(), Value::String(version.into()));

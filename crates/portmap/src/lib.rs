@@ -1,29 +1,31 @@
 //! The CNI portmap plugin on nf_tables: hostPorts mapped to containers through maps in its own tables
 //! (`ip nftkube-portmap`, `ip6 nftkube-portmap`), with the kernel as its only record.
 //!
-//! The nftkube binary speaks the CNI protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a
-//! copy) and as `nftkube portmap`.
+//! Its binary, `nftkube-portmap`, is what a runtime runs (installed as `portmap` in its CNI_PATH); the nftkube
+//! binary still speaks the protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a copy) and as
+//! `nftkube portmap`, for nodes set up before the plugin had a binary of its own.
 //!
 //! - [`cni`]: the protocol (environment, error object, versions);
 //! - [`netconf`]: the configuration on stdin, typed;
 //! - [`conditions`]: `conditionsV4/V6`, a subset of nft match syntax parsed into IR;
 //! - [`render`]: the objects of a network and the elements of an attachment;
-//! - [`state`]: reading them back and planning one batch;
-//! - [`flows`]: UDP conntrack cleanup;
-//! - [`plugin`]: the commands.
+//! - `state`: reading them back and planning one batch;
+//! - `flows`: UDP conntrack cleanup;
+//! - `plugin`: the commands.
+#![forbid(unsafe_code)]
 
 pub mod cni;
 pub mod conditions;
-pub mod flows;
+mod flows;
 pub mod netconf;
-pub mod plugin;
+mod plugin;
 pub mod render;
-pub mod state;
+mod state;
 
 use std::io::{Read, Write};
 
 /// The names the binary answers to as a CNI plugin.
-pub const PLUGIN_NAMES: [&str; 2] = ["portmap", "nftkube-portmap"];
+pub(crate) const PLUGIN_NAMES: [&str; 2] = ["portmap", "nftkube-portmap"];
 
 /// Whether `argv[0]` (a path) names the plugin.
 pub fn invoked_as_plugin(argv0: &std::ffi::OsStr) -> bool {

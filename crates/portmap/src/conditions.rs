@@ -15,13 +15,13 @@
 //! `ip` matches are allowed in `conditionsV4` only, `ip6` in `conditionsV6` only. Parsing is linear in the
 //! input and every error names the list, the string's index and the word at fault.
 
-use crate::nft::build::{Field, RuleBuilder};
-use crate::nft::ir::{CmpOp, Family};
+use nftkube_nft::build::{Field, RuleBuilder};
+use nftkube_nft::ir::{CmpOp, Family};
 use std::net::IpAddr;
 
 /// One parsed match.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Match {
+pub(crate) enum Match {
     /// `ip saddr != 10.0.0.0/8`: the field, the network and its prefix length.
     Addr {
         /// Which address.
@@ -53,7 +53,7 @@ pub enum Match {
 
 impl Match {
     /// Appends the match's expressions to a rule.
-    pub fn apply(&self, rule: RuleBuilder) -> RuleBuilder {
+    pub(crate) fn apply(&self, rule: RuleBuilder) -> RuleBuilder {
         match self {
             Match::Addr {
                 field,
@@ -64,7 +64,7 @@ impl Match {
                 let full = if net.is_ipv4() { 32 } else { 128 };
                 if *prefix == full {
                     let op = if *negate { CmpOp::Neq } else { CmpOp::Eq };
-                    rule.cmp(*field, op, crate::nft::build::ip_bytes(net))
+                    rule.cmp(*field, op, nftkube_nft::build::ip_bytes(net))
                 } else {
                     rule.prefix(*field, net, *prefix, *negate)
                 }
@@ -85,17 +85,17 @@ impl Match {
 /// A condition that does not parse: which list, which string, which word, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{list}[{index}]: {reason}")]
-pub struct ConditionError {
+pub(crate) struct ConditionError {
     /// Which list (`conditionsV4`, `conditionsV6`).
-    pub list: &'static str,
+    pub(crate) list: &'static str,
     /// The condition's index in it.
-    pub index: usize,
+    pub(crate) index: usize,
     /// Why it cannot be read.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// The list's name in the configuration, for errors.
-pub fn list_name(family: Family) -> &'static str {
+pub(crate) fn list_name(family: Family) -> &'static str {
     if family == Family::Ip6 {
         "conditionsV6"
     } else {
@@ -104,7 +104,7 @@ pub fn list_name(family: Family) -> &'static str {
 }
 
 /// Parses every string of a conditions list for a table of `family`.
-pub fn parse(family: Family, conditions: &[String]) -> Result<Vec<Match>, ConditionError> {
+pub(crate) fn parse(family: Family, conditions: &[String]) -> Result<Vec<Match>, ConditionError> {
     let mut out = Vec::new();
     for (index, text) in conditions.iter().enumerate() {
         let fail = |reason: String| ConditionError {

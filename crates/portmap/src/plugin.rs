@@ -6,22 +6,22 @@ use super::flows::{self, HostPort};
 use super::netconf::{self, NetConf, Protocol};
 use super::render::{self, Names, Wanted, FAMILIES};
 use super::state::{self, NetworkView, Removed};
-use crate::nft::ir::{Element, Family};
-use crate::nft::netlink::NftSocket;
-use crate::nft::tx::Transaction;
+use nftkube_nft::ir::{Element, Family};
+use nftkube_nft::netlink::NftSocket;
+use nftkube_nft::tx::Transaction;
 use std::collections::BTreeSet;
 
 /// What an invocation prints on stdout and whether it succeeded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
+pub(crate) struct Outcome {
     /// What to print on stdout.
-    pub stdout: String,
+    pub(crate) stdout: String,
     /// Whether the command succeeded (the exit code).
-    pub ok: bool,
+    pub(crate) ok: bool,
 }
 
 /// Runs one invocation: the CNI variables through `env`, the configuration from `stdin`.
-pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8]) -> Outcome {
+pub(crate) fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8]) -> Outcome {
     // The version errors are reported in: the configuration's when it says one.
     let version = serde_json::from_slice::<serde_json::Value>(stdin)
         .ok()

@@ -6,20 +6,20 @@
 //! the mapping's node address) are deleted, so the next packet is NATed by the new state. Entries towards
 //! the same port on remote hosts (the node's own DNS queries to port 53, say) are left alone.
 
-use crate::conntrack::wire::IPPROTO_UDP;
-use crate::conntrack::{CtSocket, DumpFilter, Entry};
+use nftkube_conntrack::wire::IPPROTO_UDP;
+use nftkube_conntrack::{CtSocket, DumpFilter, Entry};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 /// A published UDP port: the node address it is bound to (None: every local address) and the port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct HostPort {
+pub(crate) struct HostPort {
     /// IPv6.
-    pub v6: bool,
+    pub(crate) v6: bool,
     /// The mapping's `hostIP` (None: any local address).
-    pub host_ip: Option<IpAddr>,
+    pub(crate) host_ip: Option<IpAddr>,
     /// The host port.
-    pub port: u16,
+    pub(crate) port: u16,
 }
 
 /// Whether an entry was sent to `hp`, given the node's local addresses.
@@ -35,7 +35,7 @@ fn sent_to(e: &Entry, hp: &HostPort, local: &BTreeSet<IpAddr>) -> bool {
 
 /// Why clearing a host port's UDP flows failed.
 #[derive(Debug, thiserror::Error)]
-pub enum ClearError {
+pub(crate) enum ClearError {
     /// The node's addresses (which tell `hostIP`-less mappings' destinations) could not be read.
     #[error("reading the node's addresses: {0}")]
     NodeAddresses(std::io::Error),
@@ -44,10 +44,10 @@ pub enum ClearError {
     Socket(std::io::Error),
     /// The dump of one family's UDP entries failed.
     #[error("dumping UDP conntrack entries: {0}")]
-    Dump(crate::netlink::NetlinkError),
+    Dump(nftkube_netlink::NetlinkError),
     /// The delete batch failed as a whole.
     #[error("deleting conntrack entries: {0}")]
-    Delete(crate::netlink::NetlinkError),
+    Delete(nftkube_netlink::NetlinkError),
     /// The kernel refused to delete one entry.
     #[error("deleting conntrack entry {entry}: {error}")]
     Entry {
@@ -59,11 +59,11 @@ pub enum ClearError {
 }
 
 /// Deletes the entries sent to any of `ports`; returns how many were deleted.
-pub fn clear(ports: &[HostPort]) -> Result<usize, ClearError> {
+pub(crate) fn clear(ports: &[HostPort]) -> Result<usize, ClearError> {
     if ports.is_empty() {
         return Ok(0);
     }
-    let local: BTreeSet<IpAddr> = crate::node::addresses()
+    let local: BTreeSet<IpAddr> = nftkube_node::addresses()
         .map_err(ClearError::NodeAddresses)?
         .into_iter()
         .map(|a| a.ip)
@@ -97,7 +97,7 @@ pub fn clear(ports: &[HostPort]) -> Result<usize, ClearError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::conntrack::{Tuple, ZoneScope};
+    use nftkube_conntrack::{Tuple, ZoneScope};
 
     fn entry(dst: &str, dport: u16) -> Entry {
         let orig = Tuple::new(

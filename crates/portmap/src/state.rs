@@ -3,21 +3,21 @@
 
 use super::netconf::{NetConf, Subnet};
 use super::render::{self, Names, Wanted, TABLE};
-use crate::nft::ir::*;
-use crate::nft::netlink::{DumpError, NftSocket};
-use crate::nft::tx::{Op, Transaction};
+use nftkube_nft::ir::*;
+use nftkube_nft::netlink::{DumpError, NftSocket};
+use nftkube_nft::tx::{Op, Transaction};
 use std::collections::BTreeMap;
 
 /// An element as read back, with its comment.
-pub type Read = (Element, Option<String>);
+pub(crate) type Read = (Element, Option<String>);
 
 /// One network's objects in one family's table, as the kernel has them.
 #[derive(Debug, Clone, Default)]
-pub struct NetworkView {
+pub(crate) struct NetworkView {
     /// The table's chains, rules and set declarations (no elements); None when the table does not exist.
-    pub table: Option<TableState>,
+    pub(crate) table: Option<TableState>,
     /// The elements of the network's sets, by set name.
-    pub elements: BTreeMap<String, Vec<Read>>,
+    pub(crate) elements: BTreeMap<String, Vec<Read>>,
 }
 
 impl NetworkView {
@@ -30,7 +30,11 @@ impl NetworkView {
 }
 
 /// Reads the network's objects: the table's structure and the elements of the network's own sets only.
-pub fn read(sock: &mut NftSocket, family: Family, names: &Names) -> Result<NetworkView, DumpError> {
+pub(crate) fn read(
+    sock: &mut NftSocket,
+    family: Family,
+    names: &Names,
+) -> Result<NetworkView, DumpError> {
     let table = sock.dump_table_structure(family, TABLE)?;
     let mut elements = BTreeMap::new();
     if let Some(t) = &table {
@@ -47,7 +51,7 @@ pub fn read(sock: &mut NftSocket, family: Family, names: &Names) -> Result<Netwo
 /// differ are replaced within the batch (flush and refill in one transaction: no packet sees them empty).
 /// Every message is idempotent (NEWTABLE, NEWSET and NEWCHAIN without NLM_F_EXCL; a flush before the rules),
 /// so two invocations that both found the network missing leave one copy of it.
-pub fn ensure_structure(
+pub(crate) fn ensure_structure(
     tx: &mut Transaction,
     family: Family,
     view: &NetworkView,
@@ -103,12 +107,12 @@ fn subnets(table: &TableState, names: &Names, new: Option<Subnet>) -> Vec<Subnet
 }
 
 /// What a plan removed: (set, element) pairs, to clean conntrack after the commit.
-pub type Removed = Vec<(String, Element)>;
+pub(crate) type Removed = Vec<(String, Element)>;
 
 /// Adds to `tx` what makes the attachment `owner` hold exactly `wanted` in the network's sets: missing
 /// elements are added, elements of the same key held by someone else (a port taken over) are replaced, and
 /// the owner's elements that are no longer wanted are removed.
-pub fn converge(
+pub(crate) fn converge(
     tx: &mut Transaction,
     family: Family,
     view: &NetworkView,
@@ -151,7 +155,7 @@ pub fn converge(
 }
 
 /// Adds to `tx` the removal of every element of the network's sets whose comment `doomed` selects.
-pub fn remove_where(
+pub(crate) fn remove_where(
     tx: &mut Transaction,
     family: Family,
     view: &NetworkView,
@@ -188,7 +192,7 @@ fn push_deletes(tx: &mut Transaction, family: Family, removed: &Removed) {
 }
 
 /// What CHECK finds wrong, in words; empty when the kernel holds everything `wanted` asks for.
-pub fn differences(
+pub(crate) fn differences(
     family: Family,
     view: &NetworkView,
     names: &Names,
@@ -241,7 +245,7 @@ pub fn differences(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::portmap::netconf::{self, PortMapping, Protocol};
+    use crate::netconf::{self, PortMapping, Protocol};
 
     fn conf() -> NetConf {
         netconf::parse(br#"{"cniVersion": "1.1.0", "name": "n1"}"#).unwrap()

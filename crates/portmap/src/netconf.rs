@@ -2,30 +2,30 @@
 
 use super::cni::{check_container_id, check_ifname, code, negotiate_version, Attachment, CniError};
 use super::conditions::{self, Match};
-use crate::nft::ir::Family;
+use nftkube_nft::ir::Family;
 use serde_json::{Map, Value};
 use std::net::IpAddr;
 
 /// The default `markMasqBit`, upstream's (kubelet's masquerade bit is 14; portmap's default stays clear of it).
-pub const DEFAULT_MARK_MASQ_BIT: u32 = 13;
+pub(crate) const DEFAULT_MARK_MASQ_BIT: u32 = 13;
 
 /// The model's protocol: the same three, the same numbers.
-pub use crate::model::Protocol;
+pub use nftkube_model::Protocol;
 
 /// One `runtimeConfig.portMappings` entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PortMapping {
     /// The port on the host.
-    pub host_port: u16,
+    pub(crate) host_port: u16,
     /// The port in the container.
-    pub container_port: u16,
+    pub(crate) container_port: u16,
     /// The protocol.
-    pub protocol: Protocol,
+    pub(crate) protocol: Protocol,
     /// A specific node address; None for every local address (`""`, absent), or `0.0.0.0` / `::` for every
     /// local address of that family only.
-    pub host_ip: Option<IpAddr>,
+    pub(crate) host_ip: Option<IpAddr>,
     /// `0.0.0.0` or `::`: every address, of that family only.
-    pub any_of: Option<Family>,
+    pub(crate) any_of: Option<Family>,
 }
 
 impl PortMapping {
@@ -40,7 +40,7 @@ impl PortMapping {
 }
 
 /// The family of an address.
-pub fn family_of(ip: &IpAddr) -> Family {
+pub(crate) fn family_of(ip: &IpAddr) -> Family {
     if ip.is_ipv4() {
         Family::Ip
     } else {
@@ -52,11 +52,11 @@ pub fn family_of(ip: &IpAddr) -> Family {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PrevResult {
     /// The container's first address of each family, with its prefix length (the container's subnet).
-    pub container_ips: Vec<(IpAddr, u8)>,
+    pub(crate) container_ips: Vec<(IpAddr, u8)>,
     /// Interfaces in the node's namespace (the bridge, the host end of a veth): where route_localnet goes.
-    pub host_interfaces: Vec<String>,
+    pub(crate) host_interfaces: Vec<String>,
     /// The object itself, passed on as this plugin's result.
-    pub raw: Value,
+    pub(crate) raw: Value,
 }
 
 impl PrevResult {
@@ -82,14 +82,14 @@ impl PrevResult {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Subnet {
     /// The network address.
-    pub net: IpAddr,
+    pub(crate) net: IpAddr,
     /// The prefix length.
-    pub prefix: u8,
+    pub(crate) prefix: u8,
 }
 
 impl Subnet {
     /// The subnet of `ip` with this prefix (host bits cleared).
-    pub fn of(ip: IpAddr, prefix: u8) -> Subnet {
+    pub(crate) fn of(ip: IpAddr, prefix: u8) -> Subnet {
         let net = match ip {
             IpAddr::V4(a) => {
                 let mask = u32::MAX
@@ -108,7 +108,7 @@ impl Subnet {
     }
 
     /// Reads "ADDR/PREFIX".
-    pub fn parse(text: &str) -> Option<Subnet> {
+    pub(crate) fn parse(text: &str) -> Option<Subnet> {
         let (ip, prefix) = text.split_once('/')?;
         let ip: IpAddr = ip.parse().ok()?;
         let prefix: u8 = prefix.parse().ok()?;
@@ -127,30 +127,30 @@ impl std::fmt::Display for Subnet {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConf {
     /// `cniVersion`.
-    pub cni_version: String,
+    pub(crate) cni_version: String,
     /// The network's `name`.
     pub name: String,
     /// `snat`: masquerade connections from the host's loopback.
     pub snat: bool,
     /// `masqAll`: masquerade every mapped connection.
-    pub masq_all: bool,
+    pub(crate) masq_all: bool,
     /// `markMasqBit`: the fwmark bit that asks for masquerade.
-    pub mark_masq_bit: u32,
+    pub(crate) mark_masq_bit: u32,
     /// `conditionsV4`: extra matches for IPv4 mappings.
-    pub conditions_v4: Vec<Match>,
+    pub(crate) conditions_v4: Vec<Match>,
     /// `conditionsV6`: extra matches for IPv6 mappings.
-    pub conditions_v6: Vec<Match>,
+    pub(crate) conditions_v6: Vec<Match>,
     /// `runtimeConfig.portMappings`.
     pub port_mappings: Vec<PortMapping>,
     /// `prevResult`: the container's interfaces and addresses.
     pub prev_result: Option<PrevResult>,
     /// GC: `cni.dev/valid-attachments`.
-    pub valid_attachments: Option<Vec<Attachment>>,
+    pub(crate) valid_attachments: Option<Vec<Attachment>>,
 }
 
 impl NetConf {
     /// The conditions of a family.
-    pub fn conditions(&self, family: Family) -> &[Match] {
+    pub(crate) fn conditions(&self, family: Family) -> &[Match] {
         if family == Family::Ip6 {
             &self.conditions_v6
         } else {
