@@ -27,17 +27,16 @@ struct Args {
     requests: usize,
     /// The agent's log level: error, warn, info, debug, trace.
     #[arg(long, default_value = "info")]
-    log_level: String,
+    log_level: tracing::Level,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let level = args.log_level.parse().unwrap_or(tracing::Level::INFO);
     // The agent logs through tracing, as `nftkube proxy` does; the same subscriber, for the same reason: a log
     // that cannot be written is lost, and nothing else (tracing-subscriber would report the failed write with
     // `eprintln!`, which panics on that same stderr).
     tracing_subscriber::fmt()
-        .with_max_level(level)
+        .with_max_level(args.log_level)
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .log_internal_errors(false)
