@@ -91,13 +91,19 @@ fn cmp(sreg: u32, op: CmpOp, data: Vec<u8>) -> Expr {
     Expr::Cmp { sreg, op, data }
 }
 
-fn nat(kind: NatKind, family: Family, addr: Option<u32>, proto: Option<u32>, extra: u32) -> Expr {
+fn nat(
+    kind: NatKind,
+    family: Family,
+    addr: Option<u32>,
+    proto: Option<u32>,
+    extra: NatFlags,
+) -> Expr {
     let mut flags = extra;
     if addr.is_some() {
-        flags |= NAT_F_MAP_IPS;
+        flags |= NatFlags::MAP_IPS;
     }
     if proto.is_some() {
-        flags |= NAT_F_PROTO_SPECIFIED;
+        flags |= NatFlags::PROTO_SPECIFIED;
     }
     Expr::Nat {
         kind,
@@ -142,7 +148,7 @@ fn dnat_slot_map(fields: &[Field], n: u32, map: &str, family: Family) -> Vec<Exp
         family,
         Some(REG_1),
         Some(reg_at_slot(addr_slots)),
-        0,
+        NatFlags::EMPTY,
     ));
     exprs
 }
@@ -333,7 +339,7 @@ fn ip_table() -> TableState {
                     Family::Ip,
                     Some(REG_1),
                     Some(reg32(1)),
-                    0,
+                    NatFlags::EMPTY,
                 ))
                 .comment("data map")
                 .build(),
@@ -361,12 +367,18 @@ fn ip_table() -> TableState {
                     dreg: Some(REG_1),
                     invert: false,
                 })
-                .expr(nat(NatKind::Dnat, Family::Ip, Some(REG_1), None, 0))
+                .expr(nat(
+                    NatKind::Dnat,
+                    Family::Ip,
+                    Some(REG_1),
+                    None,
+                    NatFlags::EMPTY,
+                ))
                 .build(),
             RuleBuilder::new()
                 .expr(Expr::Fib {
-                    flags: FIB_F_DADDR,
-                    result: FIB_RESULT_ADDRTYPE,
+                    flags: FibFlags::DADDR,
+                    result: FibResult::ADDRTYPE,
                     dreg: REG_1,
                 })
                 .expr(cmp(REG_1, CmpOp::Eq, RTN_LOCAL.to_ne_bytes().to_vec()))
@@ -374,8 +386,8 @@ fn ip_table() -> TableState {
                 .build(),
             RuleBuilder::new()
                 .expr(Expr::Fib {
-                    flags: FIB_F_SADDR | FIB_F_IIF,
-                    result: FIB_RESULT_OIF,
+                    flags: FibFlags::SADDR | FibFlags::IIF,
+                    result: FibResult::OIF,
                     dreg: REG_1,
                 })
                 .expr(cmp(REG_1, CmpOp::Eq, vec![0; 4]))
@@ -460,7 +472,13 @@ fn ip_table() -> TableState {
                     dreg: REG_1,
                     data: ip4("10.244.1.4"),
                 })
-                .expr(nat(NatKind::Dnat, Family::Ip, Some(REG_1), None, 0))
+                .expr(nat(
+                    NatKind::Dnat,
+                    Family::Ip,
+                    Some(REG_1),
+                    None,
+                    NatFlags::EMPTY,
+                ))
                 .build(),
         ],
     );
@@ -560,7 +578,7 @@ fn ip_table() -> TableState {
                     Family::Ip,
                     Some(REG_1),
                     None,
-                    NAT_F_PERSISTENT,
+                    NatFlags::PERSISTENT,
                 ))
                 .build(),
         ],
@@ -746,7 +764,13 @@ fn ip6_table() -> TableState {
                     dreg: Some(REG_1),
                     invert: false,
                 })
-                .expr(nat(NatKind::Dnat, Family::Ip6, Some(REG_1), Some(REG_2), 0))
+                .expr(nat(
+                    NatKind::Dnat,
+                    Family::Ip6,
+                    Some(REG_1),
+                    Some(REG_2),
+                    NatFlags::EMPTY,
+                ))
                 .build(),
             RuleBuilder::new()
                 .expr(Field::Ip6Saddr.load(REG_1))
@@ -796,8 +820,8 @@ fn ip6_table() -> TableState {
                 .build(),
             RuleBuilder::new()
                 .expr(Expr::Fib {
-                    flags: FIB_F_DADDR,
-                    result: FIB_RESULT_ADDRTYPE,
+                    flags: FibFlags::DADDR,
+                    result: FibResult::ADDRTYPE,
                     dreg: REG_1,
                 })
                 .expr(cmp(REG_1, CmpOp::Eq, RTN_LOCAL.to_ne_bytes().to_vec()))

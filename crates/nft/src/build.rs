@@ -172,7 +172,7 @@ fn nat_from(family: Family, slot: u32) -> Expr {
         family,
         reg_addr: Some(reg_at_slot(slot)),
         reg_proto: Some(reg_at_slot(slot + addr_slots)),
-        flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+        flags: NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
     }
 }
 
@@ -324,18 +324,18 @@ impl RuleBuilder {
 
     /// `fib saddr type local`: the packet comes from this host itself.
     pub fn saddr_is_local(self) -> Self {
-        self.fib_local(FIB_F_SADDR)
+        self.fib_local(FibFlags::SADDR)
     }
 
     /// `fib daddr type local`: the destination is one of this host's addresses.
     pub fn daddr_is_local(self) -> Self {
-        self.fib_local(FIB_F_DADDR)
+        self.fib_local(FibFlags::DADDR)
     }
 
-    fn fib_local(mut self, which: u32) -> Self {
+    fn fib_local(mut self, which: FibFlags) -> Self {
         self.exprs.push(Expr::Fib {
             flags: which,
-            result: FIB_RESULT_ADDRTYPE,
+            result: FibResult::ADDRTYPE,
             dreg: REG_1,
         });
         self.exprs.push(Expr::Cmp {
@@ -400,7 +400,7 @@ impl RuleBuilder {
             family: family_of(addr),
             reg_addr: Some(REG_1),
             reg_proto: Some(REG_2),
-            flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+            flags: NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
         });
         self
     }
@@ -439,7 +439,7 @@ impl RuleBuilder {
             family,
             reg_addr: Some(REG_1),
             reg_proto: Some(reg_at_slot(addr_slots)),
-            flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+            flags: NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
         });
         self
     }
@@ -482,7 +482,7 @@ impl RuleBuilder {
         });
         self.exprs.push(Expr::Redir {
             reg_proto: Some(REG_1),
-            flags: NAT_F_PROTO_SPECIFIED,
+            flags: NatFlags::PROTO_SPECIFIED,
         });
         self
     }
@@ -531,9 +531,9 @@ impl RuleBuilder {
     pub fn masquerade(mut self, fully_random: bool) -> Self {
         self.exprs.push(Expr::Masq {
             flags: if fully_random {
-                NAT_F_PROTO_RANDOM_FULLY
+                NatFlags::PROTO_RANDOM_FULLY
             } else {
-                0
+                NatFlags::EMPTY
             },
         });
         self

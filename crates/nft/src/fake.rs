@@ -60,7 +60,7 @@ impl FakeKernel {
                 tables
                     .entry(key.clone())
                     .or_insert_with(|| TableState::new(c.family, c.table.clone()))
-                    .flags = 0;
+                    .flags = TableFlags::EMPTY;
                 continue;
             }
             if let Op::CreateTable = c.op {

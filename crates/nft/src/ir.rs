@@ -6,8 +6,65 @@
 
 pub use super::bytes::ElementBytes;
 pub use super::udata::TypeofExpr;
+use super::wire::consts::{
+    NFTA_FIB_F_DADDR, NFTA_FIB_F_IIF, NFTA_FIB_F_MARK, NFTA_FIB_F_OIF, NFTA_FIB_F_SADDR,
+    NFT_FIB_RESULT_ADDRTYPE, NFT_FIB_RESULT_OIF, NFT_TABLE_F_DORMANT, NF_NAT_RANGE_MAP_IPS,
+    NF_NAT_RANGE_PERSISTENT, NF_NAT_RANGE_PROTO_RANDOM, NF_NAT_RANGE_PROTO_RANDOM_FULLY,
+    NF_NAT_RANGE_PROTO_SPECIFIED,
+};
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::{BitOr, BitOrAssign};
 use std::sync::Arc;
+
+/// Declares a word of kernel flag bits: a `u32` newtype whose named bits are associated consts, declared
+/// beside it with the kernel's numbers from `wire::consts`. Bits without a name here (a rule read back from
+/// the kernel or written by another tool) are kept as read, so that a comparison still sees them.
+macro_rules! flag_word {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(u32);
+
+        impl $name {
+            /// No flag set.
+            pub const EMPTY: $name = $name(0);
+
+            /// The word as the kernel stores it.
+            pub fn bits(self) -> u32 {
+                self.0
+            }
+            /// The kernel's word, bits without a name included.
+            pub fn from_bits_retain(bits: u32) -> Self {
+                $name(bits)
+            }
+            /// Whether every flag of `other` is set.
+            pub fn contains(self, other: Self) -> bool {
+                self.0 & other.0 == other.0
+            }
+            /// Whether no flag is set.
+            pub fn is_empty(self) -> bool {
+                self.0 == 0
+            }
+            /// These flags without those of `other`.
+            pub fn difference(self, other: Self) -> Self {
+                $name(self.0 & !other.0)
+            }
+        }
+
+        impl BitOr for $name {
+            type Output = $name;
+            fn bitor(self, other: $name) -> $name {
+                $name(self.0 | other.0)
+            }
+        }
+
+        impl BitOrAssign for $name {
+            fn bitor_assign(&mut self, other: $name) {
+                self.0 |= other.0;
+            }
+        }
+    };
+}
 
 /// nf_tables address family of a table (`NFPROTO_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -388,35 +445,7 @@ impl Set {
     pub fn is_verdict_map(&self) -> bool {
         self.data == [DataType::Verdict]
     }
-    /// NFT_SET_* flags as the kernel stores them.
-    pub fn flags(&self) -> u32 {
-        let mut f = 0;
-        if self.is_map() {
-            f |= SET_F_MAP;
-        }
-        if self.timeout_ms.is_some() {
-            f |= SET_F_TIMEOUT;
-        }
-        if self.dynamic {
-            f |= SET_F_EVAL;
-        }
-        f
-    }
 }
-
-/// A dormant table's base chains are unhooked (`nft add table ... { flags dormant; }`).
-pub const TABLE_F_DORMANT: u32 = 0x1;
-
-/// NFT_SET_ANONYMOUS: belongs to one rule.
-pub(crate) const SET_F_ANONYMOUS: u32 = 0x1;
-/// NFT_SET_CONSTANT: its elements never change.
-pub(crate) const SET_F_CONSTANT: u32 = 0x2;
-/// NFT_SET_MAP: a map.
-pub(crate) const SET_F_MAP: u32 = 0x8;
-/// NFT_SET_TIMEOUT: its elements may expire.
-pub(crate) const SET_F_TIMEOUT: u32 = 0x10;
-/// NFT_SET_EVAL: updated from the packet path (nft's `dynamic`).
-pub(crate) const SET_F_EVAL: u32 = 0x20;
 
 /// One element: its key bytes (components padded to 4 bytes when concatenated) and, in maps, its value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -642,6 +671,9 @@ impl CtKey {
     }
 }
 
+// The CT_STATE_*, CT_STATUS_DNAT, RTN_LOCAL and ICMP_* numbers below are data: values a rule loads and
+// compares (or answers with), not flag words the IR stores, so they stay plain numbers.
+
 /// Conntrack status bit for "this connection was destination-NATed" (IPS_DST_NAT).
 pub const CT_STATUS_DNAT: u32 = 1 << 5;
 /// `ct state` bits (NF_CT_STATE_BIT).
@@ -710,18 +742,24 @@ pub enum NatKind {
     Dnat,
 }
 
-/// `NF_NAT_RANGE_*` flags.
-/// The kernel adds MAP_IPS itself when an address register is given and dumps it back; we send it too so a
-/// rule read back compares equal to the rule we rendered.
-pub const NAT_F_MAP_IPS: u32 = 0x1;
-/// The port register is set.
-pub const NAT_F_PROTO_SPECIFIED: u32 = 0x2;
-/// `random`: random ports.
-pub(crate) const NAT_F_PROTO_RANDOM: u32 = 0x4;
-/// `persistent`: the same address for a client.
-pub const NAT_F_PERSISTENT: u32 = 0x8;
-/// `fully-random`: ports fully randomised.
-pub const NAT_F_PROTO_RANDOM_FULLY: u32 = 0x10;
+flag_word! {
+    /// The NAT range flags (`NF_NAT_RANGE_*`) of the nat, masq and redir expressions.
+    NatFlags
+}
+
+impl NatFlags {
+    /// The address register is set. The kernel adds it itself when an address register is given and dumps
+    /// it back; we send it too so a rule read back compares equal to the rule we rendered.
+    pub const MAP_IPS: NatFlags = NatFlags(NF_NAT_RANGE_MAP_IPS);
+    /// The port register is set.
+    pub const PROTO_SPECIFIED: NatFlags = NatFlags(NF_NAT_RANGE_PROTO_SPECIFIED);
+    /// `random`: random ports.
+    pub(crate) const PROTO_RANDOM: NatFlags = NatFlags(NF_NAT_RANGE_PROTO_RANDOM);
+    /// `persistent`: the same address for a client.
+    pub const PERSISTENT: NatFlags = NatFlags(NF_NAT_RANGE_PERSISTENT);
+    /// `fully-random`: ports fully randomised.
+    pub const PROTO_RANDOM_FULLY: NatFlags = NatFlags(NF_NAT_RANGE_PROTO_RANDOM_FULLY);
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 /// How `reject` answers.
@@ -748,20 +786,44 @@ pub enum DynsetOp {
     Update,
 }
 
-/// `fib` lookups: which address to look up, what to return.
-pub const FIB_F_SADDR: u32 = 1;
-/// Look up the destination address.
-pub const FIB_F_DADDR: u32 = 2;
-/// Include the packet mark.
-pub(crate) const FIB_F_MARK: u32 = 4;
-/// Include the input interface.
-pub const FIB_F_IIF: u32 = 8;
-/// Include the output interface.
-pub(crate) const FIB_F_OIF: u32 = 16;
-/// Result: the output interface index.
-pub const FIB_RESULT_OIF: u32 = 1;
-/// Result: the address type (RTN_*).
-pub const FIB_RESULT_ADDRTYPE: u32 = 3;
+flag_word! {
+    /// What a `fib` lookup is made by (`NFTA_FIB_F_*`): an address, and what else the route depends on.
+    FibFlags
+}
+
+impl FibFlags {
+    /// Look up the source address.
+    pub const SADDR: FibFlags = FibFlags(NFTA_FIB_F_SADDR);
+    /// Look up the destination address.
+    pub const DADDR: FibFlags = FibFlags(NFTA_FIB_F_DADDR);
+    /// Include the packet mark.
+    pub(crate) const MARK: FibFlags = FibFlags(NFTA_FIB_F_MARK);
+    /// Include the input interface.
+    pub const IIF: FibFlags = FibFlags(NFTA_FIB_F_IIF);
+    /// Include the output interface.
+    pub(crate) const OIF: FibFlags = FibFlags(NFTA_FIB_F_OIF);
+}
+
+/// What a `fib` lookup returns (`NFT_FIB_RESULT_*`); a value we do not name is kept as read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FibResult(u32);
+
+impl FibResult {
+    /// The output interface index (`oif`).
+    pub const OIF: FibResult = FibResult(NFT_FIB_RESULT_OIF);
+    /// The address type, an RTN_* number (`type`).
+    pub const ADDRTYPE: FibResult = FibResult(NFT_FIB_RESULT_ADDRTYPE);
+
+    /// The kernel's number.
+    pub fn number(self) -> u32 {
+        self.0
+    }
+    /// The result of a kernel number, named here or not.
+    pub fn from_number(v: u32) -> Self {
+        FibResult(v)
+    }
+}
+
 /// `RTN_LOCAL`: what `fib daddr type local` compares the address type to.
 pub const RTN_LOCAL: u32 = 2;
 
@@ -869,21 +931,21 @@ pub enum Expr {
         reg_addr: Option<u32>,
         /// The register with the port.
         reg_proto: Option<u32>,
-        /// NF_NAT_RANGE_* flags.
-        flags: u32,
+        /// NAT range flags.
+        flags: NatFlags,
     },
     /// Source NAT to the outgoing interface's address.
     Masq {
-        /// NF_NAT_RANGE_* flags.
-        flags: u32,
+        /// NAT range flags.
+        flags: NatFlags,
     },
     /// `redirect to :port` (the port from `reg_proto`): DNAT to the primary address of the incoming
     /// interface (127.0.0.1 / ::1 for local traffic).
     Redir {
         /// The register with the port.
         reg_proto: Option<u32>,
-        /// NF_NAT_RANGE_* flags.
-        flags: u32,
+        /// NAT range flags.
+        flags: NatFlags,
     },
     /// Rejects the packet with an answer.
     Reject(RejectKind),
@@ -911,10 +973,10 @@ pub enum Expr {
     },
     /// A routing lookup (`fib daddr type`, ...) into `dreg`.
     Fib {
-        /// What to look up by (FIB_F_*).
-        flags: u32,
-        /// What to return (FIB_RESULT_*).
-        result: u32,
+        /// What to look up by.
+        flags: FibFlags,
+        /// What to return.
+        result: FibResult,
         /// The destination register.
         dreg: u32,
     },
@@ -987,6 +1049,16 @@ pub struct SetState {
     pub elements: BTreeSet<Element>,
 }
 
+flag_word! {
+    /// A table's flags (`NFT_TABLE_F_*`).
+    TableFlags
+}
+
+impl TableFlags {
+    /// The table's base chains are unhooked (`nft add table ... { flags dormant; }`).
+    pub const DORMANT: TableFlags = TableFlags(NFT_TABLE_F_DORMANT);
+}
+
 /// The whole content of one of our tables, keyed by name so two states diff cheaply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableState {
@@ -994,9 +1066,9 @@ pub struct TableState {
     pub family: Family,
     /// The table's name.
     pub name: String,
-    /// NFT_TABLE_F_* flags: ours are always 0; read back, `TABLE_F_DORMANT` means every hook of the table is
-    /// detached (all its rules silently off).
-    pub flags: u32,
+    /// The table's flags: ours are always empty; read back, [`TableFlags::DORMANT`] means every hook of the
+    /// table is detached (all its rules silently off).
+    pub flags: TableFlags,
     /// Its sets and maps, by name.
     pub sets: BTreeMap<String, SetState>,
     /// Its chains, by name.
@@ -1009,7 +1081,7 @@ impl TableState {
         TableState {
             family,
             name: name.into(),
-            flags: 0,
+            flags: TableFlags::EMPTY,
             sets: BTreeMap::new(),
             chains: BTreeMap::new(),
         }

@@ -270,7 +270,7 @@ impl NftSocket {
         for p in self.dump(NFT_MSG_GETSET, family, Some(name), None)? {
             let (t, set, flags) = wire::decode_set(&p)?;
             // Anonymous sets belong to the rule that uses them: read with it (`resolve_anonymous_sets`).
-            if t == name && flags & SET_F_ANONYMOUS != 0 {
+            if t == name && flags & NFT_SET_ANONYMOUS != 0 {
                 anonymous.push(set);
             } else if t == name {
                 set_names.push(set.name.clone());

@@ -19,7 +19,7 @@ pub fn render_table(t: &TableState) -> String {
         .collect();
     let mut out = String::new();
     let _ = writeln!(out, "table {} {} {{", t.family.as_str(), t.name);
-    if t.flags & TABLE_F_DORMANT != 0 {
+    if t.flags.contains(TableFlags::DORMANT) {
         let _ = writeln!(out, "\tflags dormant");
     }
     for s in t.sets.values() {
@@ -422,7 +422,7 @@ impl RuleReader<'_> {
         nat_family: Family,
         reg_addr: Option<u32>,
         reg_proto: Option<u32>,
-        flags: u32,
+        flags: NatFlags,
     ) -> String {
         let verb = if kind == NatKind::Dnat {
             "dnat"
@@ -460,11 +460,11 @@ impl RuleReader<'_> {
     }
 
     /// `redirect [to :PORT]`; nft prints a port from a map with no space after the colon.
-    fn redirect(&self, reg_proto: Option<u32>, flags: u32) -> String {
+    fn redirect(&self, reg_proto: Option<u32>, flags: NatFlags) -> String {
         let port = reg_proto
             .and_then(|r| get(&self.regs, r))
             .map(|v| v.text.clone());
-        let flags = nat_flags_text(flags & !NAT_F_PROTO_SPECIFIED);
+        let flags = nat_flags_text(flags.difference(NatFlags::PROTO_SPECIFIED));
         match port {
             Some(p) => format!("redirect to :{p}{flags}"),
             None => format!("redirect{flags}"),
@@ -500,29 +500,29 @@ fn numgen_value(modulus: u32, random: bool, offset: u32) -> RegValue {
 }
 
 /// What `fib saddr . iif ... type|oif|oifname` loads.
-fn fib_value(flags: u32, result: u32) -> RegValue {
+fn fib_value(flags: FibFlags, result: FibResult) -> RegValue {
     let inputs = [
-        (FIB_F_SADDR, "saddr"),
-        (FIB_F_DADDR, "daddr"),
-        (FIB_F_MARK, "mark"),
-        (FIB_F_IIF, "iif"),
-        (FIB_F_OIF, "oif"),
+        (FibFlags::SADDR, "saddr"),
+        (FibFlags::DADDR, "daddr"),
+        (FibFlags::MARK, "mark"),
+        (FibFlags::IIF, "iif"),
+        (FibFlags::OIF, "oif"),
     ];
     let what: Vec<&str> = inputs
         .iter()
-        .filter(|(bit, _)| flags & bit != 0)
+        .filter(|(bit, _)| flags.contains(*bit))
         .map(|(_, name)| *name)
         .collect();
     let res = match result {
-        FIB_RESULT_ADDRTYPE => "type",
-        FIB_RESULT_OIF => "oif",
+        FibResult::ADDRTYPE => "type",
+        FibResult::OIF => "oif",
         _ => "oifname",
     };
     let mut v = plain(
         format!("fib {} {res}", what.join(" . ")),
         DataType::Integer(4),
     );
-    if result == FIB_RESULT_ADDRTYPE {
+    if result == FibResult::ADDRTYPE {
         v.kind = RegKind::FibType;
     }
     v
@@ -790,15 +790,15 @@ fn flag_names(bits: u32, names: &[(u32, &str)]) -> String {
     out.join(",")
 }
 
-fn nat_flags_text(flags: u32) -> String {
+fn nat_flags_text(flags: NatFlags) -> String {
     let mut s = String::new();
-    if flags & NAT_F_PROTO_RANDOM_FULLY != 0 {
+    if flags.contains(NatFlags::PROTO_RANDOM_FULLY) {
         s.push_str(" fully-random");
     }
-    if flags & NAT_F_PROTO_RANDOM != 0 {
+    if flags.contains(NatFlags::PROTO_RANDOM) {
         s.push_str(" random");
     }
-    if flags & NAT_F_PERSISTENT != 0 {
+    if flags.contains(NatFlags::PERSISTENT) {
         s.push_str(" persistent");
     }
     s

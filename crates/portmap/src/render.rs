@@ -223,7 +223,7 @@ fn dnat_through(rule: RuleBuilder, family: Family, key: &[Field], map: &str) -> 
         family,
         reg_addr: Some(REG_1),
         reg_proto: Some(reg_at_slot(addr_slots)),
-        flags: NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+        flags: NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
     })
     .build()
 }

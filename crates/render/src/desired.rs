@@ -3,7 +3,7 @@
 //! an owned copy of them cost ~70 MB, this costs a pointer each.
 
 use super::Piece;
-use nftkube_nft::ir::{ChainState, Element, Family, Set, SetState, TableState};
+use nftkube_nft::ir::{ChainState, Element, Family, Set, SetState, TableFlags, TableState};
 use std::collections::BTreeMap;
 
 /// One table as it should be.
@@ -119,7 +119,7 @@ impl<'a> Desired<'a> {
         TableState {
             family: self.family,
             name: self.name.to_owned(),
-            flags: 0,
+            flags: TableFlags::EMPTY,
             sets: self
                 .sets
                 .iter()

@@ -40,7 +40,7 @@ pub(crate) fn diff_table<'a>(
         }
     };
 
-    if old.flags != 0 {
+    if !old.flags.is_empty() {
         // Dormant (or any other flag): an update of the existing table to flags 0 re-attaches its hooks.
         tx.push(fam, name, Op::AddTable);
     }

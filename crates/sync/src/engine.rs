@@ -1351,7 +1351,7 @@ mod tests {
         use nftkube_nft::ir::*;
         type Tamper = fn(&mut TableState);
         let tampers: [(&str, Tamper); 10] = [
-            ("table made dormant", |t| t.flags = TABLE_F_DORMANT),
+            ("table made dormant", |t| t.flags = TableFlags::DORMANT),
             ("base chain policy drop", |t| {
                 let b = t.chain_mut("filter-forward").chain.base.as_mut().unwrap();
                 b.policy = Policy::Drop;
@@ -1448,7 +1448,7 @@ mod tests {
             .tables
             .get_mut(&(Family::Ip, "nftkube".into()))
             .unwrap();
-        t.flags = nftkube_nft::ir::TABLE_F_DORMANT;
+        t.flags = nftkube_nft::ir::TableFlags::DORMANT;
         let b = t.chain_mut("filter-forward").chain.base.as_mut().unwrap();
         b.policy = nftkube_nft::ir::Policy::Drop;
         let b = t.chain_mut("nat-output").chain.base.as_mut().unwrap();

@@ -169,7 +169,7 @@ impl<'a> Eval<'a> {
         chains
             .sort_by_key(|(t, c, b)| (b.priority, t.family, t.name.clone(), c.chain.name.clone()));
         for (table, chain, base) in chains {
-            if table.flags & TABLE_F_DORMANT != 0 {
+            if table.flags.contains(TableFlags::DORMANT) {
                 continue;
             }
             if base.chain_type == ChainType::Nat && self.nat_bound(hook) {

@@ -103,7 +103,7 @@ impl Eval<'_> {
                 ))
             }
             Expr::Masq { flags } => {
-                let random = if flags & NAT_F_PROTO_RANDOM_FULLY != 0 {
+                let random = if flags.contains(NatFlags::PROTO_RANDOM_FULLY) {
                     " (fully random ports)"
                 } else {
                     ""
@@ -466,17 +466,18 @@ impl Eval<'_> {
 
     fn fib(
         &mut self,
-        flags: u32,
-        result: u32,
+        flags: FibFlags,
+        result: FibResult,
         dreg: u32,
         step: &mut Step,
     ) -> Result<(), TraceError> {
-        if result != FIB_RESULT_ADDRTYPE {
+        if result != FibResult::ADDRTYPE {
             return Err(TraceError::Unsupported(format!(
-                "fib result {result} (only `type` is modelled)"
+                "fib result {} (only `type` is modelled)",
+                result.number()
             )));
         }
-        let (ip, which) = if flags & FIB_F_SADDR != 0 {
+        let (ip, which) = if flags.contains(FibFlags::SADDR) {
             (self.pkt.src.ip(), "saddr")
         } else {
             (self.pkt.dst.ip(), "daddr")

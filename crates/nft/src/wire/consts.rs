@@ -1,4 +1,4 @@
-//! nf_tables netlink numbers (linux/netfilter/nf_tables.h, nfnetlink.h).
+//! nf_tables netlink numbers (linux/netfilter/nf_tables.h, nfnetlink.h, nf_nat.h).
 #![allow(dead_code)]
 
 /// The nf_tables subsystem of nfnetlink.
@@ -49,6 +49,8 @@ pub(crate) const NFT_MSG_GETGEN: u16 = 16;
 pub(crate) const NFTA_TABLE_NAME: u16 = 1;
 /// Table attribute: flags.
 pub(crate) const NFTA_TABLE_FLAGS: u16 = 2;
+/// Table flag (`enum nft_table_flags`): the table's base chains are unhooked (`flags dormant`).
+pub(crate) const NFT_TABLE_F_DORMANT: u32 = 0x1;
 
 /// Chain attribute: its table.
 pub(crate) const NFTA_CHAIN_TABLE: u16 = 1;
@@ -124,6 +126,17 @@ pub(crate) const NFTA_SET_DESC_SIZE: u16 = 1;
 pub(crate) const NFTA_SET_USERDATA: u16 = 13;
 /// Element list attribute: the id of a set created in the same batch.
 pub(crate) const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
+
+/// Set flag (`enum nft_set_flags`): belongs to one rule.
+pub(crate) const NFT_SET_ANONYMOUS: u32 = 0x1;
+/// Set flag: its elements never change.
+pub(crate) const NFT_SET_CONSTANT: u32 = 0x2;
+/// Set flag: a map.
+pub(crate) const NFT_SET_MAP: u32 = 0x8;
+/// Set flag: its elements may expire.
+pub(crate) const NFT_SET_TIMEOUT: u32 = 0x10;
+/// Set flag: updated from the packet path (nft's `dynamic`).
+pub(crate) const NFT_SET_EVAL: u32 = 0x20;
 
 /// Element list attribute: its table.
 pub(crate) const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
@@ -230,6 +243,17 @@ pub(crate) const NFTA_NAT_FLAGS: u16 = 7;
 /// Masq expression attribute: flags.
 pub(crate) const NFTA_MASQ_FLAGS: u16 = 1;
 
+/// NAT range flag (linux/netfilter/nf_nat.h) of the nat, masq and redir expressions: an address is given.
+pub(crate) const NF_NAT_RANGE_MAP_IPS: u32 = 1 << 0;
+/// NAT range flag: a port is given.
+pub(crate) const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 1 << 1;
+/// NAT range flag: random ports (`random`).
+pub(crate) const NF_NAT_RANGE_PROTO_RANDOM: u32 = 1 << 2;
+/// NAT range flag: the same address for a client (`persistent`).
+pub(crate) const NF_NAT_RANGE_PERSISTENT: u32 = 1 << 3;
+/// NAT range flag: fully randomised ports (`fully-random`).
+pub(crate) const NF_NAT_RANGE_PROTO_RANDOM_FULLY: u32 = 1 << 4;
+
 /// Redir expression attribute: the port register.
 pub(crate) const NFTA_REDIR_REG_PROTO_MIN: u16 = 1;
 /// Redir expression attribute: flags.
@@ -253,6 +277,22 @@ pub(crate) const NFTA_FIB_DREG: u16 = 1;
 pub(crate) const NFTA_FIB_RESULT: u16 = 2;
 /// Fib expression attribute: flags.
 pub(crate) const NFTA_FIB_FLAGS: u16 = 3;
+/// Fib flag (`enum nft_fib_flags`, named NFTA_ by the kernel): look up the source address.
+pub(crate) const NFTA_FIB_F_SADDR: u32 = 1 << 0;
+/// Fib flag: look up the destination address.
+pub(crate) const NFTA_FIB_F_DADDR: u32 = 1 << 1;
+/// Fib flag: include the packet mark.
+pub(crate) const NFTA_FIB_F_MARK: u32 = 1 << 2;
+/// Fib flag: include the input interface.
+pub(crate) const NFTA_FIB_F_IIF: u32 = 1 << 3;
+/// Fib flag: include the output interface.
+pub(crate) const NFTA_FIB_F_OIF: u32 = 1 << 4;
+/// Fib result (`enum nft_fib_result`): the output interface index.
+pub(crate) const NFT_FIB_RESULT_OIF: u32 = 1;
+/// Fib result: the output interface name.
+pub(crate) const NFT_FIB_RESULT_OIFNAME: u32 = 2;
+/// Fib result: the address type (RTN_*).
+pub(crate) const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
 
 /// Counter expression attribute: bytes.
 pub(crate) const NFTA_COUNTER_BYTES: u16 = 1;

@@ -54,10 +54,12 @@ pub fn decode_table(payload: &[u8]) -> Result<(Family, String), DecodeError> {
     ))
 }
 
-/// A table message's NFT_TABLE_F_* flags (0 when absent).
-pub(crate) fn decode_table_flags(payload: &[u8]) -> Result<u32, DecodeError> {
+/// A table message's flags (none when absent).
+pub(crate) fn decode_table_flags(payload: &[u8]) -> Result<TableFlags, DecodeError> {
     let (_, a) = split(payload, "table")?;
-    Ok(be32(&a, NFTA_TABLE_FLAGS).unwrap_or(0))
+    Ok(TableFlags::from_bits_retain(
+        be32(&a, NFTA_TABLE_FLAGS).unwrap_or(0),
+    ))
 }
 
 /// A chain message: (table, chain).
@@ -102,7 +104,7 @@ pub fn decode_chain(payload: &[u8]) -> Result<(String, Chain), DecodeError> {
     Ok((table, Chain { name, base }))
 }
 
-/// A set message: (table, set).
+/// A set message: (table, set, its NFT_SET_* flags as the kernel stores them).
 pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
     let (_, a) = split(payload, "set")?;
     let table = req_str(&a, NFTA_SET_TABLE, "set", "table")?.to_owned();
@@ -112,7 +114,7 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
     let key_len = be32(&a, NFTA_SET_KEY_LEN).unwrap_or(0) as usize;
     let key = split_type_id(key_type, key_len)
         .unwrap_or_else(|| vec![DataType::Integer(key_len.min(255) as u8)]);
-    let data = if flags & SET_F_MAP != 0 {
+    let data = if flags & NFT_SET_MAP != 0 {
         let dt = be32(&a, NFTA_SET_DATA_TYPE).unwrap_or(0);
         if dt == NFT_DATA_VERDICT {
             vec![DataType::Verdict]
@@ -135,7 +137,7 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
         key,
         data,
         timeout_ms,
-        dynamic: flags & SET_F_EVAL != 0,
+        dynamic: flags & NFT_SET_EVAL != 0,
         size,
         key_typeof,
         data_typeof,
@@ -143,7 +145,7 @@ pub fn decode_set(payload: &[u8]) -> Result<(String, Set, u32), DecodeError> {
     // User data that is not exactly what we would write (someone else's set, or tampering) must not
     // compare equal to ours: an empty typeof, which we never declare, marks it.
     let ours = crate::udata::set_userdata(crate::udata::Declared::of(&set));
-    let set = if flags & SET_F_ANONYMOUS == 0 && ours != udata {
+    let set = if flags & NFT_SET_ANONYMOUS == 0 && ours != udata {
         Set {
             key_typeof: Some(Vec::new()),
             ..set
@@ -426,14 +428,14 @@ fn expr_of(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
                 .ok_or("nat family")?,
             reg_addr: be32(a, NFTA_NAT_REG_ADDR_MIN),
             reg_proto: be32(a, NFTA_NAT_REG_PROTO_MIN),
-            flags: be32(a, NFTA_NAT_FLAGS).unwrap_or(0),
+            flags: NatFlags::from_bits_retain(be32(a, NFTA_NAT_FLAGS).unwrap_or(0)),
         },
         "masq" => Expr::Masq {
-            flags: be32(a, NFTA_MASQ_FLAGS).unwrap_or(0),
+            flags: NatFlags::from_bits_retain(be32(a, NFTA_MASQ_FLAGS).unwrap_or(0)),
         },
         "redir" => Expr::Redir {
             reg_proto: be32(a, NFTA_REDIR_REG_PROTO_MIN),
-            flags: be32(a, NFTA_REDIR_FLAGS).unwrap_or(0),
+            flags: NatFlags::from_bits_retain(be32(a, NFTA_REDIR_FLAGS).unwrap_or(0)),
         },
         "reject" => {
             let code = a
@@ -458,8 +460,8 @@ fn expr_of(name: &str, a: &Attrs<'_>) -> Result<Expr, String> {
             }
         }
         "fib" => Expr::Fib {
-            flags: need(a, NFTA_FIB_FLAGS, "flags")?,
-            result: need(a, NFTA_FIB_RESULT, "result")?,
+            flags: FibFlags::from_bits_retain(need(a, NFTA_FIB_FLAGS, "flags")?),
+            result: FibResult::from_number(need(a, NFTA_FIB_RESULT, "result")?),
             dreg: need(a, NFTA_FIB_DREG, "dreg")?,
         },
         "counter" => Expr::Counter,

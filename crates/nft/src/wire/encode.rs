@@ -232,7 +232,7 @@ fn next_anon_set_id() -> u32 {
 fn encode_anon_set(m: &mut MsgBuilder, table: &str, set: &AnonSet, id: u32) {
     m.attr_str(NFTA_SET_TABLE, table);
     m.attr_str(NFTA_SET_NAME, ANON_SET_NAME);
-    m.attr_be32(NFTA_SET_FLAGS, SET_F_ANONYMOUS | SET_F_CONSTANT);
+    m.attr_be32(NFTA_SET_FLAGS, NFT_SET_ANONYMOUS | NFT_SET_CONSTANT);
     m.attr_be32(NFTA_SET_KEY_TYPE, set.key.nft_id());
     m.attr_be32(NFTA_SET_KEY_LEN, set.key.len() as u32);
     m.attr_be32(NFTA_SET_ID, id);
@@ -309,10 +309,25 @@ fn encode_chain(m: &mut MsgBuilder, table: &str, chain: &Chain) {
     }
 }
 
+/// A named set's NFT_SET_* flags, as the kernel stores them: from what the set declares.
+pub(crate) fn set_flags(set: &Set) -> u32 {
+    let mut f = 0;
+    if set.is_map() {
+        f |= NFT_SET_MAP;
+    }
+    if set.timeout_ms.is_some() {
+        f |= NFT_SET_TIMEOUT;
+    }
+    if set.dynamic {
+        f |= NFT_SET_EVAL;
+    }
+    f
+}
+
 fn encode_set(m: &mut MsgBuilder, table: &str, set: &Set) {
     m.attr_str(NFTA_SET_TABLE, table);
     m.attr_str(NFTA_SET_NAME, &set.name);
-    m.attr_be32(NFTA_SET_FLAGS, set.flags());
+    m.attr_be32(NFTA_SET_FLAGS, set_flags(set));
     m.attr_be32(NFTA_SET_KEY_TYPE, concat_type_id(&set.key));
     m.attr_be32(NFTA_SET_KEY_LEN, key_len(&set.key) as u32);
     if set.is_verdict_map() {
@@ -598,21 +613,21 @@ fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
             if let Some(r) = reg_proto {
                 m.attr_be32(NFTA_NAT_REG_PROTO_MIN, *r);
             }
-            if *flags != 0 {
-                m.attr_be32(NFTA_NAT_FLAGS, *flags);
+            if !flags.is_empty() {
+                m.attr_be32(NFTA_NAT_FLAGS, flags.bits());
             }
         }
         Expr::Masq { flags } => {
-            if *flags != 0 {
-                m.attr_be32(NFTA_MASQ_FLAGS, *flags);
+            if !flags.is_empty() {
+                m.attr_be32(NFTA_MASQ_FLAGS, flags.bits());
             }
         }
         Expr::Redir { reg_proto, flags } => {
             if let Some(r) = reg_proto {
                 m.attr_be32(NFTA_REDIR_REG_PROTO_MIN, *r);
             }
-            if *flags != 0 {
-                m.attr_be32(NFTA_REDIR_FLAGS, *flags);
+            if !flags.is_empty() {
+                m.attr_be32(NFTA_REDIR_FLAGS, flags.bits());
             }
         }
         Expr::Reject(kind) => {
@@ -640,8 +655,8 @@ fn encode_expr(m: &mut MsgBuilder, e: &Expr) {
             dreg,
         } => {
             m.attr_be32(NFTA_FIB_DREG, *dreg);
-            m.attr_be32(NFTA_FIB_RESULT, *result);
-            m.attr_be32(NFTA_FIB_FLAGS, *flags);
+            m.attr_be32(NFTA_FIB_RESULT, result.number());
+            m.attr_be32(NFTA_FIB_FLAGS, flags.bits());
         }
         Expr::Counter => {
             m.attr_be64(NFTA_COUNTER_BYTES, 0);

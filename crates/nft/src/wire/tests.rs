@@ -197,8 +197,8 @@ fn ct_dnat_rule() -> Rule {
 fn fib_rule() -> Rule {
     RuleBuilder::new()
         .expr(Expr::Fib {
-            flags: FIB_F_DADDR,
-            result: FIB_RESULT_ADDRTYPE,
+            flags: FibFlags::DADDR,
+            result: FibResult::ADDRTYPE,
             dreg: REG_1,
         })
         .expr(Expr::Cmp {
@@ -516,7 +516,7 @@ fn pinned_redirect_expression() {
     let rule = Rule {
         exprs: vec![Expr::Redir {
             reg_proto: Some(REG_1),
-            flags: NAT_F_PROTO_SPECIFIED,
+            flags: NatFlags::PROTO_SPECIFIED,
         }],
         comment: None,
     };
@@ -936,30 +936,36 @@ fn all_exprs() -> Vec<Expr> {
             Family::Ip,
             Some(REG_1),
             Some(REG_2),
-            NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+            NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
         ),
         (
             NatKind::Dnat,
             Family::Ip6,
             Some(REG_1),
             Some(REG_2),
-            NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+            NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
         ),
         (
             NatKind::Dnat,
             Family::Ip,
             Some(REG_1),
             Some(reg32(1)),
-            NAT_F_MAP_IPS | NAT_F_PROTO_SPECIFIED,
+            NatFlags::MAP_IPS | NatFlags::PROTO_SPECIFIED,
         ),
-        (NatKind::Snat, Family::Ip, Some(REG_1), None, NAT_F_MAP_IPS),
-        (NatKind::Snat, Family::Ip6, None, None, 0),
         (
             NatKind::Snat,
             Family::Ip,
             Some(REG_1),
             None,
-            NAT_F_MAP_IPS | NAT_F_PERSISTENT | NAT_F_PROTO_RANDOM,
+            NatFlags::MAP_IPS,
+        ),
+        (NatKind::Snat, Family::Ip6, None, None, NatFlags::EMPTY),
+        (
+            NatKind::Snat,
+            Family::Ip,
+            Some(REG_1),
+            None,
+            NatFlags::MAP_IPS | NatFlags::PERSISTENT | NatFlags::PROTO_RANDOM,
         ),
     ] {
         v.push(Expr::Nat {
@@ -970,17 +976,19 @@ fn all_exprs() -> Vec<Expr> {
             flags,
         });
     }
-    v.push(Expr::Masq { flags: 0 });
+    v.push(Expr::Masq {
+        flags: NatFlags::EMPTY,
+    });
     v.push(Expr::Redir {
         reg_proto: Some(REG_1),
-        flags: NAT_F_PROTO_SPECIFIED,
+        flags: NatFlags::PROTO_SPECIFIED,
     });
     v.push(Expr::Redir {
         reg_proto: None,
-        flags: 0,
+        flags: NatFlags::EMPTY,
     });
     v.push(Expr::Masq {
-        flags: NAT_F_PROTO_RANDOM_FULLY,
+        flags: NatFlags::PROTO_RANDOM_FULLY,
     });
     for kind in [
         RejectKind::TcpReset,
@@ -1001,17 +1009,58 @@ fn all_exprs() -> Vec<Expr> {
         });
     }
     v.push(Expr::Fib {
-        flags: FIB_F_DADDR,
-        result: FIB_RESULT_ADDRTYPE,
+        flags: FibFlags::DADDR,
+        result: FibResult::ADDRTYPE,
         dreg: REG_1,
     });
     v.push(Expr::Fib {
-        flags: FIB_F_SADDR | FIB_F_IIF,
-        result: FIB_RESULT_OIF,
+        flags: FibFlags::SADDR | FibFlags::IIF,
+        result: FibResult::OIF,
         dreg: reg32(2),
     });
     v.push(Expr::Counter);
     v
+}
+
+#[test]
+fn flag_bits_without_a_name_are_kept() {
+    // NF_NAT_RANGE_NETMAP, NFTA_FIB_F_PRESENT and an unnamed fib result: read from another tool's rule, they
+    // must survive decoding, so that the rule does not compare equal to ours.
+    let netmap = NatFlags::from_bits_retain(1 << 6);
+    let present = FibFlags::from_bits_retain(1 << 5);
+    let rule = Rule {
+        exprs: vec![
+            Expr::Masq {
+                flags: netmap | NatFlags::PERSISTENT,
+            },
+            Expr::Fib {
+                flags: FibFlags::DADDR | present,
+                result: FibResult::from_number(7),
+                dreg: REG_1,
+            },
+        ],
+        comment: None,
+    };
+    let got = roundtrip_rule(Family::Ip, &rule);
+    assert_eq!(got, rule);
+    let Expr::Masq { flags } = got.exprs[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(flags.bits(), (1 << 6) | NF_NAT_RANGE_PERSISTENT);
+    assert!(flags.contains(NatFlags::PERSISTENT) && !flags.contains(NatFlags::PROTO_RANDOM));
+    assert_ne!(
+        got.exprs[0],
+        Expr::Masq {
+            flags: NatFlags::PERSISTENT
+        }
+    );
+    let Expr::Fib { flags, result, .. } = got.exprs[1] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(
+        (flags.bits(), result.number()),
+        ((1 << 5) | NFTA_FIB_F_DADDR, 7)
+    );
 }
 
 /// Exhaustive on purpose: a new Expr variant does not compile here until it is added to `all_exprs`.
@@ -1297,7 +1346,7 @@ fn sets_round_trip() {
             let (table, got, flags) = decode_set(&p).unwrap();
             assert_eq!(table, TABLE);
             assert_eq!(got, s);
-            assert_eq!(flags, s.flags());
+            assert_eq!(flags, set_flags(&s));
         }
     }
 }
@@ -1305,8 +1354,8 @@ fn sets_round_trip() {
 #[test]
 fn set_flags_follow_the_kernels_rules() {
     // A timeout needs NFT_SET_TIMEOUT, and dynamically updated sets carry NFT_SET_EVAL.
-    assert_eq!(aff().flags(), SET_F_TIMEOUT | SET_F_EVAL);
-    assert_eq!(service_ips().flags(), SET_F_MAP);
+    assert_eq!(set_flags(&aff()), NFT_SET_TIMEOUT | NFT_SET_EVAL);
+    assert_eq!(set_flags(&service_ips()), NFT_SET_MAP);
     let (_, p) = single_payload(Family::Ip, Op::AddSet(aff()));
     let (_, attrs) = (p[0], nftkube_netlink::Attrs(&p[4..]));
     assert_eq!(
@@ -1446,7 +1495,7 @@ fn tables_round_trip() {
         assert_eq!(t, NFT_MSG_NEWTABLE);
         assert_eq!(decode_table(&p).unwrap(), (family, TABLE.to_string()));
         // Flags are sent explicitly, so that the same message wakes a dormant table.
-        assert_eq!(decode_table_flags(&p).unwrap(), 0);
+        assert_eq!(decode_table_flags(&p).unwrap(), TableFlags::EMPTY);
     }
 }
 
