@@ -188,19 +188,7 @@ impl Subject {
 
 /// `$var`, or the workspace's release build of `name` (`cargo build --release --bins`; ci/bench does).
 fn release_binary(var: &str, name: &str) -> PathBuf {
-    if let Some(p) = std::env::var_os(var) {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let bin = target.join("release").join(name);
-    assert!(
-        bin.exists(),
-        "{} not found: cargo build --release --bins, or set {var}",
-        bin.display()
-    );
-    std::fs::canonicalize(bin).unwrap()
+    std::fs::canonicalize(nftkube_sandbox::workspace_binary(var, "release", name)).unwrap()
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -184,20 +184,9 @@ fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
+/// `$NFTKUBE_BIN`, or the workspace's release build (ci/bench builds it).
 fn nftkube_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NFTKUBE_BIN") {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let release = target.join("release/nftkube");
-    assert!(
-        release.exists(),
-        "{} missing: cargo build --release --bins (ci/bench does)",
-        release.display()
-    );
-    release
+    nftkube_sandbox::workspace_binary("NFTKUBE_BIN", "release", "nftkube")
 }
 
 fn start_agent(node: &NetNs, dir: &Path) -> Child {

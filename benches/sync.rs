@@ -56,12 +56,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let bin = root.join("target/release/nftkube");
-    assert!(
-        bin.exists(),
-        "build the release binary first: cargo build --release"
-    );
+    let bin = nftkube_sandbox::workspace_binary("NFTKUBE_BIN", "release", "nftkube");
 
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
     let mut push = |name: &str, col: usize, v: String| {

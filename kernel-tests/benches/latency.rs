@@ -83,19 +83,7 @@ fn main() {
 
 /// `$NFTKUBE_BIN`, or the workspace's release build.
 fn release_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NFTKUBE_BIN") {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let bin = target.join("release/nftkube");
-    assert!(
-        bin.exists(),
-        "{} not found: build the release binary first (cargo build --release --bins)",
-        bin.display()
-    );
-    bin
+    nftkube_sandbox::workspace_binary("NFTKUBE_BIN", "release", "nftkube")
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -60,22 +60,10 @@ pub fn demo_bin() -> PathBuf {
     workspace_bin("nftkube-demo", "NFTKUBE_DEMO_BIN")
 }
 
-/// Binary `name` of the workspace: the path in `$env` (the VM matrix sets them), else the debug build, which
-/// `cargo build --bins --workspace` makes (ci/kernel-tests runs it; the sandbox is not a default member).
+/// Binary `name` of the workspace's debug build, or the path in `$env` (the VM matrix sets them);
+/// `cargo build --bins --workspace` builds them (ci/kernel-tests runs it; the sandbox is not a default member).
 fn workspace_bin(name: &str, env: &str) -> PathBuf {
-    if let Some(p) = std::env::var_os(env) {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let bin = target.join("debug").join(name);
-    assert!(
-        bin.exists(),
-        "{} not found: run `cargo build --bins --workspace` first (ci/kernel-tests does), or set {env}",
-        bin.display()
-    );
-    bin
+    nftkube_sandbox::workspace_binary(env, "debug", name)
 }
 
 /// A fresh sandbox with running backends; the name prefix is unique per test and process.

@@ -629,6 +629,30 @@ pub fn udp_requests(
 /// Re-exported so sandbox users need one import for unique prefixes.
 pub use netns::unique_name;
 
+/// Binary `name` of this workspace as cargo's `profile` ("debug" or "release") built it: the path in `$env`
+/// when set (the VM matrix, another build), else under `$CARGO_TARGET_DIR` or the workspace's `target/`. The
+/// kernel tests and the benchmarks run the product's binaries through this one lookup.
+pub fn workspace_binary(env: &str, profile: &str, name: &str) -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os(env) {
+        return p.into();
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join(profile).join(name);
+    let release = if profile == "release" {
+        " --release"
+    } else {
+        ""
+    };
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build{release} --bins --workspace` first, or set {env}",
+        bin.display()
+    );
+    bin
+}
+
 #[cfg(test)]
 mod tests {
     use super::netns::tests::{host_links, require_root};
