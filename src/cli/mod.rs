@@ -75,8 +75,10 @@ pub(crate) struct RenderArgs {
     /// The fwmark bit (0-31) that asks for masquerade (kube-proxy's --iptables-masquerade-bit).
     #[arg(long, visible_alias = "iptables-masquerade-bit", default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..32))]
     pub masquerade_bit: u32,
-    /// Masquerade with fully random source ports.
-    #[arg(long)]
+    /// Masquerade with fully random source ports, as kube-proxy's nftables mode always does
+    /// (`--masquerade-fully-random=false`: the kernel's default port choice, which keeps the source port
+    /// when it is free).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub masquerade_fully_random: bool,
     /// The fwmark bit (0-31) whose packets are dropped (kubelet's --iptables-drop-bit).
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]

@@ -182,7 +182,8 @@ pub struct RenderConfig {
     pub masquerade_all: bool,
     /// The mark bit that asks postrouting to masquerade (kube-proxy's 0x4000).
     pub masquerade_bit: u32,
-    /// `masquerade fully-random` (kube-proxy's `--iptables-masquerade-fully-random`... mapped to nft).
+    /// `masquerade fully-random`: on by default, as in kube-proxy's nftables mode (every source port drawn
+    /// at random, so two nodes' flows to one endpoint rarely collide on a port).
     pub masquerade_fully_random: bool,
     /// Where NodePorts are served (resolved from `--nodeport-addresses` and the node's addresses).
     pub nodeport_addresses: nftkube_model::NodePortAddresses,
@@ -205,7 +206,7 @@ impl Default for RenderConfig {
             cluster_cidrs: Vec::new(),
             masquerade_all: false,
             masquerade_bit: 0x4000,
-            masquerade_fully_random: false,
+            masquerade_fully_random: true,
             nodeport_addresses: nftkube_model::NodePortAddresses::None,
             drop_bit: 0x8000,
             service_cidrs: Vec::new(),
