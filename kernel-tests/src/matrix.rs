@@ -118,12 +118,13 @@ pub fn expected(
         }
         Dest::NodePort | Dest::LbIp => match (policy, src) {
             // externalTrafficPolicy Local: outside traffic to local endpoints, client kept; pods and the node
-            // are short-circuited to every endpoint (pods keep their address unless masquerade-all).
+            // are short-circuited to every endpoint, pods keeping their address (masquerade-all too: kube-proxy's
+            // masquerade-all rule matches the ClusterIP only).
             (Policy::EtpLocal, Source::Outside) => (local, true),
-            (Policy::EtpLocal, Source::Pod) => (all, !masquerade_all),
+            (Policy::EtpLocal, Source::Pod) => (all, true),
             (Policy::EtpLocal, Source::Node) => (all, false),
-            // Cluster policy: NodePorts always masquerade; LB IPs spare pods (unless masquerade-all).
-            (_, Source::Pod) => (all, dest == Dest::LbIp && !masquerade_all),
+            // Cluster policy: NodePorts and LB IPs always masquerade, pods' traffic too
+            // (kube-proxy's TestExternalTrafficPolicyCluster, TestInternalExternalMasquerade).
             _ => (all, false),
         },
     }

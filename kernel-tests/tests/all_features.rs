@@ -65,7 +65,13 @@ fn web_from_a_pod() -> Vec<Frontend> {
         frontend("ClusterIP", ip("10.96.1.10"), (80, 53), &all, Kept),
         frontend("ClusterIP v6", ip("fd00:96::1:10"), (80, 53), &all, Kept),
         frontend("NodePort", node, (30200, 30201), &all, Masqueraded),
-        frontend("external IP", ip("192.168.251.10"), (80, 53), &all, Kept),
+        frontend(
+            "external IP",
+            ip("192.168.251.10"),
+            (80, 53),
+            &all,
+            Masqueraded,
+        ),
     ]
 }
 
@@ -148,7 +154,7 @@ fn every_feature_at_once_carries_traffic_and_lists_after_every_sync() {
     wait_until(SYNC, || served(sb.client(), addr("10.96.1.10", 80), T))
         .unwrap_or_else(|_| panic!("web never served; log:\n{}", agent.log()));
 
-    // Every frontend, TCP and UDP, from a pod (its own address kept) and from outside.
+    // Every frontend, TCP and UDP, from a pod (its own address kept for the ClusterIPs only) and from outside.
     for f in web_from_a_pod() {
         assert_sticks(sb.client(), &addresses_of_pod0(), &f);
     }

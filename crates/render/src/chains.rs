@@ -17,8 +17,9 @@ pub enum LbKind {
     /// `lb`: ClusterIPs. Masqueraded when from outside the cluster CIDR (never without one, as kube-proxy).
     /// internalTrafficPolicy Local without a local endpoint: dropped (`no-local-endpoints`).
     Cluster,
-    /// `lb-ext`: external and LoadBalancer IPs. Masqueraded unless from the cluster CIDR (always without
-    /// one: the reply must come back through this node).
+    /// `lb-ext`: external and LoadBalancer IPs (externalTrafficPolicy Cluster). Always masqueraded, pods'
+    /// traffic too, as kube-proxy does: the endpoint may be on another node, and its reply must come back
+    /// through this one.
     External,
     /// `lb-np`: NodePorts, keyed by protocol and port alone. Always masqueraded (externalTrafficPolicy
     /// Cluster).
@@ -254,12 +255,11 @@ pub fn lb_chain_state(
     }
 }
 
-/// The masquerade mark of ClusterIP, external and NodePort (externalTrafficPolicy Cluster) traffic.
+/// The masquerade mark of ClusterIP, external and NodePort (externalTrafficPolicy Cluster) traffic: external
+/// and NodePort traffic always; ClusterIP traffic unless from a pod (never without a detector, as kube-proxy).
 fn masquerade_marking(f: IpFamily, kind: LbKind, cfg: &RenderConfig) -> Vec<Rule> {
     let not_pod = local_traffic(f, cfg, true);
-    let external = kind == LbKind::External;
-    let always = cfg.masquerade_all || kind == LbKind::NodePort || (external && not_pod.is_none());
-    if always {
+    if cfg.masquerade_all || kind != LbKind::Cluster {
         vec![RuleBuilder::new().mark_or(cfg.masquerade_bit).build()]
     } else if let Some(not_pod) = not_pod {
         vec![not_pod
@@ -273,9 +273,9 @@ fn masquerade_marking(f: IpFamily, kind: LbKind, cfg: &RenderConfig) -> Vec<Rule
 
 type Choose<'a> = dyn Fn(RuleBuilder, bool, &str) -> Vec<Rule> + 'a;
 
-/// externalTrafficPolicy Local: pods reach every endpoint (keeping their address unless masquerade-all: their
-/// traffic is treated as cluster traffic); so does the node itself, masqueraded; outside traffic only the
-/// local endpoints, keeping its source address (none: dropped).
+/// externalTrafficPolicy Local: pods reach every endpoint, keeping their address; so does the node itself,
+/// masqueraded; outside traffic only the local endpoints, keeping its source address (none: dropped).
+/// masquerade-all changes none of this: kube-proxy's masquerade-all rule matches the ClusterIP only.
 fn local_policy_rules(
     f: IpFamily,
     kind: LbKind,
@@ -283,10 +283,7 @@ fn local_policy_rules(
     choose: &Choose<'_>,
 ) -> Vec<Rule> {
     let mut rules = Vec::new();
-    if let Some(mut pod) = local_traffic(f, cfg, false) {
-        if cfg.masquerade_all {
-            pod = pod.mark_or(cfg.masquerade_bit);
-        }
+    if let Some(pod) = local_traffic(f, cfg, false) {
         rules.extend(choose(pod, false, "from a pod: every endpoint"));
     }
     let node = RuleBuilder::new()
