@@ -1,4 +1,4 @@
-//! externalIPs and LoadBalancer ingress IPs: reachable from outside and from pods, masqueraded as
+//! externalIPs and LoadBalancer ingress IPs: reachable from outside and from pods, masqueraded from both as
 //! kube-proxy does, rejected per port when the service has no endpoints, and never wholesale.
 
 use kernel_tests::sandbox::{self, parse_answer, tcp_request, tcp_requests, udp_requests};
@@ -14,10 +14,12 @@ const EXTERNAL_IP: &str = "192.168.250.10";
 const LB_IP: &str = "192.168.250.20";
 const LB_PROXY_IP: &str = "192.168.250.30";
 const EMPTY_EXTERNAL_IP: &str = "192.168.250.40";
+/// An external IP without endpoints that is also one of the node's own addresses.
+const EMPTY_LOCAL_IP: &str = "192.168.250.50";
 
 /// A TCP+UDP service with an external IP and a LoadBalancer status (one ingress in ipMode Proxy, which is
-/// the load balancer's business and must be ignored), backed by the examples' echo endpoints; and a service
-/// without endpoints that has an external IP.
+/// the load balancer's business and must be ignored), backed by the examples' echo endpoints; and two services
+/// without endpoints that have an external IP, the second one assigned to the node itself.
 const MANIFEST: &str = r#"
 apiVersion: v1
 kind: Service
@@ -60,6 +62,15 @@ spec:
   externalIPs: ["192.168.250.40"]
   ports:
   - {name: tcp, port: 80, protocol: TCP}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: idle-local, namespace: demo}
+spec:
+  clusterIP: 10.96.0.32
+  externalIPs: ["192.168.250.50"]
+  ports:
+  - {name: tcp, port: 7080, protocol: TCP}
 "#;
 
 #[test]
@@ -90,10 +101,14 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
         let (pods, peers) = tally(&udp_requests(sb.ext(), addr(ip, 53), 40, T));
         assert_eq!(pods, [1, 2].into(), "{ip} UDP from outside");
         assert!(peers.is_subset(&node_side), "{peers:?}");
-        // From a pod: the pod's own address is kept.
+        // From a pod: masqueraded too (externalTrafficPolicy Cluster: kube-proxy's "pod to external IP" and
+        // "pod to LB IP" flows), since the endpoint may be on another node.
         let (pods, peers) = tally(&tcp_requests(sb.client(), addr(ip, 80), 40, T));
         assert_eq!(pods, [1, 2].into(), "{ip} from a pod");
-        assert_eq!(peers, [IpAddr::from(sandbox::pod_ip_v4(0))].into());
+        assert!(
+            peers.is_subset(&node_side),
+            "{ip} from a pod not masqueraded: {peers:?}"
+        );
     }
 
     // A service without endpoints: its external IP's port is rejected at once...
@@ -115,6 +130,7 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
     )
     .unwrap_err();
     assert_ne!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
+    assert_local_external_ip_without_endpoints_is_rejected(&sb);
 
     // An ingress in ipMode Proxy is the load balancer's: no rule for it.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
@@ -123,6 +139,35 @@ fn external_and_load_balancer_ips_are_served_masqueraded_from_outside_and_reject
         text.contains(LB_IP) && !text.contains(LB_PROXY_IP),
         "{text}"
     );
+}
+
+/// An external IP assigned to the node, of a service without endpoints: its packets are for this host, so
+/// they are rejected on input (kube-proxy's `service-endpoints-check` on filter-input), even though a process
+/// on the node listens on that port. Other ports of the address still reach the node's own sockets.
+fn assert_local_external_ip_without_endpoints_is_rejected(sb: &sandbox::Sandbox) {
+    let ip: IpAddr = EMPTY_LOCAL_IP.parse().unwrap();
+    sb.node()
+        .run(move || nftkube_sandbox::netns::add_address("lo", ip, 32))
+        .unwrap()
+        .unwrap();
+    let listeners: Vec<std::net::TcpListener> = [7080, 7081]
+        .into_iter()
+        .map(|port| {
+            sb.node()
+                .run(move || std::net::TcpListener::bind(("0.0.0.0", port)))
+                .unwrap()
+                .unwrap()
+        })
+        .collect();
+    let e = tcp_request(sb.ext(), addr(EMPTY_LOCAL_IP, 7080), T).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
+    let other_port = addr(EMPTY_LOCAL_IP, 7081);
+    let open = sb
+        .ext()
+        .run(move || std::net::TcpStream::connect_timeout(&other_port, T).map(drop))
+        .unwrap();
+    drop(listeners);
+    open.expect("another port of the node's address reaches the node's socket");
 }
 
 /// An IPv6 NodePort service backed by pods 1 and 2.

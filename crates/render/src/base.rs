@@ -16,7 +16,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     let mut t = TableState::new(nft_family(f), TABLE);
     add_sets(&mut t, f);
     let nodeport_match = nodeport_match(&mut t, f, cfg);
-    add_hooks(&mut t);
+    add_hooks(&mut t, f);
     t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
     t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall_rules(f, cfg);
     add_dispatch(&mut t, f, nodeport_match);
@@ -136,7 +136,7 @@ fn jump(chain: &str) -> Rule {
 }
 
 /// The base chains: nat hooks to dispatch and masquerading, filter hooks to the checks after NAT.
-fn add_hooks(t: &mut TableState) {
+fn add_hooks(t: &mut TableState, f: IpFamily) {
     t.add_chain(Chain::base(
         CHAIN_NAT_PREROUTING,
         ChainType::Nat,
@@ -186,7 +186,25 @@ fn add_hooks(t: &mut TableState) {
         Hook::Input,
         PRIO_FILTER_EARLY,
     ))
-    .rules = vec![jump(CHAIN_FIREWALL), record_affinity()];
+    .rules = vec![
+        jump(CHAIN_FIREWALL),
+        no_endpoint_reject(f),
+        record_affinity(),
+    ];
+}
+
+/// `... @no-endpoint-services goto reject-chain`: a frontend of a service without endpoints is not NATed, so
+/// its packet still carries the frontend after NAT. On input too: an external or LoadBalancer IP assigned to
+/// this node is rejected like one routed through it, as kube-proxy's `service-endpoints-check` does.
+fn no_endpoint_reject(f: IpFamily) -> Rule {
+    RuleBuilder::new()
+        .in_set(
+            &[daddr(f), Field::L4Proto, Field::ThDport],
+            SET_NO_ENDPOINT_SERVICES,
+            false,
+        )
+        .verdict(Verdict::Goto(CHAIN_REJECT.into()))
+        .build()
 }
 
 /// kubelet's KUBE-FIREWALL: packets carrying the drop mark are dropped; so is "martian" traffic to
@@ -272,14 +290,7 @@ fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
 /// After NAT: frontends without endpoints, and whatever still goes to a ClusterIP, are rejected.
 fn add_cluster_ips_check(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
     t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
-        RuleBuilder::new()
-            .in_set(
-                &[daddr(f), Field::L4Proto, Field::ThDport],
-                SET_NO_ENDPOINT_SERVICES,
-                false,
-            )
-            .verdict(Verdict::Goto(CHAIN_REJECT.into()))
-            .build(),
+        no_endpoint_reject(f),
         RuleBuilder::new()
             .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
             .verdict(Verdict::Goto(CHAIN_REJECT.into()))
