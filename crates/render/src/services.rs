@@ -70,13 +70,34 @@ pub(super) fn topology_filter(eps: Vec<Endpoint>, cfg: &RenderConfig) -> Vec<End
 /// Ready endpoints of the family; when none is ready, the serving ones that are terminating (kube-proxy's
 /// fallback so that a rolling update does not black-hole a service).
 pub fn usable_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
-    let of_family = || all.iter().filter(move |e| IpFamily::of(&e.ip) == f);
-    let ready: Vec<Endpoint> = of_family().filter(|e| e.ready).cloned().collect();
+    let ready = ready_endpoints(all, f);
     if !ready.is_empty() {
         return ready;
     }
-    of_family()
-        .filter(|e| e.serving && e.terminating)
+    terminating_fallback(all, f)
+}
+
+/// The endpoints of cluster-wide traffic, as kube-proxy's `CategorizeEndpoints` picks them: the ready ones
+/// narrowed by topology hints; when none is ready anywhere, the serving terminating ones, whatever their
+/// hints (a hint describes where traffic should go when there is a choice; in the fallback there is none).
+fn cluster_endpoints(all: &[Endpoint], f: IpFamily, cfg: &RenderConfig) -> Vec<Endpoint> {
+    let ready = ready_endpoints(all, f);
+    if !ready.is_empty() {
+        return topology_filter(ready, cfg);
+    }
+    terminating_fallback(all, f)
+}
+
+fn ready_endpoints(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
+    all.iter()
+        .filter(|e| IpFamily::of(&e.ip) == f && e.ready)
+        .cloned()
+        .collect()
+}
+
+fn terminating_fallback(all: &[Endpoint], f: IpFamily) -> Vec<Endpoint> {
+    all.iter()
+        .filter(|e| IpFamily::of(&e.ip) == f && e.serving && e.terminating)
         .cloned()
         .collect()
 }
@@ -96,7 +117,7 @@ pub(super) fn service_pieces(
         .collect();
     let mut pieces = Vec::new();
     for f in [IpFamily::V4, IpFamily::V6] {
-        let mut all = topology_filter(usable_endpoints(endpoints, f), cfg);
+        let mut all = cluster_endpoints(endpoints, f, cfg);
         let mut local = usable_endpoints(&local_endpoints, f);
         cap_endpoints(svc, f, &mut all);
         cap_endpoints(svc, f, &mut local);
@@ -585,6 +606,46 @@ mod tests {
     }
 
     #[test]
+    fn topology_narrows_ready_endpoints_but_not_the_terminating_fallback() {
+        let cfg = RenderConfig {
+            node_zone: Some("a".into()),
+            ..RenderConfig::default()
+        };
+        let in_zone = |ip: &str, zone: &str, ready: bool| Endpoint {
+            serving: true,
+            terminating: !ready,
+            zone_hints: vec![zone.into()],
+            ..ep(ip, 8080, ready)
+        };
+        let ready = [
+            in_zone("10.0.0.1", "a", true),
+            in_zone("10.0.0.2", "b", true),
+        ];
+        assert_eq!(
+            cluster_endpoints(&ready, IpFamily::V4, &cfg),
+            vec![ready[0].clone()]
+        );
+        // No endpoint is ready: every serving terminating one takes over, hints or not (kube-proxy's
+        // CategorizeEndpoints falls back after topology, not before).
+        let leaving = [
+            in_zone("10.0.0.1", "b", false),
+            in_zone("10.0.0.2", "b", false),
+        ];
+        assert_eq!(
+            cluster_endpoints(&leaving, IpFamily::V4, &cfg),
+            leaving.to_vec()
+        );
+        let leaving = [
+            in_zone("10.0.0.1", "a", false),
+            in_zone("10.0.0.2", "b", false),
+        ];
+        assert_eq!(
+            cluster_endpoints(&leaving, IpFamily::V4, &cfg),
+            leaving.to_vec()
+        );
+    }
+
+    #[test]
     fn masquerade_rule_follows_config() {
         let mut cfg = RenderConfig::default();
         let lb = |cfg: &RenderConfig| {
@@ -600,10 +661,29 @@ mod tests {
             nftkube_nft::text::render_rule(&rules[0], &t),
             "ip saddr != 10.0.0.0/8 meta mark set meta mark | 0x00004000 comment \"not from a pod\""
         );
+        // External and LoadBalancer IPs (externalTrafficPolicy Cluster): pods' traffic is marked too.
+        let ext = lb_chain_state(Family::Ip, LbKind::External, Counts::Shared, false, &cfg);
+        assert_eq!(
+            nftkube_nft::text::render_rule(&ext.rules[0], &t),
+            "meta mark set meta mark | 0x00004000"
+        );
         cfg.masquerade_all = true;
         assert_eq!(
             nftkube_nft::text::render_rule(&lb(&cfg).rules[0], &t),
             "meta mark set meta mark | 0x00004000"
+        );
+        // externalTrafficPolicy Local: masquerade-all leaves pods' short-circuit unmarked, as kube-proxy's
+        // masquerade-all rule matches the ClusterIP only.
+        let etp = lb_chain_state(
+            Family::Ip,
+            LbKind::LocalExternal,
+            Counts::Shared,
+            false,
+            &cfg,
+        );
+        assert_eq!(
+            nftkube_nft::text::render_rule(&etp.rules[0], &t),
+            "ip saddr 10.0.0.0/8 jump pick comment \"from a pod: every endpoint\""
         );
     }
 

@@ -365,13 +365,18 @@ fn convert_slice(
 
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     for (i, ep) in slice.endpoints.iter().enumerate() {
+        if ep.addresses.is_empty() {
+            // kube-proxy skips such an endpoint and keeps the rest of the slice.
+            tracing::warn!(slice = %key, index = i, "ignoring an endpoint without addresses");
+            continue;
+        }
         let address = first_address(&ep.addresses, address_type, &slice.address_type)
             .map_err(|e| format!("endpoints[{i}]: {e}"))?;
         let cond = ep.conditions.as_ref();
-        // The API: a nil ready means unknown and consumers should interpret it as ready; a nil serving
-        // is the same as ready; a nil terminating is false.
+        // As kube-proxy reads them: a nil ready or serving is true (unknown counts as usable), a nil
+        // terminating is false.
         let ready = cond.and_then(|c| c.ready).unwrap_or(true);
-        let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
+        let serving = cond.and_then(|c| c.serving).unwrap_or(true);
         let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
         endpoints.push(SliceEndpoint {
             address,
@@ -761,6 +766,7 @@ mod tests {
                 {"addresses": ["10.244.2.2"]},
                 {"addresses": ["10.244.3.2"], "conditions": {"ready": false, "serving": true, "terminating": true}},
                 {"addresses": ["10.244.4.2"], "conditions": {"ready": false}},
+                {"addresses": ["10.244.5.2"], "conditions": {"ready": false, "terminating": true}},
             ],
         }));
         let SliceConversion::Slice(info) = endpoint_slice(&s).unwrap() else {
@@ -786,7 +792,7 @@ mod tests {
             ]
         );
         let e = &info.endpoints;
-        assert_eq!(e.len(), 4);
+        assert_eq!(e.len(), 5);
         assert_eq!(e[0].address, "10.244.1.2".parse::<IpAddr>().unwrap());
         assert!(e[0].ready && e[0].serving && !e[0].terminating);
         assert_eq!(e[0].node_name(), Some("node-1"));
@@ -800,8 +806,9 @@ mod tests {
         // No conditions at all: ready and serving, not terminating.
         assert!(e[1].ready && e[1].serving && !e[1].terminating);
         assert!(!e[2].ready && e[2].serving && e[2].terminating);
-        // serving unset follows ready.
-        assert!(!e[3].ready && !e[3].serving && !e[3].terminating);
+        // serving unset is true, whatever ready says (kube-proxy's endpointslicecache).
+        assert!(!e[3].ready && e[3].serving && !e[3].terminating);
+        assert!(!e[4].ready && e[4].serving && e[4].terminating);
     }
 
     #[test]
@@ -831,8 +838,26 @@ mod tests {
             e.reason,
             "endpoints[0]: address \"fd00::1\" does not match addressType IPv4"
         );
-        let e = endpoint_slice(&mk(serde_json::json!([]))).unwrap_err();
-        assert_eq!(e.reason, "endpoints[0]: no addresses");
+    }
+
+    #[test]
+    fn an_endpoint_without_addresses_is_skipped_and_the_rest_of_the_slice_kept() {
+        let s = slice(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "svc"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "p", "port": 80}],
+            "endpoints": [{"addresses": []}, {"addresses": ["10.0.0.3"]}],
+        }));
+        let SliceConversion::Slice(info) = endpoint_slice(&s).unwrap() else {
+            panic!("skipped")
+        };
+        let kept: Vec<String> = info
+            .endpoints
+            .iter()
+            .map(|e| e.address.to_string())
+            .collect();
+        assert_eq!(kept, ["10.0.0.3"]);
     }
 
     #[test]
