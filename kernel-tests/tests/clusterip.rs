@@ -383,6 +383,52 @@ fn restart_adopts_the_table_and_cleanup_leaves_no_trace() {
     assert!(nftkube_in(sb.node(), &["cleanup"]).status.success());
 }
 
+/// BridgeInterface: traffic arriving on that one interface is from this node's pods (kube-proxy's
+/// `--detect-local-mode=BridgeInterface`, an exact `iifname` match). pod0's link stands in for the bridge: pod0
+/// keeps its address; pod1, on another link, is masqueraded like any outside client.
+#[test]
+fn bridge_interface_tells_pods_apart() {
+    let sb = sandbox("nk-brif", 3);
+    let m = Manifests::examples();
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &[
+            "--detect-local-mode",
+            "BridgeInterface",
+            "--pod-bridge-interface",
+            "pod0",
+        ],
+    );
+    wait_reachable(sb.client(), addr(ECHO_V4, 80));
+    let (_, peers, failures) =
+        tally_per_pod(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
+    assert_eq!(failures, 0);
+    assert_eq!(
+        peers,
+        BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
+        "traffic from the bridge masqueraded"
+    );
+    // pod1's answers from the other endpoints (its own come back hairpinned, masqueraded anyway).
+    let answers = tcp_requests(sb.pod(1), addr(ECHO_V4, 80), 30, T);
+    let peers: BTreeSet<IpAddr> = answers
+        .iter()
+        .filter_map(|a| parse_answer(a.as_ref().ok()?))
+        .filter(|(pod, _)| *pod != 1)
+        .map(|(_, peer)| peer)
+        .collect();
+    let node_side: BTreeSet<IpAddr> = (2..=3)
+        .map(|i| IpAddr::from(sandbox::pod_gateway_v4(i)))
+        .collect();
+    assert!(
+        !peers.is_empty() && peers.is_subset(&node_side),
+        "traffic from another link not masqueraded: {peers:?}"
+    );
+    let text = nftkube::nft::text::render_table(&dump_table(sb.node(), Family::Ip).unwrap());
+    assert!(text.contains("iifname != \"pod0\" meta mark set"), "{text}");
+    drop(agent);
+}
+
 #[test]
 fn interface_name_prefix_tells_pods_apart() {
     let sb = sandbox("nk-ifp", 3);

@@ -247,11 +247,79 @@ endpoints:
 - {addresses: ["10.244.3.2"], conditions: {ready: false, serving: false, terminating: true}}
 "#;
 
+/// externalTrafficPolicy Local NodePorts during a rollout, and one without endpoints: `etp-leaving` has a
+/// terminating-but-serving endpoint on this node (pod 1) and a ready one elsewhere (pod 2); `etp-gone` only a
+/// terminating-but-serving endpoint elsewhere (pod 2); `np-empty` none at all.
+const ETP_TERMINATING: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: etp-leaving, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.81
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30110}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: etp-leaving-1, namespace: demo, labels: {kubernetes.io/service-name: etp-leaving}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], nodeName: node-1, conditions: {ready: false, serving: true, terminating: true}}
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: etp-gone, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.82
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30111}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: etp-gone-1, namespace: demo, labels: {kubernetes.io/service-name: etp-gone}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.2.2"], nodeName: node-2, conditions: {ready: false, serving: true, terminating: true}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: np-empty, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.83
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30112}]
+"#;
+
+/// kube-proxy's TestTerminatingEndpointsTrafficPolicyLocal and TestNoEndpointsReject on NodePorts, from outside:
+/// a local endpoint that is terminating but serving takes outside traffic (the client's address kept) when no
+/// local endpoint is ready, even though another node has a ready one; with no local endpoint at all, outside
+/// traffic is dropped while pods still reach the remote one; a NodePort without endpoints is rejected.
+fn assert_local_policy_during_a_rollout(sb: &sandbox::Sandbox) {
+    let node = |port| SocketAddr::new(sandbox::node_ip_v4().into(), port);
+    let (pods, peers) = tally(&tcp_requests(sb.ext(), node(30110), 30, T));
+    assert_eq!(pods, [1].into(), "etp-leaving from outside");
+    assert_eq!(peers, [IpAddr::from(sandbox::ext_ip_v4())].into());
+
+    let e = tcp_request(sb.ext(), node(30111), Duration::from_millis(700)).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::TimedOut, "etp-gone from outside: {e}");
+    let (pods, _) = tally(&tcp_requests(sb.client(), addr("10.96.0.82", 80), 20, T));
+    assert_eq!(pods, [2].into(), "etp-gone from a pod");
+
+    let e = tcp_request(sb.ext(), node(30112), T).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "np-empty: {e}");
+}
+
 #[test]
 fn terminating_endpoints_that_still_serve_take_over_when_none_is_ready() {
     let sb = sandbox("nk-term", 3);
     let m = Manifests::examples();
     m.write("rolling.yaml", TERMINATING);
+    m.write("etp-rolling.yaml", ETP_TERMINATING);
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     let dst = addr("10.96.0.80", 80);
     wait_until(SYNC, || {
@@ -264,6 +332,7 @@ fn terminating_endpoints_that_still_serve_take_over_when_none_is_ready() {
         tally(&tcp_requests(sb.client(), dst, 40, T)).0,
         [1, 2].into()
     );
+    assert_local_policy_during_a_rollout(&sb);
     // A ready endpoint appears: it alone serves new connections.
     m.write(
         "rolling.yaml",
