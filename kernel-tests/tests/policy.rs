@@ -306,7 +306,11 @@ fn assert_local_policy_during_a_rollout(sb: &sandbox::Sandbox) {
     assert_eq!(peers, [IpAddr::from(sandbox::ext_ip_v4())].into());
 
     let e = tcp_request(sb.ext(), node(30111), Duration::from_millis(700)).unwrap_err();
-    assert_eq!(e.kind(), io::ErrorKind::TimedOut, "etp-gone from outside: {e}");
+    assert_eq!(
+        e.kind(),
+        io::ErrorKind::TimedOut,
+        "etp-gone from outside: {e}"
+    );
     let (pods, _) = tally(&tcp_requests(sb.client(), addr("10.96.0.82", 80), 20, T));
     assert_eq!(pods, [2].into(), "etp-gone from a pod");
 
