@@ -1,4 +1,4 @@
-//! The matrix of sources × destinations × policies shared by `tests/matrix.rs` (real packets against kube-proxy's
+//! The matrix of sources × destinations × policies × variants shared by `tests/matrix.rs` (real packets against kube-proxy's
 //! expected answers) and `tests/trace.rs` (`nftkube trace` against where real packets went): three LoadBalancer
 //! services (ClusterIP 10.96.1.i, LB IP 192.168.251.i, NodePort 31000 + i) with one endpoint on this node
 //! (pod1, node-1) and one on another (pod2, node-2).
@@ -97,12 +97,42 @@ pub fn target(policy: Policy, dest: Dest) -> SocketAddr {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq)]
+/// How the agent runs: kube-proxy's TestInternalExternalMasquerade columns.
+pub enum Variant {
+    /// With the sandbox's cluster CIDRs (the ClusterCIDR local-traffic detector).
+    Base,
+    /// Without a cluster CIDR: no local-traffic detector.
+    NoDetector,
+    /// With the cluster CIDRs and `--masquerade-all`.
+    MasqueradeAll,
+}
+
+/// Every variant, in matrix order.
+pub const VARIANTS: [Variant; 3] = [Variant::Base, Variant::NoDetector, Variant::MasqueradeAll];
+
+impl Variant {
+    /// Drops the `--cluster-cidr` pair from `args` for `NoDetector`, adds `--masquerade-all` for
+    /// `MasqueradeAll`.
+    pub fn apply<S: AsRef<std::ffi::OsStr> + From<&'static str>>(self, args: &mut Vec<S>) {
+        match self {
+            Variant::Base => {}
+            Variant::NoDetector => {
+                if let Some(i) = args.iter().position(|a| a.as_ref() == "--cluster-cidr") {
+                    args.drain(i..i + 2);
+                }
+            }
+            Variant::MasqueradeAll => args.push("--masquerade-all".into()),
+        }
+    }
+}
+
 /// kube-proxy's answer for a cell: (endpoints that answer, whether the backend sees the client's address).
 pub fn expected(
     src: Source,
     dest: Dest,
     policy: Policy,
-    masquerade_all: bool,
+    variant: Variant,
 ) -> (BTreeSet<usize>, bool) {
     let all: BTreeSet<usize> = [1, 2].into();
     let local: BTreeSet<usize> = [1].into();
@@ -113,14 +143,22 @@ pub fn expected(
             } else {
                 all
             };
-            // Only pods (inside the cluster CIDR) keep their address, and not with masquerade-all.
-            (eps, src == Source::Pod && !masquerade_all)
+            let kept = match variant {
+                // Only pods (inside the cluster CIDR) keep their address.
+                Variant::Base => src == Source::Pod,
+                // Without a detector, ClusterIP traffic is never masqueraded ("no LocalTrafficDetector").
+                Variant::NoDetector => true,
+                Variant::MasqueradeAll => false,
+            };
+            (eps, kept)
         }
         Dest::NodePort | Dest::LbIp => match (policy, src) {
             // externalTrafficPolicy Local: outside traffic to local endpoints, client kept; pods and the node
             // are short-circuited to every endpoint, pods keeping their address (masquerade-all too: kube-proxy's
-            // masquerade-all rule matches the ClusterIP only).
+            // masquerade-all rule matches the ClusterIP only). Without a detector pods are not told apart:
+            // like outside traffic, they get the local endpoints only.
             (Policy::EtpLocal, Source::Outside) => (local, true),
+            (Policy::EtpLocal, Source::Pod) if variant == Variant::NoDetector => (local, true),
             (Policy::EtpLocal, Source::Pod) => (all, true),
             (Policy::EtpLocal, Source::Node) => (all, false),
             // Cluster policy: NodePorts and LB IPs always masquerade, pods' traffic too
@@ -198,19 +236,14 @@ pub fn setup(tag: &str) -> (sandbox::Sandbox, crate::Manifests) {
     (sb, m)
 }
 
-/// The agent on the matrix's manifests (with `--masquerade-all` or not), once it serves them.
-pub fn start_agent(
-    sb: &sandbox::Sandbox,
-    m: &crate::Manifests,
-    masquerade_all: bool,
-) -> crate::Agent {
+/// The agent on the matrix's manifests, run as `variant` says, once it serves them.
+pub fn start_agent(sb: &sandbox::Sandbox, m: &crate::Manifests, variant: Variant) -> crate::Agent {
     const SYNC: std::time::Duration = std::time::Duration::from_secs(15);
-    let extra: &[&str] = if masquerade_all {
-        &["--masquerade-all"]
-    } else {
-        &[]
-    };
-    let agent = crate::Agent::start(sb.node(), &m.dir, extra);
+    let mut args = crate::proxy_args(&m.dir, &[]);
+    variant.apply(&mut args);
+    let mut cmd = crate::command_in(sb.node(), crate::nftkube_bin());
+    cmd.args(args);
+    let agent = crate::Agent::spawn(cmd, sb.node());
     agent.wait_syncs(1, SYNC);
     let probe = std::time::Duration::from_millis(300);
     crate::wait_until(SYNC, || {

@@ -123,7 +123,7 @@ fn trace_json(ns: &nftkube_sandbox::netns::NetNs, args: &[String]) -> Value {
 }
 
 /// The render flags the agent runs with, for a trace of the plan.
-fn plan_args(dir: &Path, masquerade_all: bool) -> Vec<String> {
+fn plan_args(dir: &Path, variant: Variant) -> Vec<String> {
     let mut a: Vec<String> = [
         "--manifests",
         dir.to_str().unwrap(),
@@ -135,9 +135,7 @@ fn plan_args(dir: &Path, masquerade_all: bool) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    if masquerade_all {
-        a.push("--masquerade-all".into());
-    }
+    variant.apply(&mut a);
     a
 }
 
@@ -146,8 +144,8 @@ fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
     let (sb, m) = setup("nk-tr");
     let mut failures = Vec::new();
     let mut cells = 0;
-    for masquerade_all in [false, true] {
-        let agent = start_agent(&sb, &m, masquerade_all);
+    for variant in VARIANTS {
+        let agent = start_agent(&sb, &m, variant);
         for policy in POLICIES {
             for dest in DESTS {
                 for src in SOURCES {
@@ -156,14 +154,14 @@ fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
                     let args = packet_args(src, policy, dest);
                     let kernel = summarize(&trace_json(sb.node(), &args));
                     let mut with_plan = args.clone();
-                    with_plan.extend(plan_args(&m.dir, masquerade_all));
+                    with_plan.extend(plan_args(&m.dir, variant));
                     let plan = summarize(&trace_json(sb.node(), &with_plan));
                     // Real packets: reachable, by which endpoints, client address kept or not. The node's own
                     // connections leave from whichever address its route picks, so for them the masquerade
                     // decision is compared with kube-proxy's answer (the matrix test checks that one).
                     let kept = match client_addr(src) {
                         Some(c) => seen.peers == [c].into(),
-                        None => expected(src, dest, policy, masquerade_all).1,
+                        None => expected(src, dest, policy, variant).1,
                     };
                     let real = Traced {
                         verdicts: [if seen.errors == 0 {
@@ -178,7 +176,7 @@ fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
                         uniform: true,
                     };
                     let cell = format!(
-                        "{src:?} → {dest:?} [{policy:?}, masquerade-all={masquerade_all}]: real {real:?}; \
+                        "{src:?} → {dest:?} [{policy:?}, {variant:?}]: real {real:?}; \
                          kernel trace {kernel:?}; plan trace {plan:?}"
                     );
                     let ok = kernel == real && plan == real;
@@ -191,7 +189,7 @@ fn offline_trace_agrees_with_real_packets_in_every_matrix_cell() {
         }
         drop(agent);
     }
-    assert_eq!(cells, 54);
+    assert_eq!(cells, 81);
     assert!(
         failures.is_empty(),
         "{} of {cells} cells differ:\n{}",
