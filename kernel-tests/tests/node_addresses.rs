@@ -114,8 +114,8 @@ fn wait_node_object_programmed(agent: &Agent) {
 fn primary_serves_the_node_objects_internal_ip_and_follows_it() {
     let (sb, api) = setup("nk-npa");
     let agent = start_agent(sb.node(), &api, &[]);
-    // The default, primary: the InternalIP only, though the secondary address is on the same uplink.
-    wait_node_object_programmed(&agent);
+    // The default, primary: the InternalIP only, though the secondary address is on the same uplink (the
+    // fallback before the Node object arrives would serve both: only the Node object leads here).
     wait_served_on(&sb, &agent, &[primary()], &[secondary()]);
 
     // The Node object's InternalIP moves to the other address: NodePorts follow, without a restart.
