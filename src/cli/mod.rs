@@ -65,10 +65,12 @@ pub(crate) struct RenderArgs {
     /// Pod CIDRs, comma-separated (one per family); traffic to a ClusterIP from outside them is masqueraded.
     #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
     pub cluster_cidr: std::vec::Vec<nftkube::model::Cidr>,
-    /// CIDRs of the node addresses that serve NodePorts, comma-separated; a zero CIDR (0.0.0.0/0, ::/0) means
-    /// every local address but loopback. Default: the node's primary addresses (on links with a default route).
-    #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
-    pub nodeport_addresses: std::vec::Vec<nftkube::model::Cidr>,
+    /// Where NodePorts are served, comma-separated: CIDRs and the keywords `primary` (the node's primary IP
+    /// per family: a specific --bind-address, else the Node object's; without either, the addresses of the
+    /// links with a default route), `localhost` (127.0.0.0/8 and ::1, through the relay) and `all` (every
+    /// local address but loopback, as a zero CIDR), in any combination: the union. Default: primary.
+    #[arg(long, value_parser = parse_nodeport_spec, default_value = "")]
+    pub nodeport_addresses: nftkube::model::NodePortSpec,
     /// Masquerade all traffic sent to service IPs (`--masquerade-all=false` overrides a config file).
     #[arg(long, num_args = 0..=1, require_equals = true, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub masquerade_all: bool,
@@ -99,6 +101,13 @@ pub(crate) struct RenderArgs {
     /// This node's zone, for topology hints (nftkube's; from the API, the Node's topology.kubernetes.io/zone).
     #[arg(long)]
     pub node_zone: Option<String>,
+}
+
+/// `--nodeport-addresses`: clap's error names the flag, ours the entry it could not read.
+fn parse_nodeport_spec(
+    s: &str,
+) -> Result<nftkube::model::NodePortSpec, nftkube::model::NodePortSpecError> {
+    s.parse()
 }
 
 /// Flags (or a config file) that do not make a usable configuration; `main` exits 64 with it.
@@ -259,7 +268,7 @@ impl ProxyArgs {
         let mut args = self.render.clone();
         args.masquerade_bit = r.masquerade_bit;
         args.detect_local_mode = "ClusterCIDR".into();
-        args.nodeport_addresses = r.nodeport_cidrs.clone();
+        args.nodeport_addresses = r.nodeport.clone();
         let mut render = args.render_config()?;
         render.node_name = r.node_name.clone();
         render.cluster_cidrs = r.cluster_cidrs.clone();

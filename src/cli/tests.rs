@@ -82,3 +82,34 @@ fn flags_override_the_file_and_defaults_do_not() {
     assert!(e.contains("--masquerade-bit and --drop-bit"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--nodeport-addresses` as given: keywords and CIDRs together, read as the config file's field is.
+fn nodeport_flag(value: &str) -> Result<nftkube::model::NodePortSpec, String> {
+    let flag = format!("--nodeport-addresses={value}");
+    let m = Cli::command()
+        .try_get_matches_from(["nftkube", "proxy", "--manifests", "/m", &flag])
+        .map_err(|e| e.to_string())?;
+    let Command::Proxy(p) = Cli::from_arg_matches(&m).unwrap().command else {
+        unreachable!()
+    };
+    Ok(p.render.nodeport_addresses)
+}
+
+#[test]
+fn nodeport_addresses_take_keywords_and_cidrs_together() {
+    let spec = nodeport_flag("primary,10.0.0.0/8,localhost").unwrap();
+    assert!(spec.wants_primary());
+    assert_eq!(spec.to_string(), "primary,10.0.0.0/8,localhost");
+    assert_eq!(nodeport_flag("").unwrap(), Default::default(), "primary");
+    let e = nodeport_flag("primary,eth0").unwrap_err();
+    assert!(e.contains("\"eth0\" is neither a CIDR"), "{e}");
+    assert!(e.contains("--nodeport-addresses"), "{e}");
+    assert!(nodeport_flag("10.0.0.0/33").is_err());
+    // The whole resolution accepts them too.
+    proxy(&[
+        "--manifests",
+        "/m",
+        "--nodeport-addresses=primary,localhost",
+    ])
+    .unwrap();
+}

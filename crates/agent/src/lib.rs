@@ -2,6 +2,7 @@
 //! one-shot commands (`plan`, `cleanup`).
 #![forbid(unsafe_code)]
 
+mod node_addresses;
 mod quarantine;
 mod run;
 pub mod runner;
@@ -13,7 +14,7 @@ use run::{ProxyLoop, Relays};
 
 use nftkube_admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
 use nftkube_config::{Resolved, SourceSpec};
-use nftkube_model::{Cidr, ClusterState, DetectLocal, NamespacedName, ServicePortName};
+use nftkube_model::{ClusterState, DetectLocal, NamespacedName, NodePortSpec, ServicePortName};
 use nftkube_nft::ir::{Family, TableState};
 use nftkube_nft::monitor::{self, Drift};
 use nftkube_nft::netlink::NftSocket;
@@ -41,7 +42,9 @@ pub struct ProxyOptions {
     /// without events; a directory created later is found sooner through its parent's events).
     pub(crate) manifest_fallback: Duration,
     /// `--nodeport-addresses`, re-resolved against the node's addresses at every full sync.
-    pub(crate) nodeport_cidrs: Vec<Cidr>,
+    pub(crate) nodeport: NodePortSpec,
+    /// `--bind-address`: a specific one is the node's primary IP of its family (`primary`).
+    pub(crate) bind_address: Option<std::net::IpAddr>,
     /// Health, metrics and healthCheckNodePort servers (None: no admin servers).
     pub admin: Option<AdminOptions>,
     /// Periodic checks read the kernel back at least this often even when its generation id is unchanged
@@ -70,7 +73,8 @@ impl ProxyOptions {
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
             manifest_fallback: Duration::from_secs(30),
-            nodeport_cidrs: Vec::new(),
+            nodeport: NodePortSpec::default(),
+            bind_address: None,
             admin: None,
             max_transaction_elements: nftkube_sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
@@ -95,7 +99,8 @@ impl ProxyOptions {
             min_sync_period: r.min_sync_period,
             // A changed file that inotify did not report is read within a sync period.
             manifest_fallback: r.sync_period.max(Duration::from_millis(100)),
-            nodeport_cidrs: r.nodeport_cidrs,
+            nodeport: r.nodeport,
+            bind_address: r.bind_address,
             admin: Some(r.admin),
             max_transaction_elements: nftkube_sync::chunk::MAX_ELEMENTS_PER_TRANSACTION,
             full_read_period: run::FULL_READ_INTERVAL,
@@ -160,7 +165,7 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     // Stopped and joined when dropped, whichever way this function returns.
     let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
     // NodePorts on loopback, when asked for, through the relay (after each sync).
-    let localhost = nftkube_relay::LocalhostNodePorts::start(&opts.nodeport_cidrs, &opts.relay)?;
+    let localhost = nftkube_relay::LocalhostNodePorts::start(&opts.nodeport.cidrs(), &opts.relay)?;
     // Userspace mode: the relay serves the services, nf_tables only redirects to it.
     let userspace = match opts.userspace {
         true => Some(nftkube_relay::UserspaceProxy::start(&opts.relay)?),
@@ -399,70 +404,15 @@ fn trace_tables(socket: &mut NftSocket) -> anyhow::Result<Vec<(Family, String)>>
 }
 
 /// Reads the node's addresses (in the calling thread's namespace) once and fills in what the rules need from
-/// them: where NodePorts are served (from `--nodeport-addresses`) and the node's own IPs.
-pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport_cidrs: &[Cidr]) {
-    refresh_node_addresses_from(cfg, nodeport_cidrs, nftkube_node::read);
-}
-
-/// `refresh_node_addresses` with the read given, so a test can make it fail.
-///
-/// A failed read keeps what the last good one gave: a transient rtnetlink error (ENOBUFS while the routing
-/// table churns, a dump interrupted by a change) says nothing about the addresses, and withdrawing every
-/// NodePort for it would cut live traffic. With no good read yet (the first one, at startup) there is nothing
-/// to keep: NodePorts are not served (but with a zero CIDR, which needs no address) until a read succeeds,
-/// retried at every full sync (the first sync of `proxy` is one). Either way it is logged with the error.
-pub(crate) fn refresh_node_addresses_from(
-    cfg: &mut RenderConfig,
-    nodeport_cidrs: &[Cidr],
-    read: impl FnOnce() -> Result<nftkube_node::NodeView, nftkube_node::ReadError>,
-) {
-    match read() {
-        Ok(node) => {
-            cfg.nodeport_addresses = nftkube_model::resolve_nodeport_addresses(
-                nodeport_cidrs,
-                &node.addresses,
-                &node.primary_links,
-            );
-            cfg.node_ips = node.addresses.iter().map(|a| a.ip).collect();
-        }
-        Err(e) if cfg.nodeport_addresses == nftkube_model::NodePortAddresses::None => {
-            // A zero CIDR needs no address (the kernel's fib tells local ones), so it is served all the same.
-            cfg.nodeport_addresses =
-                nftkube_model::resolve_nodeport_addresses(nodeport_cidrs, &[], &[]);
-            tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed and none of its addresses is known: NodePorts are not served on them until a read succeeds (retried at the next full sync)");
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, nodeport_addresses = ?cfg.nodeport_addresses, "reading the node failed: keeping its last known addresses (read again at the next full sync)");
-        }
-    }
+/// them: where NodePorts are served (from `--nodeport-addresses`; `primary` without a bind address or a Node
+/// object: the addresses of the default route's links) and the node's own IPs.
+pub fn refresh_node_addresses(cfg: &mut RenderConfig, nodeport: &NodePortSpec) {
+    node_addresses::NodeAddresses::new(nodeport.clone(), None).refresh(cfg);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nftkube_model::{NodeAddress, NodePortAddresses};
-    use nftkube_node::{NodeView, ReadError};
-
-    fn node(ip: &str) -> NodeView {
-        NodeView {
-            addresses: vec![NodeAddress {
-                ifindex: 2,
-                ip: ip.parse().unwrap(),
-            }],
-            primary_links: vec![2],
-        }
-    }
-
-    fn failed() -> Result<NodeView, ReadError> {
-        Err(ReadError::Routes(std::io::Error::from_raw_os_error(
-            libc::ENOBUFS,
-        )))
-    }
-
-    fn served_on(ip: &str) -> NodePortAddresses {
-        NodePortAddresses::Only(vec![ip.parse().unwrap()])
-    }
-
     /// Enough services for several render threads: the same pieces as one service after another.
     #[test]
     fn a_full_render_on_every_cpu_gives_the_pieces_of_a_render_service_by_service() {
@@ -511,36 +461,5 @@ mod tests {
         assert_eq!(one_by_one.len(), services);
         let one_by_one: BTreeMap<_, _> = one_by_one.into_iter().collect();
         assert_eq!(render_all(&state, &BTreeSet::new(), &cfg), one_by_one);
-    }
-
-    #[test]
-    fn a_failed_read_keeps_the_last_known_addresses() {
-        let mut cfg = RenderConfig::default();
-        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.200.1")));
-        assert_eq!(cfg.nodeport_addresses, served_on("192.168.200.1"));
-        let before = cfg.clone();
-        refresh_node_addresses_from(&mut cfg, &[], failed);
-        assert_eq!(cfg, before);
-        // The next good read replaces them.
-        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.201.1")));
-        assert_eq!(cfg.nodeport_addresses, served_on("192.168.201.1"));
-        assert_eq!(
-            cfg.node_ips,
-            vec!["192.168.201.1".parse::<std::net::IpAddr>().unwrap()]
-        );
-    }
-
-    #[test]
-    fn a_failed_first_read_serves_node_ports_on_no_address_until_a_read_succeeds() {
-        let mut cfg = RenderConfig::default();
-        refresh_node_addresses_from(&mut cfg, &[], failed);
-        assert_eq!(cfg.nodeport_addresses, NodePortAddresses::None);
-        assert!(cfg.node_ips.is_empty());
-        refresh_node_addresses_from(&mut cfg, &[], || Ok(node("192.168.200.1")));
-        assert_eq!(cfg.nodeport_addresses, served_on("192.168.200.1"));
-        // Every local address needs none read: the kernel tells them.
-        let mut cfg = RenderConfig::default();
-        refresh_node_addresses_from(&mut cfg, &["0.0.0.0/0".parse().unwrap()], failed);
-        assert_eq!(cfg.nodeport_addresses, NodePortAddresses::AllLocal);
     }
 }

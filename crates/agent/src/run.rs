@@ -5,8 +5,9 @@
 //! arrived and syncs if a sync is due. Sources read and parse on threads of their own, so a sync never waits
 //! for a file or the API.
 
+use super::node_addresses::NodeAddresses;
 use super::wake::{Inbox, Wake};
-use super::{refresh_node_addresses, sync_once, ProxyOptions};
+use super::{sync_once, ProxyOptions};
 use nftkube_admin::Observer;
 use nftkube_conntrack::{CleanupQueue, FrontendKinds, Frontends};
 use nftkube_metrics as metrics;
@@ -76,6 +77,8 @@ pub(super) struct ProxyLoop<'a> {
     /// The node's addresses were read since the last sync (by a periodic check): the full sync it asked for
     /// need not read them again.
     pub(crate) addresses_fresh: bool,
+    /// Where NodePorts are served and the node's IPs come from: its links, --bind-address, its Node object.
+    pub(crate) node_addresses: NodeAddresses,
     pub(crate) relay: Relays,
     /// Services the kernel refused, left out and retried on their own.
     pub(crate) quarantine: Quarantine,
@@ -110,6 +113,7 @@ impl ProxyLoop<'_> {
             next_check: now + opts.sync_period,
             next_full_read: now + opts.full_read_period,
             addresses_fresh: false,
+            node_addresses: NodeAddresses::new(opts.nodeport.clone(), opts.bind_address),
             relay: Relays::default(),
             quarantine: Quarantine::default(),
         }
@@ -216,8 +220,17 @@ impl ProxyLoop<'_> {
         self.request_sync();
     }
 
-    /// This node's zone (topology hints) and podCIDRs (NodeCIDR local detection) from its Node object.
+    /// This node's addresses (`primary` NodePorts), zone (topology hints) and podCIDRs (NodeCIDR local
+    /// detection) from its Node object.
     fn follow_node_object(&mut self) -> anyhow::Result<()> {
+        let node = self.observer.node.as_ref();
+        if node.is_some_and(|n| {
+            self.node_addresses
+                .follow_node_object(&n.addresses, &mut self.cfg)
+        }) {
+            self.engine.force_full_sync();
+            self.request_sync();
+        }
         if self.opts.render.node_zone.is_none() {
             let zone = self.observer.node.as_ref().and_then(|n| n.zone.clone());
             if zone.is_some() && zone != self.cfg.node_zone {
@@ -259,7 +272,7 @@ impl ProxyLoop<'_> {
             self.cfg.nodeport_addresses.clone(),
             self.cfg.node_ips.clone(),
         );
-        refresh_node_addresses(&mut self.cfg, &self.opts.nodeport_cidrs);
+        self.node_addresses.refresh(&mut self.cfg);
         let moved = before
             != (
                 self.cfg.nodeport_addresses.clone(),
@@ -301,7 +314,7 @@ impl ProxyLoop<'_> {
         self.observer.sync_started();
         // Node addresses can change; full syncs pick that up for NodePorts (unless a periodic check just did).
         if self.engine.needs_full_sync() && !std::mem::take(&mut self.addresses_fresh) {
-            refresh_node_addresses(&mut self.cfg, &self.opts.nodeport_cidrs);
+            self.node_addresses.refresh(&mut self.cfg);
         }
         let synced = match &mut self.relay.userspace {
             Some(u) => u.sync(&mut self.engine, &self.state, &changes.changed_services),
@@ -352,7 +365,7 @@ impl ProxyLoop<'_> {
                         &self.state,
                         FrontendKinds::ALL,
                         &self.cfg.nodeport_addresses,
-                        &self.cfg.node_ips,
+                        &self.node_addresses.local_ips(),
                     );
                     self.conntrack.clear_black_holes(frontends);
                 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use nftkube_model::Cidr;
+use nftkube_model::{Cidr, NodePortSpec};
 
 /// kube-proxy-named flags, as given on the command line (None: not given, so the file or the default
 /// applies).
@@ -23,7 +23,7 @@ pub struct Flags {
     /// `--cluster-cidr`.
     pub cluster_cidr: Option<Vec<Cidr>>,
     /// `--nodeport-addresses`.
-    pub nodeport_addresses: Option<Vec<Cidr>>,
+    pub nodeport_addresses: Option<NodePortSpec>,
     /// `--masquerade-all`.
     pub masquerade_all: Option<bool>,
     /// `--masquerade-bit`.

@@ -29,8 +29,7 @@ use std::time::Duration;
 pub use duration::{parse_duration_flag, parse_go_duration, DurationError};
 pub use flags::Flags;
 pub use resolve::{
-    parse_bind_address, parse_cluster_cidrs, parse_node_port_addresses, resolve, resolve_with, Env,
-    Resolved, SourceSpec,
+    parse_bind_address, parse_cluster_cidrs, resolve, resolve_with, Env, Resolved, SourceSpec,
 };
 
 /// The only `apiVersion` read.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::{err, load, ConfigError, FileConfig, Flags};
 use nftkube_admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
-use nftkube_model::{Cidr, DetectLocal};
+use nftkube_model::{Cidr, DetectLocal, NodePortSpec};
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,8 +40,11 @@ pub struct Resolved {
     pub min_sync_period: Duration,
     /// Health and metrics servers.
     pub admin: AdminOptions,
-    /// `--nodeport-addresses` CIDRs (empty: the node's primary addresses).
-    pub nodeport_cidrs: Vec<Cidr>,
+    /// `--nodeport-addresses`: keywords and CIDRs (nothing given: `primary`).
+    pub nodeport: NodePortSpec,
+    /// `--bind-address`, when it is one (kube-proxy takes a specific one as the node's primary IP of its
+    /// family).
+    pub bind_address: Option<IpAddr>,
     /// `mode: userspace` / `--proxy-mode userspace`: services are relayed in user space.
     pub userspace: bool,
     /// To log at startup.
@@ -105,11 +108,13 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
     let masquerade_bit = masquerade_bit(flags, &file)?;
     let (sync_period, min_sync_period) = sync_periods(flags, &file)?;
     let admin = admin_options(flags, &file)?;
-    let nodeport_cidrs = match (&flags.nodeport_addresses, &file.node_port_addresses) {
-        (Some(c), _) => c.clone(),
-        (None, Some(list)) => parse_node_port_addresses("nodePortAddresses", list, &mut warnings)?,
-        (None, None) => Vec::new(),
+    let nodeport = match (&flags.nodeport_addresses, &file.node_port_addresses) {
+        (Some(spec), _) => spec.clone(),
+        (None, Some(list)) => NodePortSpec::from_items(list.iter().map(String::as_str))
+            .map_err(|e| ConfigError(format!("nodePortAddresses: {e}")))?,
+        (None, None) => NodePortSpec::default(),
     };
+    let bind_address = bind_address(flags, &file)?;
     Ok(Resolved {
         source,
         node_name,
@@ -123,7 +128,8 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         sync_period,
         min_sync_period,
         admin,
-        nodeport_cidrs,
+        nodeport,
+        bind_address,
         userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
             Some(flag) => flag == "userspace",
             None => file.mode.as_deref() == Some("userspace"),
@@ -333,7 +339,17 @@ fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, Confi
 
 /// The loopback address of bindAddress's family (IPv4 when it is not set).
 fn admin_loopback(flags: &Flags, file: &FileConfig) -> Result<IpAddr, ConfigError> {
-    let bind_v6 = flags
+    let bind_v6 = bind_address(flags, file)?.is_some_and(|ip| ip.is_ipv6());
+    Ok(if bind_v6 {
+        Ipv6Addr::LOCALHOST.into()
+    } else {
+        Ipv4Addr::LOCALHOST.into()
+    })
+}
+
+/// `--bind-address` (else the file's `bindAddress`), when set.
+fn bind_address(flags: &Flags, file: &FileConfig) -> Result<Option<IpAddr>, ConfigError> {
+    flags
         .bind_address
         .as_deref()
         .or(file.bind_address.as_deref())
@@ -342,13 +358,7 @@ fn admin_loopback(flags: &Flags, file: &FileConfig) -> Result<IpAddr, ConfigErro
             s.parse::<IpAddr>()
                 .map_err(|_| ConfigError(format!("bindAddress {s:?} is not an IP address")))
         })
-        .transpose()?
-        .is_some_and(|ip| ip.is_ipv6());
-    Ok(if bind_v6 {
-        Ipv6Addr::LOCALHOST.into()
-    } else {
-        Ipv4Addr::LOCALHOST.into()
-    })
+        .transpose()
 }
 
 /// A healthz / metrics bind address: `IP:PORT`, `[IPv6]:PORT`, or an IP (the default port).
@@ -389,46 +399,6 @@ fn check_families(what: &str, cidrs: &[Cidr]) -> Result<(), ConfigError> {
         ));
     }
     Ok(())
-}
-
-/// `nodePortAddresses` entries (CIDRs, or kube-proxy's keywords) as the CIDR list `--nodeport-addresses`
-/// takes: `all` is 0.0.0.0/0 and ::/0, `primary` (the default) adds nothing, `localhost` is 127.0.0.0/8 and
-/// ::1/128 (served by the relay: nftkube does not turn on route_localnet).
-pub fn parse_node_port_addresses(
-    what: &str,
-    items: &[String],
-    warnings: &mut Vec<String>,
-) -> Result<Vec<Cidr>, ConfigError> {
-    let mut out = Vec::new();
-    let mut primary = false;
-    for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-        match item {
-            "primary" => primary = true,
-            "all" => {
-                out.push("0.0.0.0/0".parse().expect("valid CIDR"));
-                out.push("::/0".parse().expect("valid CIDR"));
-            }
-            "localhost" => {
-                out.push("127.0.0.0/8".parse().expect("valid CIDR"));
-                out.push("::1/128".parse().expect("valid CIDR"));
-            }
-            cidr if cidr.contains('/') => out.push(
-                cidr.parse::<Cidr>()
-                    .map_err(|e| ConfigError(format!("{what}: {e}")))?,
-            ),
-            other => {
-                return err(format!(
-                    "{what}: {other:?} is neither a CIDR nor one of primary, localhost, all"
-                ))
-            }
-        }
-    }
-    if primary && !out.is_empty() {
-        warnings.push(format!(
-            "{what}: primary together with CIDRs: only the CIDRs are used"
-        ));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -582,12 +552,8 @@ detectLocalMode: ClusterCIDR
         assert_eq!(r.admin.healthz, Some("0.0.0.0:10256".parse().unwrap()));
         assert_eq!(r.admin.metrics, Some("[::1]:9999".parse().unwrap()));
         assert!(r.admin.bind_address_hard_fail);
-        assert_eq!(
-            r.nodeport_cidrs.len(),
-            1,
-            "primary adds nothing: {:?}",
-            r.nodeport_cidrs
-        );
+        assert_eq!(r.nodeport.cidrs().len(), 1, "{}", r.nodeport);
+        assert!(r.nodeport.wants_primary(), "{}", r.nodeport);
         // Flags win.
         let flags = Flags {
             manifests: Some("/m".into()),
@@ -600,7 +566,7 @@ detectLocalMode: ClusterCIDR
             healthz_bind_address: Some(String::new()),
             metrics_bind_address: Some("127.0.0.1:1234".into()),
             bind_address_hard_fail: Some(false),
-            nodeport_addresses: Some(vec!["0.0.0.0/0".parse().unwrap()]),
+            nodeport_addresses: Some("0.0.0.0/0".parse().unwrap()),
             ..Flags::default()
         };
         let r = resolve_with(&flags, f, &env()).unwrap();
@@ -613,7 +579,7 @@ detectLocalMode: ClusterCIDR
         assert_eq!(r.admin.healthz, None, "an empty flag turns healthz off");
         assert_eq!(r.admin.metrics, Some("127.0.0.1:1234".parse().unwrap()));
         assert!(!r.admin.bind_address_hard_fail);
-        assert_eq!(r.nodeport_cidrs.len(), 1);
+        assert_eq!(r.nodeport.to_string(), "0.0.0.0/0", "the flag wins");
     }
 
     #[test]
@@ -650,7 +616,10 @@ detectLocalMode: ClusterCIDR
                 "detectLocalMode: NodeCIDR",
                 "needs the Kubernetes API source",
             ),
-            ("nodePortAddresses: [\"eth0\"]", "neither a CIDR"),
+            (
+                "nodePortAddresses: [\"eth0\"]",
+                "\"eth0\" is neither a CIDR",
+            ),
             ("nodePortAddresses: [\"10.0.0.0/99\"]", "nodePortAddresses"),
             ("mode: kernelspace", "not a Linux proxy mode"),
             ("bindAddressHardFail: yes please", "want true or false"),
@@ -739,11 +708,45 @@ detectLocalMode: ClusterCIDR
         let f = parse(&format!("{base}nodePortAddresses: [all, localhost]\n")).unwrap();
         let r = resolve_with(&flags, f, &env()).unwrap();
         // localhost: loopback CIDRs, served by the relay.
-        assert_eq!(r.nodeport_cidrs.len(), 4);
+        assert_eq!(r.nodeport.cidrs().len(), 4);
         assert_eq!(
-            nftkube_relay::loopback_families(&r.nodeport_cidrs),
+            nftkube_relay::loopback_families(&r.nodeport.cidrs()),
             (true, true)
         );
+    }
+
+    #[test]
+    fn node_port_keywords_combine_with_cidrs_and_the_bind_address_is_kept() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            ..Flags::default()
+        };
+        let f = parse(&format!(
+            "{base}bindAddress: 192.168.200.1\nnodePortAddresses: [primary, 10.0.0.0/8, localhost]\n"
+        ))
+        .unwrap();
+        let r = resolve_with(&flags, f.clone(), &env()).unwrap();
+        assert_eq!(r.nodeport.to_string(), "primary,10.0.0.0/8,localhost");
+        assert!(
+            r.warnings.iter().all(|w| !w.contains("nodePortAddresses")),
+            "{:?}",
+            r.warnings
+        );
+        assert_eq!(r.bind_address, Some("192.168.200.1".parse().unwrap()));
+        // The flags win, and are read the same way.
+        let over = Flags {
+            nodeport_addresses: Some("all,primary".parse().unwrap()),
+            bind_address: Some("fd00:200::1".into()),
+            ..flags.clone()
+        };
+        let r = resolve_with(&over, f, &env()).unwrap();
+        assert_eq!(r.nodeport.to_string(), "all,primary");
+        assert_eq!(r.bind_address, Some("fd00:200::1".parse().unwrap()));
+        // Nothing given: primary.
+        let r = resolve_with(&flags, parse(base).unwrap(), &env()).unwrap();
+        assert_eq!(r.nodeport, NodePortSpec::default());
+        assert_eq!(r.bind_address, None);
     }
 
     /// deploy/nftkube.yaml's ConfigMap: the config loads without a warning, names the kubeconfig, and the
