@@ -76,7 +76,8 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone`, for topology-aware routing.
     pub zone: Option<String>,
-    /// InternalIP and ExternalIP addresses, in the order the status lists them.
+    /// InternalIP addresses, then ExternalIP ones, each in status order (kube-proxy's order: the first of a
+    /// family is the node's primary IP).
     pub addresses: Vec<IpAddr>,
     /// `spec.podCIDRs` (or `spec.podCIDR`): the local pod ranges for `detectLocalMode: NodeCIDR`.
     pub pod_cidrs: Vec<Cidr>,

@@ -134,15 +134,17 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
         .as_ref()
         .and_then(|l| l.get(ZONE_LABEL))
         .cloned();
-    let mut addresses = Vec::new();
-    for a in node
+    let listed = node
         .status
         .as_ref()
         .and_then(|s| s.addresses.as_ref())
-        .into_iter()
-        .flatten()
-    {
-        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    // Every InternalIP before any ExternalIP, as kube-proxy's GetNodeHostIPs orders them: the first of each
+    // family is the node's primary IP.
+    let mut addresses = Vec::new();
+    for kind in ["InternalIP", "ExternalIP"] {
+        for a in listed.iter().filter(|a| a.type_ == kind) {
             // Read as kube-proxy reads node addresses (ParseIPSloppy), so both pick the same node IPs.
             match parse_ip_sloppy(&a.address) {
                 Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
@@ -204,6 +206,7 @@ mod tests {
             "spec": {"podCIDRs": ["10.244.1.0/24", "fd00:244:1::/64"],
                      "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]},
             "status": {"addresses": [{"type": "Hostname", "address": "node-1"},
+                                     {"type": "ExternalIP", "address": "203.0.113.10"},
                                      {"type": "InternalIP", "address": "192.168.1.10"},
                                      {"type": "InternalIP", "address": "fd00::10"}]},
         }))
@@ -211,7 +214,9 @@ mod tests {
         let n = node_info(&node).unwrap();
         assert_eq!(n.name, "node-1");
         assert_eq!(n.zone.as_deref(), Some("z1"));
-        assert_eq!(n.addresses.len(), 2);
+        // InternalIPs first, though the ExternalIP is listed before them: the first IPv4 is the primary one.
+        let listed: Vec<String> = n.addresses.iter().map(ToString::to_string).collect();
+        assert_eq!(listed, ["192.168.1.10", "fd00::10", "203.0.113.10"]);
         assert_eq!(n.pod_cidrs[0].to_string(), "10.244.1.0/24");
         assert!(n.deleting);
         let mut bad = node.clone();
