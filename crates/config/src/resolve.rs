@@ -101,7 +101,8 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
     let detect_local = detect_local(flags, &file, kube)?;
     if detect_local == DetectLocal::ClusterCidr && cluster_cidrs.is_empty() {
         warnings.push(
-            "no clusterCIDR: every connection to a service is treated as coming from outside the cluster and masqueraded"
+            "no clusterCIDR: pods cannot be told from other clients, so ClusterIP traffic is never masqueraded and \
+             externalTrafficPolicy Local sends pods to local endpoints only (kube-proxy's no-op local-traffic detector)"
                 .into(),
         );
     }
