@@ -5,6 +5,7 @@
 mod quarantine;
 mod run;
 pub mod runner;
+mod service_cidrs;
 pub mod wake;
 
 pub use wake::{Doorbell, Inbox, StopHandle, Wake};

@@ -297,7 +297,9 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
         for (kind, item) in items {
             match item {
                 Ok(ev) => {
-                    if kind == Kind::ServiceCidr && std::mem::take(&mut cidrs_failing) {
+                    // `Init` comes before the list is asked for (and fails again): not an answer yet.
+                    let answered = !matches!(ev, watcher::Event::Init);
+                    if kind == Kind::ServiceCidr && answered && std::mem::take(&mut cidrs_failing) {
                         tracing::info!("ServiceCIDRs can be read again");
                     }
                     batch.extend(coordinator.handle(kind, ev));
