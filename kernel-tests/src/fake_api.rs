@@ -1,5 +1,5 @@
 //! A loopback HTTP server that speaks the Kubernetes API's list + watch protocol for Services,
-//! EndpointSlices and Nodes, so that the real agent can be driven without a kube-apiserver.
+//! EndpointSlices, Nodes and ServiceCIDRs, so that the real agent can be driven without a kube-apiserver.
 //!
 //! What it does as the API server does:
 //! - every change bumps a global `resourceVersion`; objects carry theirs in `metadata.resourceVersion`;
@@ -35,6 +35,8 @@ pub enum Resource {
     EndpointSlices,
     /// core/v1 Nodes.
     Nodes,
+    /// networking.k8s.io/v1 ServiceCIDRs.
+    ServiceCidrs,
 }
 
 impl Resource {
@@ -44,6 +46,7 @@ impl Resource {
             Resource::Services => "/api/v1/services",
             Resource::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
             Resource::Nodes => "/api/v1/nodes",
+            Resource::ServiceCidrs => "/apis/networking.k8s.io/v1/servicecidrs",
         }
     }
     fn kind(self) -> &'static str {
@@ -51,11 +54,13 @@ impl Resource {
             Resource::Services => "Service",
             Resource::EndpointSlices => "EndpointSlice",
             Resource::Nodes => "Node",
+            Resource::ServiceCidrs => "ServiceCIDR",
         }
     }
     fn api_version(self) -> &'static str {
         match self {
             Resource::EndpointSlices => "discovery.k8s.io/v1",
+            Resource::ServiceCidrs => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -65,6 +70,7 @@ impl Resource {
             "Service" => Some(Resource::Services),
             "EndpointSlice" => Some(Resource::EndpointSlices),
             "Node" => Some(Resource::Nodes),
+            "ServiceCIDR" => Some(Resource::ServiceCidrs),
             _ => None,
         }
     }
@@ -220,7 +226,8 @@ impl FakeApi {
 
     /// Creates or replaces an object (its `kind` says which resource); returns its resourceVersion.
     pub fn apply(&self, obj: Value) -> u64 {
-        let resource = Resource::of(&obj).expect("object kind Service, EndpointSlice or Node");
+        let resource =
+            Resource::of(&obj).expect("object kind Service, EndpointSlice, Node or ServiceCIDR");
         let mut rv = 0;
         self.change(|st| {
             st.rv += 1;
@@ -490,6 +497,7 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
         Resource::Services,
         Resource::EndpointSlices,
         Resource::Nodes,
+        Resource::ServiceCidrs,
     ]
     .into_iter()
     .find(|r| r.path() == path);

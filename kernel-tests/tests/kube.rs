@@ -692,6 +692,7 @@ fn kube_source_event_stream_over_http() {
         Event::EndpointsChangeTriggered { service, .. } => format!("trigger {service}"),
         Event::NodeApplied(n) => format!("node+ {}", n.name),
         Event::NodeDeleted => "node-".into(),
+        Event::ServiceCidrs(c) => format!("cidrs {c:?}"),
     };
     // The initial lists: every object, then Synced once (the node's list does not gate it).
     let initial = collect(&mut source, &|e| {

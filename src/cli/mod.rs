@@ -85,7 +85,9 @@ pub(crate) struct RenderArgs {
     /// The fwmark bit (0-31) whose packets are dropped (kubelet's --iptables-drop-bit).
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(0..32))]
     pub drop_bit: u32,
-    /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped.
+    /// Service CIDRs, comma-separated: traffic to an address in them that no Service has is dropped. With
+    /// the API source the CIDRs of the cluster's ServiceCIDR objects are added to these (a union), and
+    /// follow them as they change.
     #[arg(long, value_parser = nftkube::model::parse_cidrs, default_value = "")]
     pub service_cidr: std::vec::Vec<nftkube::model::Cidr>,
     /// How pod traffic is recognised: ClusterCIDR, NodeCIDR (API source), InterfaceNamePrefix or

@@ -281,7 +281,10 @@ impl Collector for Counts {
             None,
             MetricType::Counter,
         )?;
-        for (i, kind) in ["Service", "EndpointSlice", "Node"].iter().enumerate() {
+        for (i, kind) in ["Service", "EndpointSlice", "Node", "ServiceCIDR"]
+            .iter()
+            .enumerate()
+        {
             let errors = nftkube_source::kube::WATCH_ERRORS[i].load(Ordering::Relaxed);
             ConstCounter::new(errors).encode(family.encode_family(&[("resource", *kind)])?)?;
         }
@@ -354,7 +357,7 @@ impl Observer {
                 tracing::warn!("this node's object was deleted");
                 self.health.set_node_eligible(false);
             }
-            Event::Synced => {}
+            Event::Synced | Event::ServiceCidrs(_) => {}
         }
     }
 

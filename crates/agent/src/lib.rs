@@ -6,6 +6,7 @@ mod node_addresses;
 mod quarantine;
 mod run;
 pub mod runner;
+mod service_cidrs;
 pub mod wake;
 
 pub use wake::{Doorbell, Inbox, StopHandle, Wake};

@@ -82,6 +82,8 @@ pub(super) struct ProxyLoop<'a> {
     pub(crate) relay: Relays,
     /// Services the kernel refused, left out and retried on their own.
     pub(crate) quarantine: Quarantine,
+    /// The service CIDRs changed since the last sync (`cfg.service_cidrs`): the checks are committed first.
+    pub(crate) service_cidrs_changed: bool,
 }
 
 impl ProxyLoop<'_> {
@@ -116,6 +118,7 @@ impl ProxyLoop<'_> {
             node_addresses: NodeAddresses::new(opts.nodeport.clone(), opts.bind_address),
             relay: Relays::default(),
             quarantine: Quarantine::default(),
+            service_cidrs_changed: false,
         }
     }
 
@@ -205,6 +208,9 @@ impl ProxyLoop<'_> {
                     "source synced: complete snapshot received"
                 );
             }
+            if let Event::ServiceCidrs(api) = &ev {
+                self.follow_service_cidrs(api);
+            }
             apply_event(&mut self.state, ev);
         }
         if trim {
@@ -258,6 +264,16 @@ impl ProxyLoop<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The API's ServiceCIDRs changed: the checks follow `--service-cidr` and them together.
+    fn follow_service_cidrs(&mut self, api: &[nftkube_model::Cidr]) {
+        let cidrs = super::service_cidrs::effective(&self.opts.render.service_cidrs, api);
+        if cidrs != self.cfg.service_cidrs {
+            tracing::info!(service_cidrs = ?cidrs, "service CIDRs: --service-cidr and the API's ServiceCIDRs");
+            self.cfg.service_cidrs = cidrs;
+            self.service_cidrs_changed = true;
+        }
     }
 
     /// Every `--sync-period`: re-read the node's addresses (NodePorts follow them), then make sure the kernel
@@ -315,6 +331,12 @@ impl ProxyLoop<'_> {
         // Node addresses can change; full syncs pick that up for NodePorts (unless a periodic check just did).
         if self.engine.needs_full_sync() && !std::mem::take(&mut self.addresses_fresh) {
             self.node_addresses.refresh(&mut self.cfg);
+        }
+        if std::mem::take(&mut self.service_cidrs_changed) {
+            match self.relay.userspace {
+                Some(_) => self.engine.force_full_sync(),
+                None => super::service_cidrs::commit(&mut self.engine, &self.cfg),
+            }
         }
         let synced = match &mut self.relay.userspace {
             Some(u) => u.sync(&mut self.engine, &self.state, &changes.changed_services),

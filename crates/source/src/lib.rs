@@ -67,6 +67,9 @@ pub enum Event {
     NodeApplied(NodeInfo),
     /// This node's object was deleted (API source only).
     NodeDeleted,
+    /// The ServiceCIDR objects changed (API source only): every CIDR their `spec.cidrs` list now, sorted,
+    /// without duplicates (empty: none, or every object gone). Changes nothing in the store.
+    ServiceCidrs(Vec<Cidr>),
 }
 
 /// What the agent keeps of its own Node object: no kube types, only what it uses.
@@ -161,6 +164,7 @@ pub fn apply_event(state: &mut ClusterState, ev: Event) {
         Event::Synced
         | Event::EndpointsChangeTriggered { .. }
         | Event::NodeApplied(_)
-        | Event::NodeDeleted => {}
+        | Event::NodeDeleted
+        | Event::ServiceCidrs(_) => {}
     }
 }

@@ -110,6 +110,21 @@ fn holds(current: &[Option<TableState>], piece: &Piece) -> bool {
     }
 }
 
+/// Whether two versions of a table declare the same chains and sets: only their rules and elements differ.
+fn same_objects(old: &TableState, new: &TableState) -> bool {
+    (old.family, &old.name) == (new.family, &new.name)
+        && old
+            .sets
+            .values()
+            .map(|s| &s.set)
+            .eq(new.sets.values().map(|s| &s.set))
+        && old
+            .chains
+            .values()
+            .map(|c| &c.chain)
+            .eq(new.chains.values().map(|c| &c.chain))
+}
+
 /// Keeps the kernel equal to the desired state. It remembers what it committed (per service port, see
 /// `Index`), so a partial sync builds its transaction from the changed services alone and never lists the
 /// kernel; a full sync reads the kernel back and repairs whatever differs.
@@ -128,6 +143,9 @@ pub struct SyncEngine<B: Backend> {
     max_transaction_elements: usize,
     /// Paused during large commits (see `quiet.rs`).
     subscriber: Option<Box<dyn EventSubscriber>>,
+    /// The skeleton the kernel holds (with `index`: what the last full sync committed, and every
+    /// `sync_skeleton` since), so that a change of it commits only its difference.
+    skeleton: Vec<TableState>,
 }
 
 impl<B: Backend> SyncEngine<B> {
@@ -142,6 +160,7 @@ impl<B: Backend> SyncEngine<B> {
             longest_transaction: Duration::ZERO,
             max_transaction_elements: MAX_ELEMENTS_PER_TRANSACTION,
             subscriber: None,
+            skeleton: Vec::new(),
         }
     }
 
@@ -247,9 +266,52 @@ impl<B: Backend> SyncEngine<B> {
             Err(e) => return Err(e),
         };
         self.index = Some(index);
+        self.skeleton = skeleton;
         if !suspects.is_empty() {
             self.commit_isolating(suspects, &mut report)?;
         }
+        Ok(self.finish(report, start))
+    }
+
+    /// Commits a new skeleton (the objects every table has whatever the services) without reading the kernel
+    /// or touching a single service's pieces: only the fixed chains and sets that differ from the skeleton in
+    /// the kernel change. A new list of service CIDRs rewrites `cluster-ips-check` and nothing else, where a
+    /// full sync would render every service and read every table back.
+    ///
+    /// For configuration changes that leave every service's pieces as they are (the caller's to know), and
+    /// the skeleton's chains and sets declared as they were (only rules and elements differ): anything else
+    /// answers [`SyncError::NeedsFullSync`]. An error leaves memory untrusted: the next sync is a full one,
+    /// which repairs whatever this left.
+    pub fn sync_skeleton(&mut self, skeleton: Vec<TableState>) -> Result<SyncReport, SyncError> {
+        let start = Instant::now();
+        let same = self.skeleton.len() == skeleton.len()
+            && self
+                .skeleton
+                .iter()
+                .zip(&skeleton)
+                .all(|(o, n)| same_objects(o, n));
+        if self.index.is_none() || !same {
+            return Err(SyncError::NeedsFullSync);
+        }
+        // Out of self while the plan borrows its elements; an error leaves it out (a full sync is due).
+        let old = std::mem::take(&mut self.skeleton);
+        let mut plan = Plan::default();
+        let desired = Desired::assemble(&skeleton, std::iter::empty());
+        for (new, old) in desired.into_iter().zip(&old) {
+            // The same chains on both sides: nothing is left stale, nothing to defer.
+            diff_table(&mut plan, Some(old), new);
+        }
+        let changes = plan.len();
+        let (bytes, commit_time) = match self.commit(plan) {
+            Ok(sent) => sent,
+            Err(e) => {
+                self.index = None;
+                return Err(e);
+            }
+        };
+        self.skeleton = skeleton;
+        let mut report = SyncReport::default();
+        report.add(self.committed(changes, bytes, commit_time));
         Ok(self.finish(report, start))
     }
 
@@ -788,6 +850,54 @@ mod tests {
         assert!(e
             .committed_ports(&NamespacedName::new("ns", "c"))
             .is_empty());
+    }
+
+    /// A new list of service CIDRs reaches the kernel as a rewrite of `cluster-ips-check` alone: the kernel
+    /// then holds exactly what a full render under the new configuration gives, every service untouched.
+    #[test]
+    fn a_skeleton_change_commits_only_the_fixed_objects_that_differ() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let cidrs = |list: &[&str]| RenderConfig {
+            service_cidrs: list.iter().map(|c| c.parse().unwrap()).collect(),
+            ..RenderConfig::default()
+        };
+        let before = cidrs(&["10.96.0.0/16"]);
+        // Nothing committed yet: the skeleton alone cannot be trusted to the kernel.
+        assert!(matches!(
+            e.sync_skeleton(skeleton(&before)),
+            Err(SyncError::NeedsFullSync)
+        ));
+        let mut w = World::default();
+        w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
+        w.set(port("b", "fd00::10", Protocol::Udp), eps(&["fd00::1:1"]));
+        e.sync_full(
+            skeleton(&before),
+            all_pieces(&w.services, &w.endpoints, &before),
+        )
+        .unwrap();
+        let after = cidrs(&["10.100.0.0/16", "10.101.0.0/24", "fd00::/112"]);
+        let r = e.sync_skeleton(skeleton(&after)).unwrap();
+        // Per family: the chain flushed and its rules added again (2 fixed + the family's CIDRs).
+        assert_eq!(
+            (r.full, r.changes, r.transactions),
+            (false, 1 + 4 + 1 + 3, 1)
+        );
+        for t in render(&w.services, &w.endpoints, &after) {
+            assert_eq!(e.backend.tables[&(t.family, t.name.clone())], t);
+        }
+        // The same again: nothing sent.
+        let commits = e.backend.committed.len();
+        assert_eq!(e.sync_skeleton(skeleton(&after)).unwrap().changes, 0);
+        assert_eq!(e.backend.committed.len(), commits);
+        // A skeleton that declares other objects (a NodePort address set) is a full sync's to commit.
+        let other = RenderConfig {
+            nodeport_addresses: NodePortAddresses::Only(vec!["192.0.2.1".parse().unwrap()]),
+            ..after
+        };
+        assert!(matches!(
+            e.sync_skeleton(skeleton(&other)),
+            Err(SyncError::NeedsFullSync)
+        ));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 use kube::runtime::watcher;
 
 use super::events::{Converted, Model};
+use super::service_cidrs::ServiceCidrs;
 use crate::fail_closed::ExposedServices;
 use crate::{fingerprint, Event};
 use nftkube_model::{
@@ -24,6 +25,8 @@ pub enum Kind {
     EndpointSlice,
     /// This node's Node.
     Node,
+    /// A ServiceCIDR.
+    ServiceCidr,
 }
 
 impl Kind {
@@ -32,6 +35,7 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
 }
@@ -133,7 +137,7 @@ impl Tracker {
                 }
                 None => Err(reason),
             },
-            Kind::Node => Err(reason),
+            Kind::Node | Kind::ServiceCidr => Err(reason),
         }
     }
 }
@@ -143,6 +147,8 @@ pub struct Coordinator {
     services: Tracker,
     slices: Tracker,
     node: Tracker,
+    /// ServiceCIDRs: merged into one list, and no part of `Synced` (see `super::service_cidrs`).
+    cidrs: ServiceCidrs,
     synced: bool,
     /// Trigger times from before this instant are not ours to measure (kube-proxy's rule).
     started: SystemTime,
@@ -163,6 +169,7 @@ impl Coordinator {
             services: Tracker::new(Kind::Service),
             slices: Tracker::new(Kind::EndpointSlice),
             node: Tracker::new(Kind::Node),
+            cidrs: ServiceCidrs::default(),
             synced: false,
             started,
             skipped: 0,
@@ -175,6 +182,12 @@ impl Coordinator {
         self.synced
     }
 
+    #[cfg(test)]
+    /// Malformed objects skipped so far, ServiceCIDRs included.
+    pub(crate) fn skipped(&self) -> u64 {
+        self.skipped + self.cidrs.skipped
+    }
+
     /// Handles one watcher event of `kind` (objects already converted). Returns the events to send, as
     /// one batch.
     pub(crate) fn handle(&mut self, kind: Kind, ev: watcher::Event<Converted>) -> Vec<Event> {
@@ -184,6 +197,7 @@ impl Coordinator {
             Kind::Service => &mut self.services,
             Kind::EndpointSlice => &mut self.slices,
             Kind::Node => &mut self.node,
+            Kind::ServiceCidr => return self.cidrs.handle(ev).into_iter().collect(),
         };
         let mut out = Vec::new();
         match ev {
@@ -355,6 +369,8 @@ fn emit_applied(
             out.push(Event::SliceApplied(slice));
         }
         Model::Node(node) => out.push(Event::NodeApplied(node)),
+        // Merged into one list by `super::service_cidrs`, never sent per object.
+        Model::ServiceCidr(_) => {}
     }
 }
 
@@ -366,6 +382,9 @@ fn deleted_event(kind: Kind, key: NamespacedName) -> Event {
             name: key.name.to_string(),
         },
         Kind::Node => Event::NodeDeleted,
+        Kind::ServiceCidr => {
+            unreachable!("ServiceCIDRs are merged by service_cidrs, never tracked per object")
+        }
     }
 }
 
@@ -424,8 +443,122 @@ mod tests {
                 Event::EndpointsChangeTriggered { service, .. } => format!("trigger {service}"),
                 Event::NodeApplied(n) => format!("node+ {}", n.name),
                 Event::NodeDeleted => "node-".into(),
+                Event::ServiceCidrs(c) => {
+                    let c: Vec<String> = c.iter().map(ToString::to_string).collect();
+                    format!("cidrs {}", c.join(","))
+                }
             })
             .collect()
+    }
+
+    /// A ServiceCIDR object with these `spec.cidrs` (raw text).
+    fn cidr_object(name: &str, cidrs: &[&str]) -> W<Converted> {
+        let object: k8s_openapi::api::networking::v1::ServiceCIDR =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {"cidrs": cidrs},
+            }))
+            .unwrap();
+        W::Apply(Converted::service_cidr(&object))
+    }
+
+    /// The same object as a list item.
+    fn listed(object: W<Converted>) -> W<Converted> {
+        match object {
+            W::Apply(o) => W::InitApply(o),
+            _ => unreachable!(),
+        }
+    }
+
+    fn cidrs(c: &mut Coordinator, ev: W<Converted>) -> Vec<String> {
+        names(&c.handle(Kind::ServiceCidr, ev))
+    }
+
+    #[test]
+    fn service_cidrs_go_out_as_one_complete_list_when_it_changes() {
+        let mut c = synced_coordinator();
+        // The first list goes out when complete: the union of every object, sorted, without duplicates.
+        assert!(cidrs(&mut c, W::Init).is_empty());
+        let kubernetes = cidr_object("kubernetes", &["10.96.0.0/16", "fd00:10:96::/112"]);
+        assert!(cidrs(&mut c, listed(kubernetes)).is_empty());
+        let extra = cidr_object("extra", &["10.97.0.0/24", "10.96.0.0/16"]);
+        assert!(cidrs(&mut c, listed(extra)).is_empty());
+        assert_eq!(
+            cidrs(&mut c, W::InitDone),
+            ["cidrs 10.96.0.0/16,10.97.0.0/24,fd00:10:96::/112"]
+        );
+        // An update that changes the union; one that does not (a status change, a CIDR another object
+        // also has) sends nothing.
+        assert_eq!(
+            cidrs(&mut c, cidr_object("extra", &["10.98.0.0/24"])),
+            ["cidrs 10.96.0.0/16,10.98.0.0/24,fd00:10:96::/112"]
+        );
+        assert!(cidrs(&mut c, cidr_object("extra", &["10.98.0.0/24"])).is_empty());
+        assert!(cidrs(&mut c, cidr_object("again", &["10.96.0.0/16"])).is_empty());
+        // A CIDR two objects list stays while one of them has it.
+        let deleted = |name: &str| match cidr_object(name, &[]) {
+            W::Apply(o) => W::Delete(o),
+            _ => unreachable!(),
+        };
+        assert_eq!(
+            cidrs(&mut c, deleted("kubernetes")),
+            ["cidrs 10.96.0.0/16,10.98.0.0/24"]
+        );
+        assert_eq!(cidrs(&mut c, deleted("again")), ["cidrs 10.98.0.0/24"]);
+        assert_eq!(cidrs(&mut c, deleted("extra")), ["cidrs "]);
+        // A relist is applied whole: what it no longer lists is gone, and nothing goes out before it ends.
+        c.handle(Kind::ServiceCidr, cidr_object("a", &["10.1.0.0/16"]));
+        c.handle(Kind::ServiceCidr, cidr_object("b", &["10.2.0.0/16"]));
+        assert!(cidrs(&mut c, W::Init).is_empty());
+        assert!(cidrs(&mut c, listed(cidr_object("b", &["10.2.0.0/16"]))).is_empty());
+        assert_eq!(cidrs(&mut c, W::InitDone), ["cidrs 10.2.0.0/16"]);
+        assert_eq!(c.skipped(), 0);
+    }
+
+    #[test]
+    fn a_malformed_service_cidr_is_skipped_and_its_last_good_version_stays() {
+        let mut c = synced_coordinator();
+        assert_eq!(
+            cidrs(&mut c, cidr_object("a", &["10.96.0.0/16"])),
+            ["cidrs 10.96.0.0/16"]
+        );
+        assert!(cidrs(&mut c, cidr_object("a", &["10.96.0.0/99"])).is_empty());
+        assert_eq!(c.skipped(), 1);
+        // Through a relist too; a malformed object never seen before adds nothing.
+        c.handle(Kind::ServiceCidr, W::Init);
+        c.handle(Kind::ServiceCidr, listed(cidr_object("a", &["nope"])));
+        c.handle(
+            Kind::ServiceCidr,
+            listed(cidr_object("b", &["10.1.0.0/40"])),
+        );
+        assert!(cidrs(&mut c, W::InitDone).is_empty());
+        assert_eq!(c.skipped(), 3);
+        // Fixed: applied.
+        assert_eq!(
+            cidrs(&mut c, cidr_object("a", &["10.100.0.0/16"])),
+            ["cidrs 10.100.0.0/16"]
+        );
+    }
+
+    /// ServiceCIDRs are no part of `Synced`: a cluster where their watcher never lists (the resource is
+    /// absent, or forbidden) syncs on Services and EndpointSlices alone, and CIDRs listed later still go out.
+    #[test]
+    fn service_cidrs_never_hold_back_synced() {
+        let mut c = Coordinator::new(SystemTime::UNIX_EPOCH);
+        c.handle(Kind::ServiceCidr, W::Init);
+        for k in [Kind::Service, Kind::EndpointSlice] {
+            c.handle(k, s(W::Init));
+        }
+        assert!(names(&c.handle(Kind::Service, s(W::InitDone))).is_empty());
+        assert_eq!(
+            names(&c.handle(Kind::EndpointSlice, e(W::InitDone))),
+            ["synced"]
+        );
+        assert!(c.synced());
+        assert_eq!(
+            cidrs(&mut c, cidr_object("kubernetes", &["10.96.0.0/12"])),
+            ["cidrs 10.96.0.0/12"]
+        );
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Kube objects as the coordinator takes them: a Service, an EndpointSlice or this Node converted to what
+//! Kube objects as the coordinator takes them: a Service, an EndpointSlice, this Node or a ServiceCIDR converted to what
 //! the model keeps (or to the reason it cannot be), with the key, the trigger time and the source-range
 //! flag that the coordinator's decisions need. The k8s-openapi → model conversion itself is
 //! [`crate::convert`]'s.
@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
 
@@ -27,6 +28,8 @@ pub(super) enum Model {
     Service(Vec<ServicePort>),
     Slice(SliceInfo),
     Node(NodeInfo),
+    /// A ServiceCIDR's `spec.cidrs` (merged with the other objects' by `super::service_cidrs`).
+    ServiceCidr(Vec<Cidr>),
 }
 
 /// One object as a watcher delivered it: its identity, and its conversion (Ok(None): an object the proxy
@@ -91,6 +94,30 @@ impl Converted {
             model: node_info(node)
                 .map(|n| Some(Model::Node(n)))
                 .map_err(|e| e.to_string()),
+            trigger: None,
+            restricts_sources: false,
+        }
+    }
+}
+
+impl Converted {
+    /// Converts a ServiceCIDR: its `spec.cidrs`, whatever its status says. kube-proxy too takes every
+    /// object's CIDRs, one being deleted (a deletion timestamp, held by a finalizer while Services still use
+    /// it) included, until the object is gone.
+    pub(crate) fn service_cidr(object: &ServiceCIDR) -> Converted {
+        let texts = object.spec.as_ref().and_then(|s| s.cidrs.as_ref());
+        let cidrs = texts
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, text)| {
+                text.parse::<Cidr>()
+                    .map_err(|e| format!("spec.cidrs[{i}] {text:?}: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>();
+        Converted {
+            key: meta_key(&object.metadata),
+            model: cidrs.map(|c| Some(Model::ServiceCidr(c))),
             trigger: None,
             restricts_sources: false,
         }

@@ -1,7 +1,7 @@
 //! Services, EndpointSlices and this Node from the Kubernetes API, as the same [`Event`]s the manifest
-//! source emits.
+//! source emits, and the ServiceCIDRs (the API's alone: [`Event::ServiceCidrs`]).
 //!
-//! Three kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
+//! Four kube-runtime watchers (list, then watch from the list's resourceVersion, bookmarks on, a relist
 //! after `410 Gone`, exponential backoff 0.2 s → 30 s with jitter (client-go starts at 0.8 s), starting over as
 //! soon as the API answers the watcher again: [`super::backoff`]) run on a
 //! single-threaded tokio runtime on a thread of their own; batches of events reach the (synchronous)
@@ -11,6 +11,8 @@
 //! Guarantees, implemented by [`Coordinator`] (pure, unit-tested without HTTP):
 //! - **No sync on a partial view.** [`Event::Synced`] is sent once, after both Services and
 //!   EndpointSlices completed their first list. The proxy loop does not touch the kernel before it.
+//!   ServiceCIDRs are no part of it: a cluster without the resource (before 1.33) or without the right to
+//!   list it still syncs; their watcher logs its failure once and keeps retrying (`service_cidrs`).
 //! - **An unreachable API flushes nothing.** Errors only delay events; nothing is deleted because a
 //!   list failed.
 //! - **A relist is applied whole.** The objects of a relist (one after `410 Gone` or a failed watch) are
@@ -34,6 +36,7 @@
 
 mod coordinator;
 mod events;
+mod service_cidrs;
 
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -42,6 +45,7 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
 
@@ -71,8 +75,8 @@ pub struct KubeOptions {
 }
 
 /// Watch errors per kind since start (exported as a metric).
-pub static WATCH_ERRORS: [std::sync::atomic::AtomicU64; 3] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 3];
+pub static WATCH_ERRORS: [std::sync::atomic::AtomicU64; 4] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 4];
 
 /// The API source: watchers on a runtime thread, batches of events through a channel.
 #[derive(Debug)]
@@ -218,6 +222,7 @@ struct Connections {
     services: Connection,
     slices: Connection,
     node: Connection,
+    cidrs: Connection,
 }
 
 impl Connections {
@@ -226,18 +231,20 @@ impl Connections {
             services: Connection::new(config)?,
             slices: Connection::new(config)?,
             node: Connection::new(config)?,
+            cidrs: Connection::new(config)?,
         })
     }
 }
 
 type Item = (Kind, Result<watcher::Event<Converted>, watcher::Error>);
 
-/// Runs the three watchers until the receiver goes away.
+/// Runs the watchers until the receiver goes away.
 async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
     let Connections {
         services,
         slices,
         node,
+        cidrs,
     } = connections;
     let proxied = watcher::Config::default()
         .labels(PROXY_LABEL_SELECTOR)
@@ -255,7 +262,20 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
             )
         })
         .boxed();
-    let mut streams: Vec<futures::stream::BoxStream<'static, Item>> = vec![services, slices];
+    // Every ServiceCIDR, as kube-proxy watches them: no selector.
+    let cidrs = watcher::watcher(
+        kube::Api::<ServiceCIDR>::all(cidrs.client),
+        watcher::Config::default().any_semantic(),
+    )
+    .backoff(cidrs.backoff)
+    .map(|r| {
+        (
+            Kind::ServiceCidr,
+            r.map(|e| map_event(e, Converted::service_cidr)),
+        )
+    })
+    .boxed();
+    let mut streams: Vec<futures::stream::BoxStream<'static, Item>> = vec![services, slices, cidrs];
     if !node_name.is_empty() {
         let cfg = watcher::Config::default()
             .fields(&format!("metadata.name={node_name}"))
@@ -271,23 +291,50 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
     // the module documentation) wakes the proxy loop once, not once per object.
     let mut all = futures::stream::select_all(streams).ready_chunks(READY_ITEMS);
     let mut coordinator = Coordinator::default();
+    let mut cidrs_failing = false;
     while let Some(items) = all.next().await {
         let mut batch = Vec::new();
         for (kind, item) in items {
             match item {
-                Ok(ev) => batch.extend(coordinator.handle(kind, ev)),
+                Ok(ev) => {
+                    // `Init` comes before the list is asked for (and fails again): not an answer yet.
+                    let answered = !matches!(ev, watcher::Event::Init);
+                    if kind == Kind::ServiceCidr && answered && std::mem::take(&mut cidrs_failing) {
+                        tracing::info!("ServiceCIDRs can be read again");
+                    }
+                    batch.extend(coordinator.handle(kind, ev));
+                }
                 Err(e) => {
                     WATCH_ERRORS[kind as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(
-                        kind = kind.as_str(),
-                        "API watch failed (retrying with backoff; the programmed rules stay): {e}"
-                    );
+                    if kind == Kind::ServiceCidr {
+                        service_cidrs_failed(&mut cidrs_failing, &e);
+                    } else {
+                        tracing::warn!(
+                            kind = kind.as_str(),
+                            "API watch failed (retrying with backoff; the programmed rules stay): {e}"
+                        );
+                    }
                 }
             }
         }
         if !batch.is_empty() && tx.send(batch).is_err() {
             return;
         }
+    }
+}
+
+/// A ServiceCIDR list or watch failed. Said once (at warning) until one succeeds again: on a cluster
+/// without the resource (before 1.33) or without the right to list it, every retry fails the same way, and
+/// nothing else waits for it.
+fn service_cidrs_failed(failing: &mut bool, e: &watcher::Error) {
+    if std::mem::replace(failing, true) {
+        tracing::debug!("ServiceCIDR watch failed again: {e}");
+    } else {
+        tracing::warn!(
+            "ServiceCIDRs cannot be listed or watched (absent before Kubernetes 1.33, or not allowed by the \
+             ClusterRole): unallocated service addresses are dropped only in --service-cidr until they can \
+             be; retrying with backoff, services and endpoints are not held back: {e}"
+        );
     }
 }
 
