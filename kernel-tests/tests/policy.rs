@@ -185,6 +185,22 @@ ports: [{name: tcp, port: 8080, protocol: TCP}]
 endpoints:
 - {addresses: ["10.244.1.2"], hints: {forNodes: [{name: node-2}]}}
 - {addresses: ["10.244.2.2"], hints: {forNodes: [{name: node-1}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: leaving, namespace: demo}
+spec:
+  clusterIP: 10.96.0.72
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: leaving-1, namespace: demo, labels: {kubernetes.io/service-name: leaving}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], zone: zone-a, hints: {forZones: [{name: zone-a}]}, conditions: {ready: false, serving: true, terminating: true}}
+- {addresses: ["10.244.2.2"], zone: zone-b, hints: {forZones: [{name: zone-b}]}, conditions: {ready: false, serving: true, terminating: true}}
 "#;
 
 #[test]
@@ -218,6 +234,12 @@ fn topology_hints_keep_traffic_in_the_zone_or_on_the_node() {
     assert_eq!(
         tally(&tcp_requests(sb.client(), zoned, 30, T)).0,
         [1].into()
+    );
+    // No endpoint of `leaving` is ready: the terminating fallback takes both, whatever their hints (kube-proxy
+    // narrows by topology before falling back, never after).
+    assert_eq!(
+        tally(&tcp_requests(sb.client(), addr("10.96.0.72", 80), 30, T)).0,
+        [1, 2].into()
     );
     drop(agent);
     // In a zone no endpoint is hinted for: every endpoint.

@@ -523,6 +523,14 @@ mod tests {
             ..NodeInfo::default()
         }));
         assert!(!health.node_eligible());
+        // The node object is deleted: not eligible (a 503 on /healthz), where kube-proxy would exit.
+        o.on_event(&Event::NodeApplied(NodeInfo {
+            name: "node-1".into(),
+            ..NodeInfo::default()
+        }));
+        assert!(health.node_eligible());
+        o.on_event(&Event::NodeDeleted);
+        assert!(!health.node_eligible());
         let programmed = || {
             let text = render_metrics(&metrics::registry());
             text.lines()
