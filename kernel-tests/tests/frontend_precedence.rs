@@ -128,16 +128,28 @@ fn all_from(seen: &[Answer], pod: usize) -> bool {
     seen.iter().all(|a| a.is_ok_and(|(p, _)| p == pod))
 }
 
+/// Which claim serves a frontend, as the source address the endpoint sees tells: a ClusterIP keeps a pod's
+/// address; an external IP (externalTrafficPolicy Cluster) masquerades it, as kube-proxy does.
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    ClusterIp,
+    External,
+}
+
 /// Waits until every connection to `ip:443` from the client pod reaches `pod`, then checks 20 more do (none
-/// may go anywhere else, and the pod sees the client's own address: nothing masqueraded it).
+/// may go anywhere else) and that the pod sees the source `via` gives: the client's own address through a
+/// ClusterIP, the node's side of the pod's link through an external IP.
 #[track_caller]
-fn expect_pod(sb: &sandbox::Sandbox, agent: &Agent, ip: &str, pod: usize, when: &str) {
+fn expect_pod(sb: &sandbox::Sandbox, agent: &Agent, ip: &str, pod: usize, via: Via, when: &str) {
     expect_pod_from(sb.client(), agent, ip, pod, when);
-    let client = IpAddr::from(sandbox::pod_ip_v4(0));
+    let source = match via {
+        Via::ClusterIp => IpAddr::from(sandbox::pod_ip_v4(0)),
+        Via::External => IpAddr::from(sandbox::pod_gateway_v4(pod)),
+    };
     let seen = answers(sb.client(), ip, 20, Duration::from_secs(2));
     assert!(
-        seen.iter().all(|a| *a == Ok((pod, client))),
-        "{when}: {ip}:{PORT} must reach pod {pod} only, from {client}: {seen:?}; log:\n{}",
+        seen.iter().all(|a| *a == Ok((pod, source))),
+        "{when}: {ip}:{PORT} must reach pod {pod} only, from {source} ({via:?}): {seen:?}; log:\n{}",
         agent.log()
     );
 }
@@ -225,9 +237,10 @@ fn a_cluster_ip_keeps_its_frontend_against_an_older_services_external_ip() {
         &agent,
         ATTACKER_CIP,
         ATTACKER_POD,
+        Via::ClusterIp,
         "first sync, attacker's own ClusterIP",
     );
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "first sync");
+    expect_pod(&sb, &agent, VIP, VICTIM_POD, Via::ClusterIp, "first sync");
     expect_pod_from(
         sb.ext(),
         &agent,
@@ -251,35 +264,65 @@ fn a_cluster_ip_keeps_its_frontend_against_an_older_services_external_ip() {
         "the restart's full sync changed the kernel; log:\n{}",
         agent.log()
     );
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "after a restart");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "after a restart",
+    );
     expect_pod(
         &sb,
         &agent,
         ATTACKER_CIP,
         ATTACKER_POD,
+        Via::ClusterIp,
         "after a restart, attacker's own ClusterIP",
     );
     expect_waiting_claims(&sb, &agent, 1.0, "after a restart");
 
     // c. The victim deleted: its frontend is free, and the waiting claim takes it over (documented).
     m.remove("victim.yaml");
-    expect_pod(&sb, &agent, VIP, ATTACKER_POD, "victim deleted");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        ATTACKER_POD,
+        Via::External,
+        "victim deleted",
+    );
     expect_waiting_claims(&sb, &agent, 0.0, "victim deleted");
     // Created again (younger than ever) while the attacker stays: the ClusterIP takes it back.
     m.write("victim.yaml", &victim(VICTIM_RECREATED, &[VICTIM_POD]));
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim created again");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "victim created again",
+    );
     expect_pod(
         &sb,
         &agent,
         ATTACKER_CIP,
         ATTACKER_POD,
+        Via::ClusterIp,
         "victim created again, attacker's own ClusterIP",
     );
     expect_waiting_claims(&sb, &agent, 1.0, "victim created again");
 
     // The holder's endpoints change while the attacker waits: the frontend stays the victim's.
     m.write("victim.yaml", &victim(VICTIM_RECREATED, &[OTHER_POD]));
-    expect_pod(&sb, &agent, VIP, OTHER_POD, "victim's endpoints changed");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        OTHER_POD,
+        Via::ClusterIp,
+        "victim's endpoints changed",
+    );
     expect_waiting_claims(&sb, &agent, 1.0, "victim's endpoints changed");
     // Even without any endpoint the victim keeps its frontend: its connections are refused, never sent to
     // the attacker.
@@ -287,12 +330,26 @@ fn a_cluster_ip_keeps_its_frontend_against_an_older_services_external_ip() {
     expect_refused_connections(&sb, &agent, VIP, "victim without endpoints");
     expect_waiting_claims(&sb, &agent, 1.0, "victim without endpoints");
     m.write("victim.yaml", &victim(VICTIM_RECREATED, &[OTHER_POD]));
-    expect_pod(&sb, &agent, VIP, OTHER_POD, "victim's endpoints back");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        OTHER_POD,
+        Via::ClusterIp,
+        "victim's endpoints back",
+    );
 
     // The attacker removed: nothing waits any more, and the victim is untouched.
     m.remove("attacker.yaml");
     expect_waiting_claims(&sb, &agent, 0.0, "attacker removed");
-    expect_pod(&sb, &agent, VIP, OTHER_POD, "attacker removed");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        OTHER_POD,
+        Via::ClusterIp,
+        "attacker removed",
+    );
     assert!(
         !agent.log().contains("sync failed"),
         "a sync failed; log:\n{}",
@@ -309,7 +366,7 @@ fn an_external_ip_added_later_does_not_take_a_programmed_cluster_ip() {
     m.write("victim.yaml", &victim(VICTIM_CREATED, &[VICTIM_POD]));
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim alone");
+    expect_pod(&sb, &agent, VIP, VICTIM_POD, Via::ClusterIp, "victim alone");
     expect_waiting_claims(&sb, &agent, 0.0, "victim alone");
 
     // d. The attacker arrives: its own ClusterIP is served (so its change was synced), the VIP is not its.
@@ -319,9 +376,17 @@ fn an_external_ip_added_later_does_not_take_a_programmed_cluster_ip() {
         &agent,
         ATTACKER_CIP,
         ATTACKER_POD,
+        Via::ClusterIp,
         "attacker added, its own ClusterIP",
     );
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "attacker added");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "attacker added",
+    );
     expect_waiting_claims(&sb, &agent, 1.0, "attacker added");
 
     // The waiting attacker's endpoints change (a partial sync of the waiting claimant): still waiting.
@@ -331,20 +396,42 @@ fn an_external_ip_added_later_does_not_take_a_programmed_cluster_ip() {
         &agent,
         ATTACKER_CIP,
         OTHER_POD,
+        Via::ClusterIp,
         "attacker's endpoints changed, its own ClusterIP",
     );
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "attacker's endpoints changed");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "attacker's endpoints changed",
+    );
     expect_waiting_claims(&sb, &agent, 1.0, "attacker's endpoints changed");
     // Without endpoints, the waiting attacker's rejection of 10.96.0.1:443 is not committed either.
     m.write("attacker.yaml", &attacker(&[]));
     expect_refused_connections(&sb, &agent, ATTACKER_CIP, "attacker without endpoints");
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "attacker without endpoints");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "attacker without endpoints",
+    );
     expect_waiting_claims(&sb, &agent, 1.0, "attacker without endpoints");
 
     // The attacker removed: nothing waits.
     m.remove("attacker.yaml");
     expect_waiting_claims(&sb, &agent, 0.0, "attacker removed");
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "attacker removed");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "attacker removed",
+    );
     assert!(
         !agent.log().contains("sync failed"),
         "a sync failed; log:\n{}",
@@ -421,12 +508,26 @@ fn each_family_is_its_own_contested_frontend() {
     );
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "dual stack, IPv4");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "dual stack, IPv4",
+    );
     expect_pod_from(sb.client(), &agent, VIP6, VICTIM_POD, "dual stack, IPv6");
     expect_waiting_claims(&sb, &agent, 2.0, "dual stack");
 
     m.remove("victim.yaml");
-    expect_pod(&sb, &agent, VIP, ATTACKER_POD, "victim deleted, IPv4");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        ATTACKER_POD,
+        Via::External,
+        "victim deleted, IPv4",
+    );
     expect_pod_from(
         sb.client(),
         &agent,
@@ -436,7 +537,14 @@ fn each_family_is_its_own_contested_frontend() {
     );
     expect_waiting_claims(&sb, &agent, 0.0, "victim deleted");
     m.write("victim.yaml", &victim);
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim back, IPv4");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "victim back, IPv4",
+    );
     expect_pod_from(sb.client(), &agent, VIP6, VICTIM_POD, "victim back, IPv6");
     expect_waiting_claims(&sb, &agent, 2.0, "victim back");
     assert!(
@@ -484,6 +592,7 @@ fn a_holder_changing_kind_as_a_cluster_ip_arrives_is_one_clean_partial_sync() {
         &agent,
         VIP,
         ATTACKER_POD,
+        Via::External,
         "the attacker's LoadBalancer IP alone",
     );
     // One file, so that both changes are one partial sync.
@@ -499,7 +608,14 @@ fn a_holder_changing_kind_as_a_cluster_ip_arrives_is_one_clean_partial_sync() {
         "the partial sync failed; log:\n{}",
         agent.log()
     );
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim created");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "victim created",
+    );
     expect_waiting_claims(&sb, &agent, 1.0, "victim created");
 }
 
@@ -527,19 +643,34 @@ fn a_handed_over_frontend_forgets_stale_affinity_entries() {
     m.write("attacker.yaml", &affinity(attacker(&[ATTACKER_POD])));
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    expect_pod(&sb, &agent, VIP, ATTACKER_POD, "the attacker alone");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        ATTACKER_POD,
+        Via::External,
+        "the attacker alone",
+    );
     m.write("victim.yaml", &victim(VICTIM_CREATED, &[VICTIM_POD]));
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "victim created");
+    expect_pod(
+        &sb,
+        &agent,
+        VIP,
+        VICTIM_POD,
+        Via::ClusterIp,
+        "victim created",
+    );
     m.write("attacker.yaml", &affinity(attacker(&[OTHER_POD])));
     expect_pod(
         &sb,
         &agent,
         ATTACKER_CIP,
         OTHER_POD,
+        Via::ClusterIp,
         "the attacker's endpoints moved",
     );
     m.remove("victim.yaml");
-    expect_pod(&sb, &agent, VIP, OTHER_POD, "victim deleted");
+    expect_pod(&sb, &agent, VIP, OTHER_POD, Via::External, "victim deleted");
 }
 
 /// Regression (the first precedence code failed it), the mirror of the EEXIST one above and worse: silent. The victim holds 10.96.0.1:443 and `zzz/x` (a namespace that sorts after `default`) waits with
@@ -568,7 +699,7 @@ fn a_frontend_handed_over_to_a_claimant_whose_precedence_changes_is_served() {
     );
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
-    expect_pod(&sb, &agent, VIP, VICTIM_POD, "both");
+    expect_pod(&sb, &agent, VIP, VICTIM_POD, Via::ClusterIp, "both");
     expect_waiting_claims(&sb, &agent, 1.0, "both");
     // One file, so that both changes are one partial sync.
     m.write("both.yaml", &waiting("2021-01-01T00:00:00Z"));
@@ -577,6 +708,7 @@ fn a_frontend_handed_over_to_a_claimant_whose_precedence_changes_is_served() {
         &agent,
         VIP,
         ATTACKER_POD,
+        Via::External,
         "victim deleted, zzz/x recreated",
     );
 }
