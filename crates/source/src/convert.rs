@@ -364,10 +364,11 @@ fn convert_slice(
     ports.shrink_to_fit();
 
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+    let mut without_addresses = 0usize;
     for (i, ep) in slice.endpoints.iter().enumerate() {
         if ep.addresses.is_empty() {
             // kube-proxy skips such an endpoint and keeps the rest of the slice.
-            tracing::warn!(slice = %key, index = i, "ignoring an endpoint without addresses");
+            without_addresses += 1;
             continue;
         }
         let address = first_address(&ep.addresses, address_type, &slice.address_type)
@@ -387,6 +388,10 @@ fn convert_slice(
         });
     }
 
+    if without_addresses > 0 {
+        // One line per slice, whatever the count: a slice of empty endpoints must not flood the log.
+        tracing::warn!(slice = %key, endpoints = without_addresses, "ignoring endpoints without addresses");
+    }
     Ok(SliceConversion::Slice(SliceInfo {
         namespace: shared.string(&key.namespace),
         name: key.name.clone(),
