@@ -610,3 +610,21 @@ pub fn local_load_balancer(health_check_node_port: u16, node_port: u16) -> Strin
         sandbox::pod_ip_v4(1)
     )
 }
+
+/// Whether pod `pod`'s connections to `dst` reach the other endpoints (of pods 1..=`pods`) masqueraded: they
+/// see the node's side of their own link, not `pod`'s address. Its own answers come back hairpinned, which is
+/// masqueraded whatever the local-traffic detector says, so they tell nothing and are left out.
+pub fn masqueraded_from_pod(sb: &Sandbox, pod: usize, pods: usize, dst: SocketAddr) -> bool {
+    let answers = sandbox::tcp_requests(sb.pod(pod), dst, 30, Duration::from_secs(2));
+    let peers: std::collections::BTreeSet<std::net::IpAddr> = answers
+        .iter()
+        .filter_map(|a| sandbox::parse_answer(a.as_ref().ok()?))
+        .filter(|(p, _)| *p != pod)
+        .map(|(_, peer)| peer)
+        .collect();
+    let node_side: std::collections::BTreeSet<std::net::IpAddr> = (1..=pods)
+        .filter(|i| *i != pod)
+        .map(|i| sandbox::pod_gateway_v4(i).into())
+        .collect();
+    !peers.is_empty() && peers.is_subset(&node_side)
+}
