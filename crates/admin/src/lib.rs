@@ -366,9 +366,11 @@ impl Observer {
         self.health.queued();
     }
 
-    /// A periodic check found the kernel still holding what the last sync committed: as healthy as a sync.
+    /// A periodic check found the kernel still holding what the last sync committed: as healthy and as
+    /// fresh as a sync (the last-sync timestamp moves, as kube-proxy's periodic sync moves it).
     pub fn kernel_verified(&self) {
         self.health.updated();
+        metrics::record_kernel_verified();
     }
 
     /// A sync starts: the changes received so far are in it.
@@ -531,6 +533,11 @@ mod tests {
         assert!(health.node_eligible());
         o.on_event(&Event::NodeDeleted);
         assert!(!health.node_eligible());
+        // A verified kernel refreshes the last-sync timestamp on an idle node.
+        let before = metrics::last_sync_seconds();
+        std::thread::sleep(Duration::from_millis(20));
+        o.kernel_verified();
+        assert!(metrics::last_sync_seconds() > before);
         let programmed = || {
             let text = render_metrics(&metrics::registry());
             text.lines()

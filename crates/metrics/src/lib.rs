@@ -190,6 +190,18 @@ pub fn record_sync(full: bool, elapsed: Duration) {
     LAST_SYNC.mark();
 }
 
+/// A periodic check found the kernel holding what the last sync committed. kube-proxy re-runs its sync every
+/// sync period, and dashboards alert on `kubeproxy_sync_proxy_rules_last_timestamp_seconds` going stale; a
+/// verified kernel is as fresh as a sync, so it moves the timestamp too.
+pub fn record_kernel_verified() {
+    LAST_SYNC.mark();
+}
+
+/// The last successful sync or verification, in Unix seconds (0 before the first).
+pub fn last_sync_seconds() -> f64 {
+    LAST_SYNC.0.get()
+}
+
 /// Registers `metric` under `name` (prometheus-client appends `_total` to counters).
 fn add(registry: &mut Registry, name: &str, help: &str, metric: impl Metric) {
     registry.register(name, help, metric);
