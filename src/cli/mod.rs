@@ -185,7 +185,8 @@ pub(crate) struct ProxyArgs {
     /// Minimum time between syncs, so that bursts of changes coalesce: "1s", or seconds.
     #[arg(long, visible_alias = "iptables-min-sync-period", default_value = "1s", value_parser = config::parse_duration_flag)]
     pub min_sync_period: Duration,
-    /// IP:PORT of /healthz and /livez [default: 127.0.0.1:10256; empty: off].
+    /// IP:PORT of /healthz and /livez [default: 0.0.0.0:10256, as kube-proxy; [::]:10256 with an IPv6
+    /// --bind-address; empty: off].
     #[arg(long)]
     pub healthz_bind_address: Option<String>,
     /// IP:PORT of /metrics [default: 127.0.0.1:10249; empty: off].

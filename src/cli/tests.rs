@@ -39,7 +39,7 @@ fn flags_override_the_file_and_defaults_do_not() {
     assert_eq!(o.render.cluster_cidrs[0].to_string(), "10.244.0.0/16");
     let admin = o.admin.clone().unwrap();
     assert_eq!(admin.metrics, Some("127.0.0.1:20249".parse().unwrap()));
-    assert_eq!(admin.healthz, Some("127.0.0.1:10256".parse().unwrap()));
+    assert_eq!(admin.healthz, Some("0.0.0.0:10256".parse().unwrap()));
     let o = proxy(&[
         "--config",
         f,

@@ -1,5 +1,5 @@
-//! The agent's HTTP side: `/healthz` and `/livez` (kube-proxy's healthz server, default
-//! `127.0.0.1:10256` here), `/metrics` (kube-proxy's metrics server, default `127.0.0.1:10249`), and the
+//! The agent's HTTP side: `/healthz` and `/livez` (kube-proxy's healthz server, default `0.0.0.0:10256` as
+//! kube-proxy's), `/metrics` (kube-proxy's metrics server, default `127.0.0.1:10249`), and the
 //! healthCheckNodePort servers of `externalTrafficPolicy: Local` services.
 //!
 //! Everything runs on one thread with a single-threaded tokio runtime, started from the proxy loop's

@@ -298,22 +298,24 @@ fn sync_periods(flags: &Flags, file: &FileConfig) -> Result<(Duration, Duration)
     Ok((sync_period, min_sync_period))
 }
 
-/// Admin addresses: loopback by default (kube-proxy serves healthz on 0.0.0.0; nftkube keeps it private
-/// unless configured), IPv6 loopback when bindAddress is IPv6.
+/// Admin addresses, with kube-proxy's defaults: `/healthz` on every address (0.0.0.0:10256, `[::]:10256` when
+/// bindAddress is IPv6), since cloud load balancers probe it from outside; `/metrics` on loopback
+/// (127.0.0.1:10249, `[::1]`). A field left empty in the file (kubeadm writes `healthzBindAddress: ""`) takes
+/// the default too; an empty flag turns the server off.
 fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, ConfigError> {
-    let loopback = admin_loopback(flags, file)?;
+    let (any, loopback) = admin_defaults(flags, file)?;
     let addr = |what: &str,
                 field: &str,
                 flag: &Option<String>,
                 file: &Option<String>,
-                port: u16|
+                default: SocketAddr|
      -> Result<Option<SocketAddr>, ConfigError> {
+        let file = file.as_deref().filter(|f| !f.trim().is_empty());
         match (flag, file) {
-            // An explicitly empty flag turns the server off.
             (Some(f), _) if f.trim().is_empty() => Ok(None),
-            (Some(f), _) => parse_bind_address(&format!("--{what}"), f, port).map(Some),
-            (None, Some(f)) => parse_bind_address(field, f, port).map(Some),
-            (None, None) => Ok(Some(SocketAddr::new(loopback, port))),
+            (Some(f), _) => parse_bind_address(&format!("--{what}"), f, default.port()).map(Some),
+            (None, Some(f)) => parse_bind_address(field, f, default.port()).map(Some),
+            (None, None) => Ok(Some(default)),
         }
     };
     Ok(AdminOptions {
@@ -322,14 +324,14 @@ fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, Confi
             "healthzBindAddress",
             &flags.healthz_bind_address,
             &file.healthz_bind_address,
-            DEFAULT_HEALTHZ_PORT,
+            SocketAddr::new(any, DEFAULT_HEALTHZ_PORT),
         )?,
         metrics: addr(
             "metrics-bind-address",
             "metricsBindAddress",
             &flags.metrics_bind_address,
             &file.metrics_bind_address,
-            DEFAULT_METRICS_PORT,
+            SocketAddr::new(loopback, DEFAULT_METRICS_PORT),
         )?,
         bind_address_hard_fail: flags
             .bind_address_hard_fail
@@ -338,13 +340,14 @@ fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, Confi
     })
 }
 
-/// The loopback address of bindAddress's family (IPv4 when it is not set).
-fn admin_loopback(flags: &Flags, file: &FileConfig) -> Result<IpAddr, ConfigError> {
+/// The unspecified and the loopback address of bindAddress's family (IPv4 when it is not set), as
+/// kube-proxy's defaulting picks them.
+fn admin_defaults(flags: &Flags, file: &FileConfig) -> Result<(IpAddr, IpAddr), ConfigError> {
     let bind_v6 = bind_address(flags, file)?.is_some_and(|ip| ip.is_ipv6());
     Ok(if bind_v6 {
-        Ipv6Addr::LOCALHOST.into()
+        (Ipv6Addr::UNSPECIFIED.into(), Ipv6Addr::LOCALHOST.into())
     } else {
-        Ipv4Addr::LOCALHOST.into()
+        (Ipv4Addr::UNSPECIFIED.into(), Ipv4Addr::LOCALHOST.into())
     })
 }
 
@@ -507,7 +510,8 @@ winkernel:
         assert_eq!(r.masquerade_bit, 14);
         assert_eq!(r.sync_period, Duration::from_secs(30));
         assert_eq!(r.min_sync_period, Duration::ZERO, "0s is an explicit 0");
-        assert_eq!(r.admin.healthz, Some("127.0.0.1:10256".parse().unwrap()));
+        // kubeadm's `healthzBindAddress: ""` is kube-proxy's default: every address, for load balancers.
+        assert_eq!(r.admin.healthz, Some("0.0.0.0:10256".parse().unwrap()));
         assert_eq!(r.admin.metrics, Some("127.0.0.1:10249".parse().unwrap()));
         assert!(!r.admin.bind_address_hard_fail);
     }
@@ -793,5 +797,6 @@ detectLocalMode: ClusterCIDR
         };
         let r = resolve_with(&flags, FileConfig::default(), &env()).unwrap();
         assert_eq!(r.admin.metrics, Some("[::1]:10249".parse().unwrap()));
+        assert_eq!(r.admin.healthz, Some("[::]:10256".parse().unwrap()));
     }
 }
