@@ -358,9 +358,10 @@ fn health_metrics_and_health_check_node_ports_are_served() {
     assert_eq!(v["nodeEligible"], true, "{body}");
     assert!(v["lastUpdated"].is_string(), "{body}");
     assert_eq!(get_in(sb.node(), healthz, "/livez").unwrap().0, 200);
-    // Bound to loopback only: the node's own address does not answer.
+    // Bound to every address by default, as kube-proxy's: a load balancer outside probes the node's address.
     let outside = SocketAddr::new(sandbox::node_ip_v4().into(), 10256);
-    assert!(get_in(sb.ext(), outside, "/healthz").is_err());
+    let (status, _, body) = get_in(sb.ext(), outside, "/healthz").unwrap();
+    assert_eq!(status, 200, "{body}");
 
     // The health check node port, on the NodePort addresses (the node's primary ones): two local endpoints.
     let hc = SocketAddr::new(sandbox::node_ip_v4().into(), 32001);
