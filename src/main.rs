@@ -167,6 +167,19 @@ fn run_trace(args: &cli::trace::TraceArgs) -> ExitCode {
     }
 }
 
+/// `nftkube cleanup --kube-proxy`: one line per family, then what lies outside nf_tables. IPv4 goes first;
+/// a family that fails changes nothing, and stops the command before the next one.
+fn cleanup_kube_proxy() -> anyhow::Result<()> {
+    let reports = nftkube::agent::cleanup_kube_proxy()?;
+    for report in &reports {
+        say!("kube-proxy {report}");
+    }
+    for line in nftkube::agent::outside_nf_tables() {
+        say!("kube-proxy outside nf_tables, not removed: {line}");
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
     if std::env::args_os()
@@ -237,6 +250,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Trace(args) => return run_trace(&args),
+        Command::Cleanup(args) if args.kube_proxy => cleanup_kube_proxy(),
         Command::Cleanup(args) => {
             let removed = if args.traces {
                 nftkube::agent::cleanup_abandoned_traces()
