@@ -167,16 +167,26 @@ fn run_trace(args: &cli::trace::TraceArgs) -> ExitCode {
     }
 }
 
-/// `nftkube cleanup --kube-proxy`: one line per family, then what lies outside nf_tables. IPv4 goes first;
-/// a family that fails changes nothing, and stops the command before the next one.
+/// `nftkube cleanup --kube-proxy`: one line per family, then what lies outside nf_tables. A family that failed
+/// changed nothing, and fails the command once the other family has had its turn.
 fn cleanup_kube_proxy() -> anyhow::Result<()> {
-    let reports = nftkube::agent::cleanup_kube_proxy()?;
-    for report in &reports {
-        say!("kube-proxy {report}");
+    let mut failed = 0;
+    for outcome in nftkube::agent::cleanup_kube_proxy()? {
+        match outcome {
+            Ok(report) => say!("kube-proxy {report}"),
+            Err(e) => {
+                failed += 1;
+                say!("kube-proxy: {e:#}");
+            }
+        }
     }
     for line in nftkube::agent::outside_nf_tables() {
         say!("kube-proxy outside nf_tables, not removed: {line}");
     }
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} family(ies) not cleaned up: nothing of them was changed"
+    );
     Ok(())
 }
 

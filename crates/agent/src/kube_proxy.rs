@@ -169,13 +169,16 @@ pub(crate) struct TablePlan {
     pub(crate) left: Vec<String>,
 }
 
-/// Removes kube-proxy's leftovers in both families, one transaction each, and says what it did.
-pub fn cleanup_kube_proxy() -> Result<Vec<FamilyReport>, KubeProxyCleanupError> {
+/// What became of one family: each is its own transaction, so one family's failure leaves the other's outcome.
+pub type FamilyOutcome = Result<FamilyReport, KubeProxyCleanupError>;
+
+/// Removes kube-proxy's leftovers in both families, one transaction each, and says what it did in each.
+pub fn cleanup_kube_proxy() -> Result<Vec<FamilyOutcome>, KubeProxyCleanupError> {
     let mut socket = NftSocket::open().map_err(KubeProxyCleanupError::Open)?;
-    [Family::Ip, Family::Ip6]
+    Ok([Family::Ip, Family::Ip6]
         .into_iter()
         .map(|family| cleanup_family(&mut socket, family))
-        .collect()
+        .collect())
 }
 
 fn cleanup_family(

@@ -10,7 +10,9 @@ pub mod runner;
 mod service_cidrs;
 pub mod wake;
 
-pub use kube_proxy::{cleanup_kube_proxy, outside_nf_tables, FamilyReport, KubeProxyCleanupError};
+pub use kube_proxy::{
+    cleanup_kube_proxy, outside_nf_tables, FamilyOutcome, FamilyReport, KubeProxyCleanupError,
+};
 pub use wake::{Doorbell, Inbox, StopHandle, Wake};
 
 use run::{ProxyLoop, Relays};
