@@ -159,6 +159,8 @@ pub(crate) struct TableView {
     /// Every chain's name, with whether it is a base chain.
     pub(crate) chains: Vec<(String, bool)>,
     pub(crate) rules: Vec<RuleOutline>,
+    /// (set, chain) for every set element that jumps or goes to a chain.
+    pub(crate) set_targets: Vec<(String, String)>,
 }
 
 /// What to do in one table: rules by handle, then chains (flushed, then deleted), and what stays.
@@ -226,6 +228,7 @@ fn read_view(socket: &mut NftSocket, family: Family, name: &str) -> Result<Table
             .map(|c| (c.name, c.base.is_some()))
             .collect(),
         rules: socket.rule_outlines(family, name)?,
+        set_targets: socket.set_verdict_targets(family, name)?,
     })
 }
 
@@ -306,6 +309,12 @@ pub(crate) fn plan_table(view: &TableView) -> TablePlan {
         .map(|(name, _)| name.as_str())
         .collect();
     let mut left = Vec::new();
+    // A map element's jump is not ours to remove: the chain it names stays.
+    for (set, chain) in &view.set_targets {
+        if doomed.remove(chain.as_str()) {
+            left.push(format!("{chain} (an element of set {set} jumps to it)"));
+        }
+    }
     // Keep every doomed chain a kept rule leads to, until no kept rule leads to one.
     loop {
         let referenced = view.rules.iter().find_map(|r| {
@@ -404,6 +413,7 @@ mod tests {
             name: name.into(),
             chains: chains.iter().map(|(c, b)| (c.to_string(), *b)).collect(),
             rules,
+            set_targets: Vec::new(),
         }
     }
 
@@ -453,6 +463,17 @@ mod tests {
         // KUBE-SERVICES stays, and so does everything it leads to.
         assert!(plan.chains.is_empty(), "{plan:?}");
         assert!(plan.left[0].starts_with("KUBE-SERVICES (rule PREROUTING#10"));
+    }
+
+    #[test]
+    fn a_chain_a_map_element_jumps_to_stays_with_what_it_leads_to() {
+        let mut v = nat();
+        v.set_targets.push(("m".into(), "KUBE-SVC-AAAA".into()));
+        let plan = plan_table(&v);
+        assert_eq!(plan.chains, ["KUBE-SERVICES"], "{plan:?}");
+        assert_eq!(plan.rules.len(), 1);
+        assert!(plan.left[0].starts_with("KUBE-SVC-AAAA (an element of set m"));
+        assert!(plan.left[1].starts_with("KUBE-SEP-BBBB (rule KUBE-SVC-AAAA#13"));
     }
 
     #[test]

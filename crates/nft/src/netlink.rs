@@ -259,6 +259,31 @@ impl NftSocket {
         Ok(out)
     }
 
+    /// The chains the sets and maps of one table (anyone's, anonymous ones too) jump or go to from their
+    /// elements, as (set, chain): references to chains that rules in outline do not show.
+    pub fn set_verdict_targets(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Vec<(String, String)>, DumpError> {
+        let mut sets = Vec::new();
+        for p in self.dump(NFT_MSG_GETSET, family, Some(table), None)? {
+            let (t, set, _) = wire::decode_set(&p)?;
+            if t == table {
+                sets.push(set.name);
+            }
+        }
+        let mut out = Vec::new();
+        for set in sets {
+            for element in self.dump_set(family, table, &set)? {
+                if let Some(ElementValue::Verdict(v)) = &element.value {
+                    out.extend(v.chain().map(|c| (set.clone(), c.to_owned())));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Reads one table's chains, rules and set declarations, without the sets' elements: a read whose cost
     /// does not grow with the elements (the portmap plugin reads its elements by owner, set by set).
     pub fn dump_table_structure(
