@@ -293,8 +293,9 @@ fn is_kube_proxy_jump(table: &str, rule: &RuleOutline) -> Option<&'static str> {
         .map(|(_, _, dst, _)| *dst)
 }
 
-/// Decides what goes in one table. A kube-proxy chain that a kept rule still jumps into is kept (and said
-/// so), with what it leads to: the kernel would refuse its deletion, and the rule is not ours to remove.
+/// Decides what goes in one table. A kube-proxy chain that a kept rule or a map element still jumps into is
+/// kept (and said so), with what it leads to: the kernel would refuse its deletion, and the rule or element is
+/// not ours to remove.
 pub(crate) fn plan_table(view: &TableView) -> TablePlan {
     let table = view.name.as_str();
     let jumps: Vec<(&RuleOutline, &str)> = view
@@ -308,14 +309,40 @@ pub(crate) fn plan_table(view: &TableView) -> TablePlan {
         .filter(|(name, base)| !base && is_kube_proxy_chain(table, name))
         .map(|(name, _)| name.as_str())
         .collect();
+    let mut left = keep_referenced(view, &jumps, &mut doomed);
+    // Every other KUBE- chain stays, as kube-proxy's own cleanup leaves it: named, so the operator knows.
+    let others: Vec<String> = view
+        .chains
+        .iter()
+        .map(|(name, _)| name)
+        .filter(|name| name.starts_with("KUBE-") && !doomed.contains(name.as_str()))
+        .filter(|name| !left.iter().any(|l| l.starts_with(&format!("{name} "))))
+        .cloned()
+        .collect();
+    left.extend(others);
+    TablePlan {
+        rules: jumps
+            .iter()
+            .map(|(r, dst)| (r.chain.clone(), r.handle, dst.to_string()))
+            .collect(),
+        chains: doomed.into_iter().map(str::to_owned).collect(),
+        left,
+    }
+}
+
+/// Takes out of `doomed` every chain that something staying leads to (a map element, a rule not removed),
+/// until nothing staying does; says why for each.
+fn keep_referenced(
+    view: &TableView,
+    jumps: &[(&RuleOutline, &str)],
+    doomed: &mut BTreeSet<&str>,
+) -> Vec<String> {
     let mut left = Vec::new();
-    // A map element's jump is not ours to remove: the chain it names stays.
     for (set, chain) in &view.set_targets {
         if doomed.remove(chain.as_str()) {
             left.push(format!("{chain} (an element of set {set} jumps to it)"));
         }
     }
-    // Keep every doomed chain a kept rule leads to, until no kept rule leads to one.
     loop {
         let referenced = view.rules.iter().find_map(|r| {
             let removed = doomed.contains(r.chain.as_str())
@@ -324,26 +351,10 @@ pub(crate) fn plan_table(view: &TableView) -> TablePlan {
             (!removed).then(|| (into.clone(), r.chain.clone(), r.handle))
         });
         let Some((chain, from, handle)) = referenced else {
-            break;
+            return left;
         };
         doomed.remove(chain.as_str());
         left.push(format!("{chain} (rule {from}#{handle} jumps to it)"));
-    }
-    let held: Vec<String> = left.clone();
-    left.extend(
-        view.chains
-            .iter()
-            .filter(|(name, _)| name.starts_with("KUBE-") && !doomed.contains(name.as_str()))
-            .filter(|(name, _)| !held.iter().any(|l| l.starts_with(&format!("{name} "))))
-            .map(|(name, _)| name.clone()),
-    );
-    TablePlan {
-        rules: jumps
-            .iter()
-            .map(|(r, dst)| (r.chain.clone(), r.handle, dst.to_string()))
-            .collect(),
-        chains: doomed.into_iter().map(str::to_owned).collect(),
-        left,
     }
 }
 
