@@ -167,6 +167,29 @@ fn run_trace(args: &cli::trace::TraceArgs) -> ExitCode {
     }
 }
 
+/// `nftkube cleanup --kube-proxy`: one line per family, then what lies outside nf_tables. A family that failed
+/// changed nothing, and fails the command once the other family has had its turn.
+fn cleanup_kube_proxy() -> anyhow::Result<()> {
+    let mut failed = 0;
+    for outcome in nftkube::agent::cleanup_kube_proxy()? {
+        match outcome {
+            Ok(report) => say!("kube-proxy {report}"),
+            Err(e) => {
+                failed += 1;
+                say!("kube-proxy: {e:#}");
+            }
+        }
+    }
+    for line in nftkube::agent::outside_nf_tables() {
+        say!("kube-proxy outside nf_tables, not removed: {line}");
+    }
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} family(ies) not cleaned up: nothing of them was changed"
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     // A CNI plugin is run by its file name (a symlink or a copy named portmap or nftkube-portmap).
     if std::env::args_os()
@@ -237,6 +260,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Trace(args) => return run_trace(&args),
+        Command::Cleanup(args) if args.kube_proxy => cleanup_kube_proxy(),
         Command::Cleanup(args) => {
             let removed = if args.traces {
                 nftkube::agent::cleanup_abandoned_traces()

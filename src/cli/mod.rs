@@ -44,7 +44,8 @@ pub(crate) enum Command {
     /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
     /// every hook, chain, rule and lookup, the verdict, DNAT targets with probabilities, masquerade and why.
     Trace(trace::TraceArgs),
-    /// Remove every table nftkube owns, and nothing else (with --traces: only abandoned trace tables).
+    /// Remove every table nftkube owns, and nothing else (with --traces: only abandoned trace tables; with
+    /// --kube-proxy: only what kube-proxy left behind).
     Cleanup(CleanupArgs),
     /// Act as the CNI portmap plugin (CNI_COMMAND etc. in the environment, the network configuration on
     /// stdin); the same as running this binary under the name `portmap` or `nftkube-portmap`.
@@ -306,4 +307,11 @@ pub(crate) struct CleanupArgs {
     /// processes this command cannot see loses its table.
     #[arg(long)]
     pub traces: bool,
+    /// Remove only what kube-proxy leaves behind, as `kube-proxy --cleanup` does, over nf_tables: its
+    /// nftables-mode tables (`ip kube-proxy`, `ip6 kube-proxy`) and, in iptables-nft's `nat` and `filter`
+    /// tables, its jump rules and chains. Not nftkube's tables, not anyone else's rules or chains. Prints one
+    /// line per family of what was removed and what was found but left; iptables-legacy and IPVS state is
+    /// reported only.
+    #[arg(long, conflicts_with = "traces")]
+    pub kube_proxy: bool,
 }

@@ -1,7 +1,8 @@
 //! The proxy agent: its options, the loop that keeps the kernel in sync with the source (`run`), and the
-//! one-shot commands (`plan`, `cleanup`).
+//! one-shot commands (`plan`, `cleanup`, and `cleanup --kube-proxy`: kube_proxy.rs).
 #![forbid(unsafe_code)]
 
+mod kube_proxy;
 mod node_addresses;
 mod quarantine;
 mod run;
@@ -9,6 +10,9 @@ pub mod runner;
 mod service_cidrs;
 pub mod wake;
 
+pub use kube_proxy::{
+    cleanup_kube_proxy, outside_nf_tables, FamilyOutcome, FamilyReport, KubeProxyCleanupError,
+};
 pub use wake::{Doorbell, Inbox, StopHandle, Wake};
 
 use run::{ProxyLoop, Relays};

@@ -107,6 +107,8 @@ impl FakeKernel {
                         .rules
                         .clear();
                 }
+                // The fake keeps no rule handles, so it cannot tell which rule a handle names.
+                Op::DeleteRule { .. } => return Err(fail(i, libc::EOPNOTSUPP, what)),
                 Op::DeleteChain(name) => {
                     let used = t.chains.values().any(|ch| {
                         ch.rules.iter().any(|r| {

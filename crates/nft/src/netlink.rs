@@ -230,6 +230,60 @@ impl NftSocket {
         Ok(out)
     }
 
+    /// The chains of one table, anyone's, without their rules.
+    pub fn list_chains(&mut self, family: Family, table: &str) -> Result<Vec<Chain>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETCHAIN, family, Some(table), None)? {
+            let (t, chain) = wire::decode_chain(&p)?;
+            if t == table {
+                out.push(chain);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The rules of one table, anyone's, in outline: enough to delete some by handle (see
+    /// [`wire::RuleOutline`]).
+    pub fn rule_outlines(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Vec<wire::RuleOutline>, DumpError> {
+        let mut out = Vec::new();
+        for p in self.dump(NFT_MSG_GETRULE, family, Some(table), None)? {
+            let (t, rule) = wire::decode_rule_outline(&p)?;
+            if t == table {
+                out.push(rule);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The chains the sets and maps of one table (anyone's, anonymous ones too) jump or go to from their
+    /// elements, as (set, chain): references to chains that rules in outline do not show.
+    pub fn set_verdict_targets(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Vec<(String, String)>, DumpError> {
+        let mut sets = Vec::new();
+        for p in self.dump(NFT_MSG_GETSET, family, Some(table), None)? {
+            let (t, set, _) = wire::decode_set(&p)?;
+            if t == table {
+                sets.push(set.name);
+            }
+        }
+        let mut out = Vec::new();
+        for set in sets {
+            for element in self.dump_set(family, table, &set)? {
+                if let Some(ElementValue::Verdict(v)) = &element.value {
+                    out.extend(v.chain().map(|c| (set.clone(), c.to_owned())));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Reads one table's chains, rules and set declarations, without the sets' elements: a read whose cost
     /// does not grow with the elements (the portmap plugin reads its elements by owner, set by set).
     pub fn dump_table_structure(

@@ -19,6 +19,14 @@ pub enum Op {
     FlushChain(String),
     /// Deletes an empty, unreferenced chain.
     DeleteChain(String),
+    /// Deletes one rule by the handle the kernel gave it: for rules of chains that are not ours, which we
+    /// cannot rewrite as a whole.
+    DeleteRule {
+        /// The chain.
+        chain: String,
+        /// The rule's handle, as read back.
+        handle: u64,
+    },
     /// Appends a rule to a chain.
     AddRule {
         /// The chain.
@@ -75,6 +83,9 @@ impl fmt::Display for Change {
             Op::AddChain(c) => write!(f, "add chain {} to {t}", c.name),
             Op::FlushChain(c) => write!(f, "flush chain {c} of {t}"),
             Op::DeleteChain(c) => write!(f, "delete chain {c} of {t}"),
+            Op::DeleteRule { chain, handle } => {
+                write!(f, "delete rule handle {handle} of chain {chain} of {t}")
+            }
             Op::AddRule { chain, rule } => match &rule.comment {
                 Some(c) => write!(f, "add rule ({c}) to chain {chain} of {t}"),
                 None => write!(f, "add rule to chain {chain} of {t}"),

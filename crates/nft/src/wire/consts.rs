@@ -82,6 +82,11 @@ pub(crate) const NFTA_RULE_USERDATA: u16 = 7;
 /// nftnl userdata TLV type of a rule comment.
 pub(crate) const NFTNL_UDATA_RULE_COMMENT: u8 = 0;
 
+/// xtables compat `match` expression attribute: the match's name ("comment", "conntrack"...).
+pub(crate) const NFTA_MATCH_NAME: u16 = 1;
+/// xtables compat `match` expression attribute: the match's own struct, as iptables wrote it.
+pub(crate) const NFTA_MATCH_INFO: u16 = 3;
+
 /// List attribute: one element.
 pub(crate) const NFTA_LIST_ELEM: u16 = 1;
 /// Expression attribute: its name.

@@ -280,6 +280,82 @@ pub fn decode_rule(payload: &[u8]) -> Result<(String, String, Rule), DecodeError
     Ok((table, chain, Rule { exprs, comment }))
 }
 
+/// What a cleanup of someone else's chains needs to know of one of their rules, read without modelling its
+/// expressions (iptables-nft's rules hold xtables `match` and `target` expressions the IR has no place for).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleOutline {
+    /// The rule's chain.
+    pub chain: String,
+    /// The kernel's handle of the rule.
+    pub handle: u64,
+    /// Its comment: nft's (user data), or iptables' `-m comment` (an xtables match).
+    pub comment: Option<String>,
+    /// Every chain the rule jumps or goes to (immediate verdicts).
+    pub targets: Vec<String>,
+    /// The verdict of its last expression, when that is an immediate verdict.
+    pub last_verdict: Option<Verdict>,
+    /// Whether a verdict in it did not decode: it may then lead to chains `targets` does not name.
+    pub unreadable: bool,
+}
+
+/// A rule message as a [`RuleOutline`], with its table's name.
+pub fn decode_rule_outline(payload: &[u8]) -> Result<(String, RuleOutline), DecodeError> {
+    let (_, a) = split(payload, "rule")?;
+    let table = req_str(&a, NFTA_RULE_TABLE, "rule", "table")?.to_owned();
+    let mut outline = RuleOutline {
+        chain: req_str(&a, NFTA_RULE_CHAIN, "rule", "chain")?.to_owned(),
+        handle: decode_rule_handle(payload)?,
+        comment: a
+            .get(NFTA_RULE_USERDATA)
+            .and_then(|u| parse_comment(u.payload)),
+        targets: Vec::new(),
+        last_verdict: None,
+        unreadable: false,
+    };
+    if let Some(list) = a.get(NFTA_RULE_EXPRESSIONS) {
+        for item in list.nested().iter().filter(|x| x.kind == NFTA_LIST_ELEM) {
+            outline_expr(&mut outline, &item.nested());
+        }
+    }
+    Ok((table, outline))
+}
+
+/// Adds what one expression says to the outline: a verdict, or an xtables comment.
+fn outline_expr(outline: &mut RuleOutline, e: &Attrs<'_>) {
+    let name = e.get(NFTA_EXPR_NAME).and_then(|n| n.str()).unwrap_or("");
+    let data = e
+        .get(NFTA_EXPR_DATA)
+        .map(|d| d.nested())
+        .unwrap_or(Attrs(&[]));
+    outline.last_verdict = None;
+    match name {
+        "immediate" => {
+            let Some(v) = data
+                .get(NFTA_IMMEDIATE_DATA)
+                .and_then(|d| d.nested().get(NFTA_DATA_VERDICT))
+            else {
+                return; // a value for a register, not a verdict
+            };
+            match decode_verdict(v) {
+                Ok(v) => {
+                    outline.targets.extend(v.chain().map(str::to_owned));
+                    outline.last_verdict = Some(v);
+                }
+                Err(_) => outline.unreadable = true,
+            }
+        }
+        "match" if data.get(NFTA_MATCH_NAME).and_then(|n| n.str()) == Some("comment") => {
+            // struct xt_comment_info: the comment, NUL-terminated, in a 256-byte field.
+            let info = data.get(NFTA_MATCH_INFO).map(|i| i.payload).unwrap_or(&[]);
+            let end = info.iter().position(|b| *b == 0).unwrap_or(info.len());
+            if let Ok(text) = std::str::from_utf8(&info[..end]) {
+                outline.comment.get_or_insert_with(|| text.to_owned());
+            }
+        }
+        _ => {}
+    }
+}
+
 /// A rule message's handle (what trace events name the rule by).
 pub(crate) fn decode_rule_handle(payload: &[u8]) -> Result<u64, DecodeError> {
     let (_, a) = split(payload, "rule")?;

@@ -138,6 +138,15 @@ fn object_messages(c: &Change) -> Vec<(u16, u8, Body<'_>)> {
                 m.attr_str(NFTA_CHAIN_NAME, name);
             }),
         )],
+        Op::DeleteRule { chain, handle } => vec![(
+            NFT_MSG_DELRULE,
+            0,
+            Box::new(move |m: &mut MsgBuilder| {
+                m.attr_str(NFTA_RULE_TABLE, table);
+                m.attr_str(NFTA_RULE_CHAIN, chain);
+                m.attr_be64(NFTA_RULE_HANDLE, *handle);
+            }),
+        )],
         Op::AddRule { chain, rule } => rule_messages(table, chain, rule),
         Op::AddSet(set) => vec![(
             NFT_MSG_NEWSET,

@@ -1644,3 +1644,100 @@ fn pinned_commented_element() {
     assert_eq!((table.as_str(), set.as_str()), (TABLE, "ports-net"));
     assert_eq!(read, vec![(element.element, Some("c1 eth0".to_string()))]);
 }
+
+#[test]
+fn delete_rule_names_table_chain_and_handle() {
+    let (t, p) = single_payload(
+        Family::Ip6,
+        Op::DeleteRule {
+            chain: "PREROUTING".into(),
+            handle: 0x0102_0304_0506_0708,
+        },
+    );
+    assert_eq!(t, NFT_MSG_DELRULE);
+    let a = nftkube_netlink::Attrs(&p[4..]);
+    assert_eq!(a.get(NFTA_RULE_TABLE).and_then(|x| x.str()), Some(TABLE));
+    assert_eq!(
+        a.get(NFTA_RULE_CHAIN).and_then(|x| x.str()),
+        Some("PREROUTING")
+    );
+    assert_eq!(
+        a.get(NFTA_RULE_HANDLE).and_then(|x| x.be64()),
+        Some(0x0102_0304_0506_0708)
+    );
+}
+
+/// A rule as iptables-nft 1.8 writes `-m comment --comment C ... -j TARGET`: the comment in an xtables
+/// `match` (struct xt_comment_info, 256 bytes), a counter, then the verdict; `last` is the final expression.
+fn iptables_rule(
+    handle: u64,
+    comment: &str,
+    last: impl Fn(&mut nftkube_netlink::MsgBuilder),
+) -> Vec<u8> {
+    let mut m = nftkube_netlink::MsgBuilder::new(0, 0, 0);
+    m.raw(&[2, 0, 0, 0]);
+    m.attr_str(NFTA_RULE_TABLE, "nat");
+    m.attr_str(NFTA_RULE_CHAIN, "PREROUTING");
+    m.attr_be64(NFTA_RULE_HANDLE, handle);
+    let mut info = comment.as_bytes().to_vec();
+    info.resize(256, 0);
+    m.nested(NFTA_RULE_EXPRESSIONS, |m| {
+        m.nested(NFTA_LIST_ELEM, |m| {
+            m.attr_str(NFTA_EXPR_NAME, "match");
+            m.nested(NFTA_EXPR_DATA, |m| {
+                m.attr_str(NFTA_MATCH_NAME, "comment");
+                m.attr_be32(2, 0); // NFTA_MATCH_REV
+                m.attr(NFTA_MATCH_INFO, &info);
+            });
+        });
+        m.nested(NFTA_LIST_ELEM, |m| {
+            m.attr_str(NFTA_EXPR_NAME, "counter");
+            m.nested(NFTA_EXPR_DATA, |_| {});
+        });
+        m.nested(NFTA_LIST_ELEM, |m| last(m));
+    });
+    m.finish().unwrap()[16..].to_vec()
+}
+
+fn jump_to(m: &mut nftkube_netlink::MsgBuilder, code: i32, chain: &str) {
+    m.attr_str(NFTA_EXPR_NAME, "immediate");
+    m.nested(NFTA_EXPR_DATA, |m| {
+        m.attr_be32(NFTA_IMMEDIATE_DREG, 0);
+        m.nested(NFTA_IMMEDIATE_DATA, |m| {
+            m.nested(NFTA_DATA_VERDICT, |m| {
+                m.attr_be32(NFTA_VERDICT_CODE, code as u32);
+                m.attr_str(NFTA_VERDICT_CHAIN, chain);
+            });
+        });
+    });
+}
+
+#[test]
+fn iptables_nft_rules_outline_their_comment_handle_and_jump() {
+    let p = iptables_rule(10, "kubernetes service portals", |m| {
+        jump_to(m, -3, "KUBE-SERVICES")
+    });
+    let (table, o) = decode_rule_outline(&p).unwrap();
+    assert_eq!(
+        (table.as_str(), o.chain.as_str(), o.handle),
+        ("nat", "PREROUTING", 10)
+    );
+    assert_eq!(o.comment.as_deref(), Some("kubernetes service portals"));
+    assert_eq!(o.targets, ["KUBE-SERVICES"]);
+    assert_eq!(o.last_verdict, Some(Verdict::Jump("KUBE-SERVICES".into())));
+    assert!(!o.unreadable);
+}
+
+#[test]
+fn a_rule_ending_in_no_verdict_has_none_and_an_unknown_verdict_is_unreadable() {
+    let p = iptables_rule(3, "x", |m| {
+        m.attr_str(NFTA_EXPR_NAME, "counter");
+        m.nested(NFTA_EXPR_DATA, |_| {});
+    });
+    let (_, o) = decode_rule_outline(&p).unwrap();
+    assert_eq!(o.last_verdict, None);
+    let p = iptables_rule(4, "x", |m| jump_to(m, 7, "KUBE-SERVICES"));
+    let (_, o) = decode_rule_outline(&p).unwrap();
+    assert!(o.unreadable, "an unknown verdict code may lead anywhere");
+    assert_eq!(o.last_verdict, None);
+}
