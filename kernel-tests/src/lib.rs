@@ -628,3 +628,27 @@ pub fn masqueraded_from_pod(sb: &Sandbox, pod: usize, pods: usize, dst: SocketAd
         .collect();
     !peers.is_empty() && peers.is_subset(&node_side)
 }
+
+/// A TCP server on a thread inside `ns` answering "hello" to every connection, until `stop` is set: a
+/// socket of the node's (or of a host beyond it) that a rule must keep traffic from, or let it reach.
+pub fn hello_listener(
+    ns: &NetNs,
+    addr: SocketAddr,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let l = ns
+        .run(move || std::net::TcpListener::bind(addr))
+        .unwrap()
+        .unwrap();
+    l.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::SeqCst) {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    let _ = std::io::Write::write_all(&mut s, b"hello\n");
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+}

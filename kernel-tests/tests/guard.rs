@@ -7,30 +7,13 @@ use nftkube::nft::ir::{Chain, ChainType, CmpOp, Family, Hook};
 use nftkube::nft::netlink::NftSocket;
 use nftkube::nft::tx::{Op, Transaction};
 use nftkube_sandbox::netns::NetNs;
-use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 const SYNC: Duration = Duration::from_secs(15);
 const SHORT: Duration = Duration::from_millis(600);
-
-/// A TCP server on a thread inside `ns` answering "hello" to every connection, until the flag is set.
-fn listener(ns: &NetNs, addr: SocketAddr, stop: Arc<AtomicBool>) {
-    let l = ns.run(move || TcpListener::bind(addr)).unwrap().unwrap();
-    l.set_nonblocking(true).unwrap();
-    std::thread::spawn(move || {
-        while !stop.load(Ordering::SeqCst) {
-            match l.accept() {
-                Ok((mut s, _)) => {
-                    let _ = s.write_all(b"hello\n");
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    });
-}
 
 /// A table of the test's own (not nftkube's) that sets the drop mark on chosen traffic, the way kube-proxy's
 /// or another component's rules would mark it.
@@ -87,7 +70,7 @@ fn packets_carrying_the_drop_mark_are_dropped_on_input_forward_and_output() {
     let stop = Arc::new(AtomicBool::new(false));
     let node_addr: IpAddr = sandbox::pod_gateway_v4(0).into();
     for port in [5555, 5556] {
-        listener(sb.node(), SocketAddr::new(node_addr, port), stop.clone());
+        hello_listener(sb.node(), SocketAddr::new(node_addr, port), stop.clone());
     }
     // Before any mark: everything answers.
     let pod = |i: usize| SocketAddr::new(sandbox::pod_ip_v4(i).into(), BACKEND_TCP_PORT);
@@ -140,7 +123,7 @@ fn unallocated_addresses_in_the_service_cidr_are_dropped() {
         .unwrap()
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    listener(
+    hello_listener(
         sb.ext(),
         SocketAddr::new(unallocated.into(), 80),
         stop.clone(),

@@ -15,7 +15,7 @@ use nftkube::sync::SyncEngine;
 use nftkube_sandbox::netns::{unique_name, NetNs};
 use serde_json::{json, Value};
 use std::io::ErrorKind;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,22 +24,6 @@ const SYNC: Duration = Duration::from_secs(20);
 /// The ServiceCIDR watcher failed from the start: its backoff may have grown to 30 s (with jitter).
 const RECOVER: Duration = Duration::from_secs(45);
 const SHORT: Duration = Duration::from_millis(600);
-
-/// A TCP server on a thread inside `ns` answering every connection, until the flag is set.
-fn listener(ns: &NetNs, addr: SocketAddr, stop: Arc<AtomicBool>) {
-    let l = ns.run(move || TcpListener::bind(addr)).unwrap().unwrap();
-    l.set_nonblocking(true).unwrap();
-    std::thread::spawn(move || {
-        while !stop.load(Ordering::SeqCst) {
-            match l.accept() {
-                Ok((mut s, _)) => {
-                    let _ = std::io::Write::write_all(&mut s, b"hello\n");
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    });
-}
 
 fn service_cidr(name: &str, cidrs: &[&str]) -> Value {
     json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
@@ -67,7 +51,7 @@ fn service_cidrs_from_the_api_drop_unallocated_addresses_and_follow_the_objects(
             .run(move || nftkube_sandbox::netns::add_address("lo", a.ip(), 32))
             .unwrap()
             .unwrap();
-        listener(sb.ext(), a, stop.clone());
+        hello_listener(sb.ext(), a, stop.clone());
     }
     let api = FakeApi::in_namespace(sb.node());
     for file in ["services.yaml", "endpointslices.yaml"] {
