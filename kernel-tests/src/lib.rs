@@ -196,6 +196,17 @@ impl Agent {
         Agent::spawn(cmd, ns)
     }
 
+    /// Starts `nftkube proxy --master URL` in `ns` against a fake API server, as node-1 with the sandbox's
+    /// cluster CIDRs and `extra` flags.
+    pub fn start_api(ns: &NetNs, api: &fake_api::FakeApi, extra: &[&str]) -> Agent {
+        let mut cmd = command_in(ns, nftkube_bin());
+        cmd.args(proxy_args_from(
+            &["--master".into(), api.url().into()],
+            extra,
+        ));
+        Agent::spawn(cmd, ns)
+    }
+
     /// Starts a prepared command (the agent binary with its arguments, in whatever root or sandbox the
     /// command's hooks set up, programming the ruleset of `ns`), logging to a file as `start` does.
     pub fn spawn(mut cmd: Command, ns: &NetNs) -> Agent {

@@ -70,16 +70,6 @@ fn slice(name: &str, service: &str, pods: &[usize], node: &str) -> Value {
            "endpoints": eps})
 }
 
-/// `nftkube proxy --master URL` in `ns` as node-1 with the sandbox's cluster CIDRs, then `extra`.
-fn start_agent(ns: &NetNs, api: &FakeApi, extra: &[&str]) -> Agent {
-    let mut cmd = command_in(ns, nftkube_bin());
-    cmd.args(proxy_args_from(
-        &["--master".into(), api.url().into()],
-        extra,
-    ));
-    Agent::spawn(cmd, ns)
-}
-
 fn backends_seen(sb: &sandbox::Sandbox, ip: &str, n: usize) -> BTreeSet<usize> {
     tcp_requests(sb.client(), addr(ip, 80), n, T)
         .iter()
@@ -147,7 +137,7 @@ fn api_source_syncs_and_follows_adds_updates_and_deletes() {
     let sb = sandbox("nk-kapi", 3);
     let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     // kube-proxy's selector: objects claimed by another proxy or headless are not asked for.
     let reqs = api.requests().join("\n");
@@ -194,7 +184,7 @@ fn api_outage_keeps_the_rules_and_a_relist_after_410_converges() {
     let sb = sandbox("nk-kout", 3);
     let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
 
     // Dropped connections: every watch is cut; a change right after still arrives (re-watch from the
@@ -272,7 +262,7 @@ fn nothing_is_programmed_before_both_lists_and_an_unreachable_api_flushes_nothin
     let sb = sandbox("nk-kgate", 3);
     let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
-    let mut first = start_agent(sb.node(), &api, &[]);
+    let mut first = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &first, ECHO_V4, &[1, 2, 3], SYNC);
     assert!(first.stop(), "agent did not exit cleanly");
     let programmed = nftkube::nft::text::render_table(&dump_table(sb.node(), Family::Ip).unwrap());
@@ -281,7 +271,7 @@ fn nothing_is_programmed_before_both_lists_and_an_unreachable_api_flushes_nothin
     // sync (a sync without endpoints would reject every connection).
     api.apply(slice("echo-abc", "echo", &[2], "node-1"));
     api.fail(Resource::EndpointSlices, Some(500));
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     std::thread::sleep(Duration::from_secs(4));
     assert!(!agent.log().contains("sync complete"), "{}", agent.log());
     assert!(
@@ -312,7 +302,7 @@ fn malformed_objects_are_skipped_with_a_logged_reason() {
     let mut unlabelled = slice("stray", "x", &[1], "node-1");
     unlabelled["metadata"]["labels"] = json!({});
     api.apply(unlabelled);
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let log = agent.log();
     assert!(log.contains("Service demo/broken"), "{log}");
@@ -346,7 +336,7 @@ fn health_metrics_and_health_check_node_ports_are_served() {
                  "externalTrafficPolicy": "Local", "healthCheckNodePort": 32001,
                  "ports": [{"name": "tcp", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30150}]}}));
     api.apply(slice("lb-1", "lb", &[1, 2], "node-1"));
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let healthz: SocketAddr = "127.0.0.1:10256".parse().unwrap();
     let metrics_at: SocketAddr = "127.0.0.1:10249".parse().unwrap();
@@ -774,7 +764,7 @@ fn changes_after_repeated_short_outages_come_within_the_first_backoff_delay() {
     let sb = sandbox("nk-kbo", 3);
     let api = FakeApi::in_namespace(sb.node());
     load_examples(&api);
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let resources = [
         Resource::Services,

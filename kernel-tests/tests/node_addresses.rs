@@ -6,7 +6,7 @@
 use kernel_tests::fake_api::FakeApi;
 use kernel_tests::sandbox;
 use kernel_tests::*;
-use nftkube_sandbox::netns::{add_address, NetNs};
+use nftkube_sandbox::netns::add_address;
 use serde_json::{json, Value};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -66,15 +66,6 @@ fn setup(tag: &str) -> (sandbox::Sandbox, FakeApi) {
     (sb, api)
 }
 
-fn start_agent(ns: &NetNs, api: &FakeApi, extra: &[&str]) -> Agent {
-    let mut cmd = command_in(ns, nftkube_bin());
-    cmd.args(proxy_args_from(
-        &["--master".into(), api.url().into()],
-        extra,
-    ));
-    Agent::spawn(cmd, ns)
-}
-
 /// Whether the outside client gets an answer from a backend through the NodePort on `ip`.
 fn answers_on(sb: &sandbox::Sandbox, ip: Ipv4Addr) -> bool {
     served(sb.ext(), SocketAddr::new(IpAddr::V4(ip), NODE_PORT), SHORT)
@@ -113,7 +104,7 @@ fn wait_node_object_programmed(agent: &Agent) {
 #[test]
 fn primary_serves_the_node_objects_internal_ip_and_follows_it() {
     let (sb, api) = setup("nk-npa");
-    let agent = start_agent(sb.node(), &api, &[]);
+    let agent = Agent::start_api(sb.node(), &api, &[]);
     // The default, primary: the InternalIP only, though the secondary address is on the same uplink (the
     // fallback before the Node object arrives would serve both: only the Node object leads here).
     wait_served_on(&sb, &agent, &[primary()], &[secondary()]);
@@ -129,14 +120,14 @@ fn primary_serves_the_node_objects_internal_ip_and_follows_it() {
 fn primary_combines_with_a_cidr_as_a_union() {
     let (sb, api) = setup("nk-npu");
     let cidr = format!("primary,{}/32", secondary());
-    let agent = start_agent(sb.node(), &api, &[&format!("--nodeport-addresses={cidr}")]);
+    let agent = Agent::start_api(sb.node(), &api, &[&format!("--nodeport-addresses={cidr}")]);
     wait_node_object_programmed(&agent);
     wait_served_on(&sb, &agent, &[primary(), secondary()], &[]);
 
     // The CIDR alone: the secondary address, not the primary one.
     drop(agent);
     let only = format!("--nodeport-addresses={}/32", secondary());
-    let agent = start_agent(sb.node(), &api, &[&only]);
+    let agent = Agent::start_api(sb.node(), &api, &[&only]);
     wait_served_on(&sb, &agent, &[secondary()], &[primary()]);
 }
 
@@ -144,6 +135,6 @@ fn primary_combines_with_a_cidr_as_a_union() {
 fn a_specific_bind_address_is_the_primary_ip_over_the_node_object() {
     let (sb, api) = setup("nk-npb");
     let bind = secondary().to_string();
-    let agent = start_agent(sb.node(), &api, &["--bind-address", &bind]);
+    let agent = Agent::start_api(sb.node(), &api, &["--bind-address", &bind]);
     wait_served_on(&sb, &agent, &[secondary()], &[primary()]);
 }
