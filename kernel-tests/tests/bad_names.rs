@@ -63,7 +63,7 @@ const LATE_LB_IP: &str = "192.168.250.93";
 const LATE_LB_NODE_PORT: u16 = 30193;
 const FRESH_CIP: &str = "10.96.0.78";
 
-/// A 300-character DNS-1035-shaped name: only its length is wrong.
+/// A 300-character name shaped like a Service name: only its length is wrong.
 fn long_name(c: char) -> String {
     format!("lb-{}", c.to_string().repeat(297))
 }
@@ -357,7 +357,11 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
     // Each refusal is logged with the rule it breaks and the file it came from; the long names are shown
     // by a prefix only.
     let log = agent.log();
-    for rule in ["DNS-1035", "metadata.namespace", "IANA service name"] {
+    for rule in [
+        "not a Service name",
+        "metadata.namespace",
+        "IANA service name",
+    ] {
         let lines = lines_with(&log, rule);
         assert!(
             lines.iter().any(|l| l.contains("hostile.yaml")),
@@ -375,7 +379,7 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
 
     // 2. While it runs: a file with another long-named LoadBalancer and a new ordinary service, then the
     // next write an endpoint change of echo (pod 2 leaves). Both ordinary changes reach traffic promptly.
-    let refusals_before = lines_with(&agent.log(), "DNS-1035").len();
+    let refusals_before = lines_with(&agent.log(), "not a Service name").len();
     let late = [
         load_balancer(
             &long_name('b'),
@@ -441,7 +445,7 @@ fn objects_with_names_the_api_server_refuses_are_refused_alone() {
         "after the change",
     );
     let log = agent.log();
-    let refusals = lines_with(&log, "DNS-1035");
+    let refusals = lines_with(&log, "not a Service name");
     assert!(
         refusals.len() > refusals_before && refusals.iter().any(|l| l.contains("late.yaml")),
         "the late hostile object's refusal is not logged; log:\n{log}"
@@ -468,7 +472,7 @@ fn refusals_do_not_log_a_long_name_whole() {
     let agent = Agent::start(sb.node(), &m.dir, &[]);
     agent.wait_syncs(1, SYNC);
     let log = agent.log();
-    for rule in ["DNS-1035", "metadata.namespace"] {
+    for rule in ["not a Service name", "metadata.namespace"] {
         assert!(
             !lines_with(&log, rule).is_empty(),
             "no {rule:?} refusal; log:\n{log}"

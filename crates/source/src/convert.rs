@@ -128,7 +128,7 @@ fn parse_traffic_policy(field: &str, v: Option<&str>) -> Result<TrafficPolicy, S
 
 /// Converts a Service into its ports.
 pub fn service_ports(svc: &Service) -> Result<ServiceConversion, ConvertError> {
-    let key = object_key("Service", &svc.metadata, validate::dns1035_label)?;
+    let key = object_key("Service", &svc.metadata, validate::service_name)?;
     convert_service(&key, svc).map_err(|reason| ConvertError {
         kind: "Service",
         object: key.to_string(),
@@ -477,7 +477,7 @@ mod tests {
         };
         let long = "x".repeat(300);
         let e = err(&named("demo", &long, "http"));
-        assert!(e.reason.contains("DNS-1035"), "{e}");
+        assert!(e.reason.contains("not a Service name"), "{e}");
         assert!(
             e.object.len() < 80 && e.object.starts_with("demo/xxx"),
             "{e}"
@@ -493,6 +493,8 @@ mod tests {
             .reason
             .contains("DNS-1123"));
         assert_eq!(ports(&named("demo", "web", "http")).len(), 1);
+        // KEP-5311 (GA in 1.37): a Service name may start with a digit.
+        assert_eq!(ports(&named("demo", "1web", "http")).len(), 1);
     }
 
     #[test]

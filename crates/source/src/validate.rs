@@ -3,7 +3,7 @@
 //! object names: a name the API server would refuse is refused here with the rule it breaks. Each check
 //! reads its input once (linear in its length) and stops at the first byte out of bounds.
 
-/// The longest DNS-1123 or DNS-1035 label (namespaces, Service names).
+/// The longest DNS-1123 label (namespaces, Service names).
 const LABEL_MAX: usize = 63;
 /// The longest DNS-1123 subdomain (EndpointSlice names).
 const SUBDOMAIN_MAX: usize = 253;
@@ -43,9 +43,10 @@ pub(crate) fn dns1123_label(what: &str, s: &str) -> Result<(), String> {
     label(what, s, "a DNS-1123 label", alphanumeric)
 }
 
-/// A DNS-1035 label: a DNS-1123 label that starts with a letter (Service names).
-pub(crate) fn dns1035_label(what: &str, s: &str) -> Result<(), String> {
-    label(what, s, "a DNS-1035 label", |b| b.is_ascii_lowercase())
+/// A Service name: a DNS-1123 label. It may start with a digit since KEP-5311 (GA in Kubernetes 1.37), which
+/// relaxed the DNS-1035 rule that made it start with a letter: an API server of 1.37 accepts `1web`.
+pub(crate) fn service_name(what: &str, s: &str) -> Result<(), String> {
+    label(what, s, "a Service name (a DNS-1123 label)", alphanumeric)
 }
 
 fn label(what: &str, s: &str, rule: &str, first_ok: fn(u8) -> bool) -> Result<(), String> {
@@ -135,7 +136,8 @@ mod tests {
         assert!(dns1123_label("namespace", "kube-system").is_ok());
         assert!(dns1123_label("namespace", "0abc").is_ok());
         assert!(dns1123_label("namespace", &"a".repeat(63)).is_ok());
-        assert!(dns1035_label("name", "web-1").is_ok());
+        assert!(service_name("name", "web-1").is_ok());
+        assert!(service_name("name", "1web").is_ok(), "KEP-5311");
         assert!(dns1123_subdomain("name", "web-abc12.x").is_ok());
         assert!(iana_svc_name("port name", "http-alt").is_ok());
         assert!(iana_svc_name("port name", "h2c").is_ok());
@@ -153,8 +155,11 @@ mod tests {
     #[test]
     fn names_the_api_server_refuses_are_refused_with_the_rule() {
         let long = "a".repeat(300);
-        let e = dns1035_label("metadata.name", &long).unwrap_err();
-        assert!(e.contains("DNS-1035") && e.contains("(300 bytes)"), "{e}");
+        let e = service_name("metadata.name", &long).unwrap_err();
+        assert!(
+            e.contains("Service name") && e.contains("(300 bytes)"),
+            "{e}"
+        );
         assert!(
             e.len() < 250,
             "the message shows a prefix, not the name: {e}"
@@ -163,8 +168,8 @@ mod tests {
         assert!(dns1123_label("namespace", "Demo").is_err());
         assert!(dns1123_label("namespace", "demo-").is_err());
         assert!(dns1123_label("namespace", "").is_err());
-        assert!(dns1035_label("name", "1web").is_err());
-        assert!(dns1035_label("name", "we b").is_err());
+        assert!(service_name("name", "-web").is_err());
+        assert!(service_name("name", "we b").is_err());
         assert!(dns1123_subdomain("name", &"a.".repeat(127)).is_err());
         assert!(dns1123_subdomain("name", "a..b").is_err());
         assert!(iana_svc_name("port name", "http--alt").is_err());
@@ -172,7 +177,7 @@ mod tests {
         assert!(iana_svc_name("port name", "a-very-long-port-name").is_err());
         assert!(label_value("label", "-x").is_err());
         // Not valid UTF-8 trouble: a multi-byte name is refused, and shown cut at a character boundary.
-        let e = dns1035_label("name", &"é".repeat(100)).unwrap_err();
+        let e = service_name("name", &"é".repeat(100)).unwrap_err();
         assert!(e.contains("(200 bytes)"), "{e}");
     }
 }
