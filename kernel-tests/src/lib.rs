@@ -209,7 +209,15 @@ impl Agent {
 
     /// Starts a prepared command (the agent binary with its arguments, in whatever root or sandbox the
     /// command's hooks set up, programming the ruleset of `ns`), logging to a file as `start` does.
-    pub fn spawn(mut cmd: Command, ns: &NetNs) -> Agent {
+    pub fn spawn(cmd: Command, ns: &NetNs) -> Agent {
+        let mut agent = Agent::spawn_unlisted(cmd);
+        agent.listing = ListingWatch::start(ns, agent.log.clone());
+        agent
+    }
+
+    /// `spawn` without the listing invariant: for a test that puts tables nft cannot reload beside the
+    /// agent's (iptables-nft's xtables matches), where the whole ruleset never lists and reloads.
+    pub fn spawn_unlisted(mut cmd: Command) -> Agent {
         let log = std::env::temp_dir().join(format!("{}.log", unique_name("nftkube-agent")));
         let logfile = std::fs::File::create(&log).expect("agent log file");
         let child = cmd
@@ -217,11 +225,10 @@ impl Agent {
             .stderr(logfile)
             .spawn()
             .expect("starting nftkube proxy");
-        let listing = ListingWatch::start(ns, log.clone());
         Agent {
             child: Some(child),
             log,
-            listing,
+            listing: None,
         }
     }
 
@@ -537,24 +544,30 @@ impl ContinuousClient {
 
 /// Runs an nft script (`nft -f -`) in `ns`: a tamper, or a ruleset a test needs. Panics if nft refuses it.
 pub fn nft_script(ns: &NetNs, script: &str) {
+    feed(ns, "nft", &["-f", "-"], script);
+}
+
+/// Runs `program args` in `ns` with `input` on its stdin (`nft -f -`, `iptables-nft-restore`: the real tools
+/// building the state a test needs). Panics if it cannot run or refuses the input.
+pub fn feed(ns: &NetNs, program: &str, args: &[&str], input: &str) {
     use std::io::Write;
-    let mut child = command_in(ns, "nft")
-        .args(["-f", "-"])
+    let mut child = command_in(ns, program)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("running nft (apt-get install nftables)");
+        .unwrap_or_else(|e| panic!("running {program} (apt-get install nftables iptables): {e}"));
     child
         .stdin
         .take()
         .unwrap()
-        .write_all(script.as_bytes())
+        .write_all(input.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
-        "nft -f refused:\n{script}\n{}",
+        "{program} refused:\n{input}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

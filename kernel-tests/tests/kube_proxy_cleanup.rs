@@ -7,9 +7,7 @@ use kernel_tests::*;
 use nftkube_sandbox::netns::NetNs;
 use serde_json::Value;
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::time::Duration;
 
 /// kube-proxy's nftables mode, shaped like its tables: base chains at dstnat-10 and friends, a services
@@ -111,29 +109,6 @@ const KUBE_PROXY_IP6TABLES: &str = r#"*nat
 COMMIT
 "#;
 
-/// Feeds `input` to `program` in `ns`; panics if it refuses.
-fn restore(ns: &NetNs, program: &str, args: &[&str], input: &str) {
-    let mut child = command_in(ns, program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {program} (apt-get install iptables nftables): {e}"));
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{program} refused:\n{input}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// What `nft -j list ruleset` shows, flattened: tables, chains and rules (as `family table chain → target`
 /// for jumps, `family table chain: exprs` otherwise).
 #[derive(Debug, Default)]
@@ -177,54 +152,6 @@ fn listing(ns: &NetNs) -> Listing {
     l
 }
 
-/// `nftkube proxy` in `ns`, started by hand rather than with `Agent`: `Agent` checks that the whole ruleset
-/// lists and reloads with nft, which iptables-nft's tables (xtables matches) never do. Stopped on drop, so a
-/// failing test leaves no agent behind.
-struct Proxy {
-    child: std::process::Child,
-    log: std::path::PathBuf,
-}
-
-impl Proxy {
-    /// Starts it and returns once it has synced.
-    fn start(ns: &NetNs, m: &Manifests) -> Proxy {
-        let log = std::env::temp_dir().join(format!(
-            "{}.log",
-            nftkube_sandbox::netns::unique_name("nftkube-kpclean")
-        ));
-        let child = command_in(ns, nftkube_bin())
-            .args(proxy_args(&m.dir, &[]))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("agent log file"))
-            .spawn()
-            .expect("starting nftkube proxy");
-        let proxy = Proxy { child, log };
-        wait_until(Duration::from_secs(15), || {
-            proxy.log().contains("sync complete")
-        })
-        .unwrap_or_else(|_| panic!("the agent did not sync:\n{}", proxy.log()));
-        proxy
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM; whether it exited successfully without logging an error.
-    fn stop(mut self) -> bool {
-        let ok = terminate(&mut self.child).is_some_and(|s| s.success());
-        ok && !self.log().contains(" ERROR ")
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            terminate(&mut self.child);
-        }
-    }
-}
-
 fn run_cleanup(ns: &NetNs) -> String {
     let out = command_in(ns, nftkube_bin())
         .args(["cleanup", "--kube-proxy"])
@@ -244,15 +171,21 @@ fn kube_proxys_leftovers_go_under_traffic_and_nothing_else_does() {
     let sb = sandbox("nk-kpclean", 3);
     let node = sb.node();
     let m = Manifests::examples();
-    let agent = Proxy::start(node, &m);
+    // Without the listing invariant: iptables-nft's tables (xtables matches) never reload with nft.
+    let mut agent = Agent::spawn_unlisted({
+        let mut cmd = command_in(node, nftkube_bin());
+        cmd.args(proxy_args(&m.dir, &[]));
+        cmd
+    });
+    agent.wait_syncs(1, Duration::from_secs(15));
     nft_script(node, KUBE_PROXY_NFT);
-    restore(
+    feed(
         node,
         "iptables-nft-restore",
         &["--noflush"],
         KUBE_PROXY_IPTABLES,
     );
-    restore(
+    feed(
         node,
         "ip6tables-nft-restore",
         &["--noflush"],
@@ -392,5 +325,8 @@ fn kube_proxys_leftovers_go_under_traffic_and_nothing_else_does() {
         "the second run changed the ruleset"
     );
     let log = agent.log();
-    assert!(agent.stop(), "the agent did not stop cleanly:\n{log}");
+    assert!(
+        agent.stop() && !log.contains(" ERROR "),
+        "the agent did not stop cleanly:\n{log}"
+    );
 }
