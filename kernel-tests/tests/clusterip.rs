@@ -383,6 +383,21 @@ fn restart_adopts_the_table_and_cleanup_leaves_no_trace() {
     assert!(nftkube_in(sb.node(), &["cleanup"]).status.success());
 }
 
+/// Once the ClusterIP serves: pod0 (the client, on link pod0) reaches it with its own address, as a pod of this
+/// node must under either interface detector.
+#[track_caller]
+fn assert_pod0_keeps_its_address(sb: &sandbox::Sandbox) {
+    wait_reachable(sb.client(), addr(ECHO_V4, 80));
+    let (_, peers, failures) =
+        tally_per_pod(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
+    assert_eq!(failures, 0);
+    assert_eq!(
+        peers,
+        BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
+        "pod0's traffic masqueraded"
+    );
+}
+
 /// BridgeInterface: traffic arriving on that one interface is from this node's pods (kube-proxy's
 /// `--detect-local-mode=BridgeInterface`, an exact `iifname` match). pod0's link stands in for the bridge: pod0
 /// keeps its address; pod1, on another link, is masqueraded like any outside client.
@@ -400,15 +415,7 @@ fn bridge_interface_tells_pods_apart() {
             "pod0",
         ],
     );
-    wait_reachable(sb.client(), addr(ECHO_V4, 80));
-    let (_, peers, failures) =
-        tally_per_pod(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
-    assert_eq!(failures, 0);
-    assert_eq!(
-        peers,
-        BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
-        "traffic from the bridge masqueraded"
-    );
+    assert_pod0_keeps_its_address(&sb);
     assert!(
         masqueraded_from_pod(&sb, 1, 3, addr(ECHO_V4, 80)),
         "traffic from another link not masqueraded"
@@ -433,15 +440,7 @@ fn interface_name_prefix_tells_pods_apart() {
             "pod",
         ],
     );
-    wait_reachable(sb.client(), addr(ECHO_V4, 80));
-    let (_, peers, failures) =
-        tally_per_pod(&tcp_requests(sb.client(), addr(ECHO_V4, 80), 20, T), 3);
-    assert_eq!(failures, 0);
-    assert_eq!(
-        peers,
-        BTreeSet::from([IpAddr::from(sandbox::pod_ip_v4(0))]),
-        "pod traffic masqueraded"
-    );
+    assert_pod0_keeps_its_address(&sb);
     let (_, peers, failures) = tally_per_pod(&tcp_requests(sb.ext(), addr(ECHO_V4, 80), 20, T), 3);
     assert_eq!(failures, 0);
     let node_side: BTreeSet<IpAddr> = (1..=3)
