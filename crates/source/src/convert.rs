@@ -865,6 +865,22 @@ mod tests {
             .map(|e| e.address.to_string())
             .collect();
         assert_eq!(kept, ["10.0.0.3"]);
+        // A hostile slice: 100 000 endpoints without addresses around one good one. Skipped in one pass (one
+        // warning for the slice), and the good endpoint still serves.
+        let mut endpoints = vec![serde_json::json!({"addresses": []}); 100_000];
+        endpoints.insert(50_000, serde_json::json!({"addresses": ["10.0.0.4"]}));
+        let s = slice(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "svc"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "p", "port": 80}],
+            "endpoints": endpoints,
+        }));
+        let SliceConversion::Slice(info) = endpoint_slice(&s).unwrap() else {
+            panic!("skipped")
+        };
+        assert_eq!(info.endpoints.len(), 1);
+        assert_eq!(info.endpoints[0].address.to_string(), "10.0.0.4");
     }
 
     #[test]
