@@ -2,18 +2,19 @@
 //! structs, and its reading into a [`FileConfig`].
 //!
 //! Fields nftkube honours have a type that says how they are read ([`Text`], [`Flag`], [`GoDuration`],
-//! [`MaskBit`], [`Addresses`]): null and Go's zero value mean "not set", anything of the wrong type is an
+//! [`Int`], [`Addresses`]): null and Go's zero value mean "not set", anything of the wrong type is an
 //! error naming the field. Fields nftkube does not support are kept as raw values ([`Unsupported`]) so that
 //! one set to anything but its zero value or kube-proxy's default can be warned about by name. Fields the
 //! structs do not know are reported by serde_ignored, by their dotted path.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{parse_go_duration, ConfigError, FileConfig, API_VERSION, KIND};
+use super::{parse_go_duration, ConfigError, ConntrackFlags, FileConfig, API_VERSION, KIND};
 
 /// Reads a document already parsed (through the budgeted [`nftkube_yaml`] path) into the file's values.
 pub(super) fn read(root: Value) -> Result<FileConfig, ConfigError> {
@@ -145,18 +146,19 @@ impl<'de> Deserialize<'de> for GoDuration {
     }
 }
 
-/// `masqueradeBit`: an integer, its range checked when resolved (the error then names the winning value).
+/// An integer field (`masqueradeBit`, `oomScoreAdj`, `conntrack.min`…), its range checked when resolved (the
+/// error then names the winning value).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct MaskBit(pub Option<i64>);
+pub(crate) struct Int(pub Option<i64>);
 
-impl<'de> Deserialize<'de> for MaskBit {
+impl<'de> Deserialize<'de> for Int {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         typed(d, |v| {
             v.as_i64()
                 .map(Some)
                 .ok_or_else(|| format!("want an integer, got {v}"))
         })
-        .map(MaskBit)
+        .map(Int)
     }
 }
 
@@ -252,13 +254,14 @@ struct KubeProxyConfiguration {
     /// Windows only: every field is known, none applies.
     #[serde(deserialize_with = "section")]
     winkernel: std::collections::BTreeMap<String, Unsupported>,
-    feature_gates: Unsupported,
-    logging: Unsupported,
+    feature_gates: Gates,
+    #[serde(deserialize_with = "section")]
+    logging: LoggingSection,
     enable_profiling: Unsupported,
     show_hidden_metrics_for_version: Unsupported,
     port_range: Unsupported,
     windows_run_as_service: Unsupported,
-    oom_score_adj: Unsupported,
+    oom_score_adj: Int,
     config_sync_period: Unsupported,
 }
 
@@ -283,7 +286,7 @@ struct DetectLocalSection {
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default, expecting = "a mapping")]
 struct ProxierSection {
-    masquerade_bit: MaskBit,
+    masquerade_bit: Int,
     masquerade_all: Flag,
     sync_period: GoDuration,
     min_sync_period: GoDuration,
@@ -292,7 +295,7 @@ struct ProxierSection {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default, expecting = "a mapping")]
 struct IptablesSection {
-    masquerade_bit: MaskBit,
+    masquerade_bit: Int,
     masquerade_all: Flag,
     sync_period: GoDuration,
     min_sync_period: GoDuration,
@@ -319,13 +322,72 @@ struct IpvsSection {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", default, expecting = "a mapping")]
 struct ConntrackSection {
-    max_per_core: Unsupported,
-    min: Unsupported,
-    tcp_established_timeout: Unsupported,
-    tcp_close_wait_timeout: Unsupported,
-    tcp_be_liberal: Unsupported,
-    udp_timeout: Unsupported,
-    udp_stream_timeout: Unsupported,
+    max_per_core: Int,
+    min: Int,
+    tcp_established_timeout: GoDuration,
+    tcp_close_wait_timeout: GoDuration,
+    tcp_be_liberal: Flag,
+    udp_timeout: GoDuration,
+    udp_stream_timeout: GoDuration,
+}
+
+impl ConntrackSection {
+    /// The section as the flags give it; a count outside 0..=i32::MAX is an error naming its field.
+    fn settings(&self) -> Result<ConntrackFlags, ConfigError> {
+        let count = |field: &str, v: Option<i64>| {
+            v.map(|n| {
+                i32::try_from(n).ok().filter(|n| *n >= 0).ok_or_else(|| {
+                    ConfigError(format!(
+                        "conntrack.{field} {n} is out of range (0-2147483647)"
+                    ))
+                })
+            })
+            .transpose()
+        };
+        Ok(ConntrackFlags {
+            max_per_core: count("maxPerCore", self.max_per_core.0)?,
+            min: count("min", self.min.0)?,
+            tcp_established_timeout: self.tcp_established_timeout.0,
+            tcp_close_wait_timeout: self.tcp_close_wait_timeout.0,
+            tcp_be_liberal: self.tcp_be_liberal.0,
+            udp_timeout: self.udp_timeout.0,
+            udp_stream_timeout: self.udp_stream_timeout.0,
+        })
+    }
+}
+
+/// `logging`: the format and verbosity are honoured, the rest accepted.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default, expecting = "a mapping")]
+struct LoggingSection {
+    format: Text,
+    verbosity: Int,
+    flush_frequency: Unsupported,
+    vmodule: Unsupported,
+    options: Unsupported,
+}
+
+/// `featureGates`: gate names and booleans.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Gates(pub Option<BTreeMap<String, bool>>);
+
+impl<'de> Deserialize<'de> for Gates {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        typed(d, |v| match v {
+            Value::Object(map) => map
+                .into_iter()
+                .map(|(name, value)| match value {
+                    Value::Bool(b) => Ok((name, b)),
+                    other => Err(format!("{name}: want true or false, got {other}")),
+                })
+                .collect::<Result<_, _>>()
+                .map(Some),
+            other => Err(format!(
+                "want a mapping of gate names to booleans, got {other}"
+            )),
+        })
+        .map(Gates)
+    }
 }
 
 impl IptablesSection {
@@ -388,15 +450,17 @@ impl KubeProxyConfiguration {
         );
         c.qps.warn("clientConnection.qps", &["5"], w);
         c.burst.warn("clientConnection.burst", &["10"], w);
-        self.feature_gates.warn("featureGates", &[], w);
-        self.logging.warn("logging", &[], w);
+        let l = &self.logging;
+        l.flush_frequency
+            .warn("logging.flushFrequency", &["5s", "5000000000"], w);
+        l.vmodule.warn("logging.vmodule", &[], w);
+        l.options.warn("logging.options", &[], w);
         self.enable_profiling.warn("enableProfiling", &[], w);
         self.show_hidden_metrics_for_version
             .warn("showHiddenMetricsForVersion", &[], w);
         self.port_range.warn("portRange", &[], w);
         self.windows_run_as_service
             .warn("windowsRunAsService", &[], w);
-        self.oom_score_adj.warn("oomScoreAdj", &["-999"], w);
         self.config_sync_period
             .warn("configSyncPeriod", &["15m0s", "15m"], w);
         let i = &self.iptables;
@@ -411,17 +475,6 @@ impl KubeProxyConfiguration {
         v.tcp_timeout.warn("ipvs.tcpTimeout", &[], w);
         v.tcp_fin_timeout.warn("ipvs.tcpFinTimeout", &[], w);
         v.udp_timeout.warn("ipvs.udpTimeout", &[], w);
-        let t = &self.conntrack;
-        t.max_per_core.warn("conntrack.maxPerCore", &["32768"], w);
-        t.min.warn("conntrack.min", &["131072"], w);
-        t.tcp_established_timeout
-            .warn("conntrack.tcpEstablishedTimeout", &["24h0m0s", "24h"], w);
-        t.tcp_close_wait_timeout
-            .warn("conntrack.tcpCloseWaitTimeout", &["1h0m0s", "1h"], w);
-        t.tcp_be_liberal.warn("conntrack.tcpBeLiberal", &[], w);
-        t.udp_timeout.warn("conntrack.udpTimeout", &[], w);
-        t.udp_stream_timeout
-            .warn("conntrack.udpStreamTimeout", &[], w);
         for (name, value) in &self.winkernel {
             value.warn(&format!("winkernel.{name}"), &[], w);
         }
@@ -493,6 +546,11 @@ impl KubeProxyConfiguration {
             interface_name_prefix: self.detect_local.interface_name_prefix.0,
             cluster_cidr: self.cluster_cidr.0,
             node_port_addresses: self.node_port_addresses.0,
+            conntrack: self.conntrack.settings()?,
+            oom_score_adj: self.oom_score_adj.0,
+            feature_gates: self.feature_gates.0,
+            logging_format: self.logging.format.0,
+            verbosity: self.logging.verbosity.0,
             warnings,
         })
     }

@@ -21,13 +21,16 @@
 mod duration;
 mod file;
 mod flags;
+mod gates;
 mod resolve;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use duration::{parse_duration_flag, parse_go_duration, DurationError};
-pub use flags::Flags;
+pub use flags::{ConntrackFlags, Flags};
+pub use gates::{parse_feature_gates, FeatureGates};
 pub use resolve::{
     parse_bind_address, parse_cluster_cidrs, resolve, resolve_with, Env, Resolved, SourceSpec,
 };
@@ -81,6 +84,16 @@ pub struct FileConfig {
     pub cluster_cidr: Option<String>,
     /// `nodePortAddresses` (CIDRs or keywords, read when resolved).
     pub node_port_addresses: Option<Vec<String>>,
+    /// `conntrack`.
+    pub conntrack: ConntrackFlags,
+    /// `oomScoreAdj` (range checked when resolved).
+    pub oom_score_adj: Option<i64>,
+    /// `featureGates`.
+    pub feature_gates: Option<BTreeMap<String, bool>>,
+    /// `logging.format`.
+    pub logging_format: Option<String>,
+    /// `logging.verbosity` (range checked when resolved).
+    pub verbosity: Option<i64>,
     /// Fields warned about (unknown, unsupported, or of another mode's section).
     pub(crate) warnings: Vec<String>,
 }
@@ -126,20 +139,21 @@ iptables:
         let f = parse(text).unwrap();
         let w = f.warnings.join("\n");
         for want in [
-            "oomScoreAdj is not supported by nftkube (ignored; set to -500)",
-            "conntrack.min is not supported",
             "ipvs.scheduler is not supported",
             "ipvs.strictARP is not supported",
-            "featureGates is not supported",
             "unknown field frobnicate",
             "unknown field iptables.surprise",
         ] {
             assert!(w.contains(want), "{want} missing from:\n{w}");
         }
-        assert!(
-            !w.contains("maxPerCore"),
-            "kube-proxy's default is silent:\n{w}"
-        );
+        // Honoured fields are read, not warned about.
+        for honoured in ["oomScoreAdj", "conntrack", "featureGates"] {
+            assert!(!w.contains(honoured), "{honoured} warned about:\n{w}");
+        }
+        assert_eq!(f.oom_score_adj, Some(-500));
+        assert_eq!(f.conntrack.max_per_core, Some(32768));
+        assert_eq!(f.conntrack.min, Some(65536));
+        assert_eq!(f.feature_gates.as_ref().unwrap()["SomeGate"], true);
         assert_eq!(f.masquerade_all, Some(true), "mode unset reads iptables.*");
     }
 

@@ -6,8 +6,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{err, load, ConfigError, FileConfig, Flags};
+use super::gates::resolve_gates;
+use super::{err, load, ConfigError, ConntrackFlags, FeatureGates, FileConfig, Flags};
 use nftkube_admin::{AdminOptions, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT};
+use nftkube_conntrack::sysctls::Settings as ConntrackSettings;
 use nftkube_model::{Cidr, DetectLocal, NodePortSpec};
 
 /// Where the cluster state comes from.
@@ -47,8 +49,25 @@ pub struct Resolved {
     pub bind_address: Option<IpAddr>,
     /// `mode: userspace` / `--proxy-mode userspace`: services are relayed in user space.
     pub userspace: bool,
+    /// The conntrack table size and timeouts to hold (`conntrack`, `--conntrack-*`).
+    pub conntrack: ConntrackSettings,
+    /// The agent's OOM score adjustment (`oomScoreAdj`, kube-proxy's -999 by default).
+    pub oom_score_adj: i32,
+    /// Feature gates.
+    pub feature_gates: FeatureGates,
+    /// How to log.
+    pub logging: Logging,
     /// To log at startup.
     pub warnings: Vec<String>,
+}
+
+/// How to log (`-v`, `--logging-format`, or the file's `logging`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Logging {
+    /// klog's verbosity: 0-2 info, 3-4 debug, 5 and above trace.
+    pub verbosity: u32,
+    /// JSON lines instead of text.
+    pub json: bool,
 }
 
 /// Inputs from the environment, injectable for tests.
@@ -94,6 +113,7 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<Resolved, ConfigError> {
 /// [`resolve`] with the file already parsed.
 pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolved, ConfigError> {
     let mut warnings = file.warnings.clone();
+    let flags = &applicable_flags(flags, &mut warnings);
     check_proxy_mode(flags, &mut warnings)?;
     let (source, node_name) = source_and_node(flags, &file, env)?;
     let kube = matches!(source, SourceSpec::Kube(_));
@@ -107,7 +127,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         );
     }
     let masquerade_bit = masquerade_bit(flags, &file)?;
-    let (sync_period, min_sync_period) = sync_periods(flags, &file)?;
+    let (sync_period, min_sync_period) = sync_periods(flags, &file, &mut warnings)?;
     let admin = admin_options(flags, &file)?;
     let nodeport = match (&flags.nodeport_addresses, &file.node_port_addresses) {
         (Some(spec), _) => spec.clone(),
@@ -116,6 +136,7 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         (None, None) => NodePortSpec::default(),
     };
     let bind_address = bind_address(flags, &file)?;
+    let gates = flags.feature_gates.as_ref().or(file.feature_gates.as_ref());
     Ok(Resolved {
         source,
         node_name,
@@ -131,12 +152,117 @@ pub fn resolve_with(flags: &Flags, file: FileConfig, env: &Env) -> Result<Resolv
         admin,
         nodeport,
         bind_address,
-        userspace: match flags.proxy_mode.as_deref().filter(|m| !m.is_empty()) {
-            Some(flag) => flag == "userspace",
-            None => file.mode.as_deref() == Some("userspace"),
-        },
+        userspace: mode(flags, &file) == "userspace",
+        conntrack: conntrack(&flags.conntrack, &file.conntrack)?,
+        oom_score_adj: oom_score_adj(flags, &file)?,
+        feature_gates: resolve_gates(gates.unwrap_or(&Default::default()), &mut warnings),
+        logging: logging(flags, &file)?,
         warnings,
     })
+}
+
+/// The flags that apply: beside `--config`, only those the file has no field for (kube-proxy's rule), each
+/// flag the file overrules warned about; and a warning for each kube-proxy flag without effect here.
+fn applicable_flags(flags: &Flags, warnings: &mut Vec<String>) -> Flags {
+    let applicable = if flags.config.is_some() {
+        let (kept, overruled) = flags.under_config_file();
+        warnings.extend(overruled.into_iter().map(|name| {
+            format!("{name} is ignored: with --config the file's value applies, as in kube-proxy")
+        }));
+        kept
+    } else {
+        flags.clone()
+    };
+    warnings.extend(
+        flags
+            .without_effect
+            .iter()
+            .map(|name| format!("{name} has no effect in nftkube (ignored)")),
+    );
+    applicable
+}
+
+/// The proxy mode asked for: the flag, else the file's `mode` ("" when neither).
+fn mode(flags: &Flags, file: &FileConfig) -> String {
+    flags
+        .proxy_mode
+        .clone()
+        .filter(|m| !m.is_empty())
+        .or(file.mode.clone())
+        .unwrap_or_default()
+}
+
+/// kube-proxy's `conntrack` settings: given values, else its defaults; an explicit 0 leaves the kernel's value.
+fn conntrack(
+    flags: &ConntrackFlags,
+    file: &ConntrackFlags,
+) -> Result<ConntrackSettings, ConfigError> {
+    let d = ConntrackSettings::default();
+    let count = |name: &str, flag: Option<i32>, file: Option<i32>, default: u32| match flag.or(file)
+    {
+        Some(n) => u32::try_from(n)
+            .map_err(|_| ConfigError(format!("conntrack {name} {n} must not be negative"))),
+        None => Ok(default),
+    };
+    Ok(ConntrackSettings {
+        max_per_core: count(
+            "maxPerCore",
+            flags.max_per_core,
+            file.max_per_core,
+            d.max_per_core,
+        )?,
+        min: count("min", flags.min, file.min, d.min)?,
+        tcp_established_timeout: flags
+            .tcp_established_timeout
+            .or(file.tcp_established_timeout)
+            .or(d.tcp_established_timeout),
+        tcp_close_wait_timeout: flags
+            .tcp_close_wait_timeout
+            .or(file.tcp_close_wait_timeout)
+            .or(d.tcp_close_wait_timeout),
+        tcp_be_liberal: flags
+            .tcp_be_liberal
+            .or(file.tcp_be_liberal)
+            .unwrap_or(false),
+        udp_timeout: flags.udp_timeout.or(file.udp_timeout),
+        udp_stream_timeout: flags.udp_stream_timeout.or(file.udp_stream_timeout),
+    })
+}
+
+/// `oomScoreAdj`: -1000..=1000, kube-proxy's -999 by default.
+fn oom_score_adj(flags: &Flags, file: &FileConfig) -> Result<i32, ConfigError> {
+    let v = flags
+        .oom_score_adj
+        .map(i64::from)
+        .or(file.oom_score_adj)
+        .unwrap_or(-999);
+    if !(-1000..=1000).contains(&v) {
+        return err(format!("oomScoreAdj {v} is out of range (-1000-1000)"));
+    }
+    Ok(v as i32)
+}
+
+/// `-v` and `--logging-format` (text or json), else the file's `logging`.
+fn logging(flags: &Flags, file: &FileConfig) -> Result<Logging, ConfigError> {
+    let verbosity = match flags.verbosity {
+        Some(v) => v,
+        None => match file.verbosity {
+            Some(v) => u32::try_from(v)
+                .map_err(|_| ConfigError(format!("logging.verbosity {v} is out of range")))?,
+            None => 0,
+        },
+    };
+    let format = flags
+        .logging_format
+        .clone()
+        .or(file.logging_format.clone())
+        .unwrap_or_else(|| "text".into());
+    let json = match format.as_str() {
+        "text" => false,
+        "json" => true,
+        other => return err(format!("logging format {other:?} is not text or json")),
+    };
+    Ok(Logging { verbosity, json })
 }
 
 /// `--proxy-mode`: nftables or userspace; iptables and ipvs are accepted with a warning.
@@ -149,7 +275,9 @@ fn check_proxy_mode(flags: &Flags, warnings: &mut Vec<String>) -> Result<(), Con
             ));
             Ok(())
         }
-        Some(other) => err(format!("--proxy-mode {other:?} is not a Linux proxy mode")),
+        Some(other) => err(format!(
+            "--proxy-mode {other:?} is not a Linux proxy mode (iptables, ipvs, nftables, userspace)"
+        )),
     }
 }
 
@@ -277,14 +405,47 @@ fn masquerade_bit(flags: &Flags, file: &FileConfig) -> Result<u32, ConfigError> 
     Ok(bit as u32)
 }
 
-/// syncPeriod (30 s by default, never 0) and minSyncPeriod (1 s by default, at most syncPeriod).
-fn sync_periods(flags: &Flags, file: &FileConfig) -> Result<(Duration, Duration), ConfigError> {
-    let sync_period = flags
-        .sync_period
+/// syncPeriod (30 s by default, never 0) and minSyncPeriod (1 s by default, at most syncPeriod). As in
+/// kube-proxy, the `--ipvs-*` period flags apply in ipvs mode and the others in every other mode.
+fn sync_periods(
+    flags: &Flags,
+    file: &FileConfig,
+    warnings: &mut Vec<String>,
+) -> Result<(Duration, Duration), ConfigError> {
+    let ipvs = flags.proxy_mode.as_deref() == Some("ipvs");
+    let pairs = [
+        (
+            "--sync-period",
+            flags.sync_period,
+            "--ipvs-sync-period",
+            flags.ipvs_sync_period,
+        ),
+        (
+            "--min-sync-period",
+            flags.min_sync_period,
+            "--ipvs-min-sync-period",
+            flags.ipvs_min_sync_period,
+        ),
+    ];
+    let mut applied = [None, None];
+    for (slot, (plain, plain_v, ipvs_name, ipvs_v)) in applied.iter_mut().zip(pairs) {
+        let (used, unused, unused_name) = if ipvs {
+            (ipvs_v, plain_v, plain)
+        } else {
+            (plain_v, ipvs_v, ipvs_name)
+        };
+        if unused.is_some() {
+            let mode = if ipvs { "ipvs" } else { "not ipvs" };
+            warnings.push(format!(
+                "{unused_name} is ignored: the proxy mode is {mode}"
+            ));
+        }
+        *slot = used;
+    }
+    let sync_period = applied[0]
         .or(file.sync_period)
         .unwrap_or(Duration::from_secs(30));
-    let min_sync_period = flags
-        .min_sync_period
+    let min_sync_period = applied[1]
         .or(file.min_sync_period)
         .unwrap_or(Duration::from_secs(1));
     if sync_period.is_zero() {
@@ -302,18 +463,23 @@ fn sync_periods(flags: &Flags, file: &FileConfig) -> Result<(Duration, Duration)
 /// bindAddress is IPv6), since cloud load balancers probe it from outside; `/metrics` on loopback
 /// (127.0.0.1:10249, `[::1]`). A field left empty in the file (kubeadm writes `healthzBindAddress: ""`) takes
 /// the default too; an empty flag turns the server off.
+///
+/// The deprecated `--healthz-port` and `--metrics-port` act as in kube-proxy: 0 turns the server off;
+/// another port applies only to a bind address flag given without one (the defaults have theirs).
 fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, ConfigError> {
     let (any, loopback) = admin_defaults(flags, file)?;
     let addr = |what: &str,
                 field: &str,
-                flag: &Option<String>,
+                (flag, port): (&Option<String>, Option<u16>),
                 file: &Option<String>,
                 default: SocketAddr|
      -> Result<Option<SocketAddr>, ConfigError> {
         let file = file.as_deref().filter(|f| !f.trim().is_empty());
+        let default_port = port.unwrap_or(default.port());
         match (flag, file) {
+            _ if port == Some(0) => Ok(None),
             (Some(f), _) if f.trim().is_empty() => Ok(None),
-            (Some(f), _) => parse_bind_address(&format!("--{what}"), f, default.port()).map(Some),
+            (Some(f), _) => parse_bind_address(&format!("--{what}"), f, default_port).map(Some),
             (None, Some(f)) => parse_bind_address(field, f, default.port()).map(Some),
             (None, None) => Ok(Some(default)),
         }
@@ -322,14 +488,14 @@ fn admin_options(flags: &Flags, file: &FileConfig) -> Result<AdminOptions, Confi
         healthz: addr(
             "healthz-bind-address",
             "healthzBindAddress",
-            &flags.healthz_bind_address,
+            (&flags.healthz_bind_address, flags.healthz_port),
             &file.healthz_bind_address,
             SocketAddr::new(any, DEFAULT_HEALTHZ_PORT),
         )?,
         metrics: addr(
             "metrics-bind-address",
             "metricsBindAddress",
-            &flags.metrics_bind_address,
+            (&flags.metrics_bind_address, flags.metrics_port),
             &file.metrics_bind_address,
             SocketAddr::new(loopback, DEFAULT_METRICS_PORT),
         )?,
@@ -559,7 +725,8 @@ detectLocalMode: ClusterCIDR
         assert!(r.admin.bind_address_hard_fail);
         assert_eq!(r.nodeport.cidrs().len(), 1, "{}", r.nodeport);
         assert!(r.nodeport.wants_primary(), "{}", r.nodeport);
-        // Flags win.
+        // Without --config, flags win over defaults (and would over a file): here the parsed file stands
+        // in for one, as the unit under test does not read it.
         let flags = Flags {
             manifests: Some("/m".into()),
             hostname_override: Some("Flag-Node".into()),
@@ -585,6 +752,143 @@ detectLocalMode: ClusterCIDR
         assert_eq!(r.admin.metrics, Some("127.0.0.1:1234".parse().unwrap()));
         assert!(!r.admin.bind_address_hard_fail);
         assert_eq!(r.nodeport.to_string(), "0.0.0.0/0", "the flag wins");
+    }
+
+    #[test]
+    fn with_a_config_file_the_file_wins_but_for_logging_and_the_node_name() {
+        let text = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+hostnameOverride: from-file
+metricsBindAddress: 127.0.0.1:2000
+oomScoreAdj: -500
+conntrack:
+  maxPerCore: 0
+  tcpEstablishedTimeout: 2h
+logging:
+  format: json
+  verbosity: 2
+featureGates:
+  AllowServiceExternalIPs: false
+"#;
+        let flags = Flags {
+            config: Some("/c".into()),
+            manifests: Some("/m".into()),
+            hostname_override: Some(" Flag-Node ".into()),
+            metrics_bind_address: Some("127.0.0.1:3000".into()),
+            masquerade_all: Some(true),
+            verbosity: Some(5),
+            conntrack: ConntrackFlags {
+                tcp_be_liberal: Some(true),
+                ..ConntrackFlags::default()
+            },
+            without_effect: vec!["--profiling".into()],
+            ..Flags::default()
+        };
+        let r = resolve_with(&flags, parse(text).unwrap(), &env()).unwrap();
+        assert_eq!(r.node_name, "flag-node", "--hostname-override wins");
+        assert_eq!(
+            r.logging,
+            Logging {
+                verbosity: 5,
+                json: true
+            },
+            "-v wins, the file's format stays"
+        );
+        assert_eq!(r.admin.metrics, Some("127.0.0.1:2000".parse().unwrap()));
+        assert!(!r.masquerade_all);
+        assert_eq!(r.conntrack.max_per_core, 0);
+        assert_eq!(
+            r.conntrack.tcp_established_timeout,
+            Some(Duration::from_secs(7200))
+        );
+        assert_eq!(
+            r.conntrack.tcp_close_wait_timeout,
+            Some(Duration::from_secs(3600))
+        );
+        assert!(!r.conntrack.tcp_be_liberal);
+        assert_eq!(r.oom_score_adj, -500);
+        assert!(!r.feature_gates.allow_service_external_ips);
+        for want in [
+            "--metrics-bind-address is ignored: with --config the file's value applies",
+            "--masquerade-all is ignored",
+            "--conntrack-tcp-be-liberal is ignored",
+            "--profiling has no effect in nftkube",
+        ] {
+            assert!(
+                r.warnings.iter().any(|w| w.contains(want)),
+                "{want}: {:?}",
+                r.warnings
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_file_kube_proxys_flags_and_defaults_apply() {
+        let flags = Flags {
+            manifests: Some("/m".into()),
+            ..Flags::default()
+        };
+        let r = resolve_with(&flags, FileConfig::default(), &env()).unwrap();
+        assert_eq!(r.conntrack, ConntrackSettings::default());
+        assert_eq!(r.oom_score_adj, -999);
+        assert_eq!(r.logging, Logging::default());
+        assert_eq!(r.feature_gates, FeatureGates::default());
+        // The deprecated port flags: 0 turns a server off; a port fills in an address given without one.
+        let ports = Flags {
+            healthz_port: Some(0),
+            metrics_bind_address: Some("127.0.0.2".into()),
+            metrics_port: Some(3333),
+            ..flags.clone()
+        };
+        let r = resolve_with(&ports, FileConfig::default(), &env()).unwrap();
+        assert_eq!(r.admin.healthz, None);
+        assert_eq!(r.admin.metrics, Some("127.0.0.2:3333".parse().unwrap()));
+        // In ipvs mode the --ipvs-* periods apply, and the others are ignored with a warning.
+        let ipvs = Flags {
+            proxy_mode: Some("ipvs".into()),
+            sync_period: Some(Duration::from_secs(7)),
+            ipvs_sync_period: Some(Duration::from_secs(9)),
+            ..flags.clone()
+        };
+        let r = resolve_with(&ipvs, FileConfig::default(), &env()).unwrap();
+        assert_eq!(r.sync_period, Duration::from_secs(9));
+        assert!(r
+            .warnings
+            .iter()
+            .any(|w| w == "--sync-period is ignored: the proxy mode is ipvs"));
+        for (bad, want) in [
+            (
+                Flags {
+                    oom_score_adj: Some(1001),
+                    ..flags.clone()
+                },
+                "oomScoreAdj 1001 is out of range",
+            ),
+            (
+                Flags {
+                    logging_format: Some("xml".into()),
+                    ..flags.clone()
+                },
+                "logging format \"xml\"",
+            ),
+            (
+                Flags {
+                    conntrack: ConntrackFlags {
+                        min: Some(-1),
+                        ..ConntrackFlags::default()
+                    },
+                    ..flags.clone()
+                },
+                "conntrack min -1 must not be negative",
+            ),
+        ] {
+            let e = resolve_with(&bad, FileConfig::default(), &env())
+                .unwrap_err()
+                .0;
+            assert!(e.contains(want), "{e}");
+        }
     }
 
     #[test]

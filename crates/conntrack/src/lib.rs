@@ -21,6 +21,7 @@ pub mod filter;
 pub mod options;
 pub mod plan;
 pub mod socket;
+pub mod sysctls;
 pub mod unnated;
 pub mod walker;
 pub mod wire;
