@@ -6,6 +6,7 @@ mod cli;
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
 use cli::{Cli, Command};
+use nftkube::config;
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -93,9 +94,24 @@ fn forward_stop_signals(
 /// privileges, to build and remove network namespaces around it.
 fn start_proxy(
     mut opts: nftkube::agent::ProxyOptions,
+    startup: &cli::Startup,
     signals: libc::sigset_t,
 ) -> anyhow::Result<()> {
     nftkube::process::one_heap_per_cpu();
+    // What kube-proxy does with its privileges before it proxies. A sysctl that cannot be written (a
+    // read-only /proc/sys, the table size from a network namespace not the host's) is warned about: the
+    // DaemonSet's privileged init container (`--init-only`) is where it must succeed.
+    for outcome in set_conntrack_sysctls(&startup.conntrack) {
+        if outcome.failed() {
+            tracing::warn!(
+                "conntrack: {outcome} (run `nftkube proxy --init-only` with privileges first, or set the \
+                 conntrack settings to 0 to leave the kernel's values)"
+            );
+        }
+    }
+    if let Err(e) = nftkube::process::set_oom_score_adj(startup.oom_score_adj) {
+        tracing::debug!("oom_score_adj {} not applied: {e}", startup.oom_score_adj);
+    }
     let ports = opts
         .admin
         .iter()
@@ -122,8 +138,63 @@ fn start_proxy(
         "capabilities dropped (kept: CAP_NET_ADMIN, and CAP_NET_BIND_SERVICE for a healthz or metrics port below 1024); no_new_privs set"
     );
     let (stop, inbox) = nftkube::agent::Inbox::new();
+    if let Some(path) = &startup.config_file {
+        let stop = stop.clone();
+        nftkube::config::on_config_change(path.clone(), nftkube::config::WATCH_PERIOD, move || {
+            tracing::warn!("the configuration file changed: stopping, to be started again with it");
+            CONFIG_CHANGED.store(true, Ordering::SeqCst);
+            stop.stop();
+        })
+        .with_context(|| format!("watching --config {}", path.display()))?;
+    }
     forward_stop_signals(signals, stop)?;
-    nftkube::agent::run_proxy(&opts, inbox)
+    nftkube::agent::run_proxy(&opts, inbox)?;
+    // kube-proxy's answer to a new configuration: exit with an error, so that the DaemonSet restarts it.
+    anyhow::ensure!(
+        !CONFIG_CHANGED.load(Ordering::SeqCst),
+        "content of the configuration file was updated"
+    );
+    Ok(())
+}
+
+/// Set when the configuration file changed: the agent stopped for that, and exits 1.
+static CONFIG_CHANGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The conntrack sysctls, each as it went (logged at info when set, at debug when already in place).
+fn set_conntrack_sysctls(
+    settings: &nftkube::conntrack::sysctls::Settings,
+) -> Vec<nftkube::conntrack::sysctls::Outcome> {
+    use nftkube::conntrack::sysctls;
+    let root = std::path::Path::new("/");
+    let outcomes = sysctls::apply(settings, root, sysctls::online_cpus(root));
+    for o in &outcomes {
+        match o {
+            sysctls::Outcome::Set { .. } => tracing::info!("conntrack: {o}"),
+            sysctls::Outcome::Kept(_) => tracing::debug!("conntrack: {o}"),
+            sysctls::Outcome::Failed { .. } => {}
+        }
+    }
+    outcomes
+}
+
+/// `nftkube proxy --init-only`: the conntrack sysctls, each of which must succeed.
+fn init_only(settings: &nftkube::conntrack::sysctls::Settings) -> anyhow::Result<()> {
+    let failed: Vec<String> = set_conntrack_sysctls(settings)
+        .iter()
+        .filter(|o| o.failed())
+        .map(ToString::to_string)
+        .collect();
+    anyhow::ensure!(failed.is_empty(), "--init-only: {}", failed.join("; "));
+    tracing::info!("initialised; the agent can now run with CAP_NET_ADMIN alone");
+    Ok(())
+}
+
+/// `nftkube proxy --cleanup`, as kube-proxy's: what every mode of the proxy left (nftkube's tables, and
+/// kube-proxy's own state), then exit.
+fn cleanup_everything() -> anyhow::Result<()> {
+    let removed = nftkube::agent::cleanup()?;
+    say!("removed {removed} nftkube table(s)");
+    cleanup_kube_proxy()
 }
 
 /// An invalid flag value: kube-proxy-style exit code 64 (EX_USAGE).
@@ -217,32 +288,66 @@ fn main() -> ExitCode {
             return ExitCode::from(64);
         }
     };
-    let level = cli.log_level.parse().unwrap_or(tracing::Level::INFO);
-    // A log that cannot be written (its pipe's reader gone: a collector restarting) is lost, and nothing
-    // else. tracing-subscriber would report the failed write with `eprintln!`, which panics on that same
-    // stderr: the thread that logged died with it (the proxy loop, the API watcher, the signal thread).
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .log_internal_errors(false)
-        .init();
-    let result = match cli.command {
-        Command::Proxy(args) => {
-            // The long-running agent only, where a thread that dies alone leaves it half alive; the other
-            // commands end on their own, and `trace --live` must unwind to remove its trace table.
-            nftkube::agent::exit_on_panic();
-            let signals = block_stop_signals();
-            let sub = matches.subcommand_matches("proxy");
-            // A flag given on the command line overrides the config file; a default does not.
-            let given = |id: &str| {
-                sub.and_then(|m| m.value_source(id)) == Some(clap::parser::ValueSource::CommandLine)
+    let log_level = cli.log_level.clone();
+    let verbosity = cli.verbosity;
+    let proxy = matches.subcommand_matches("proxy");
+    match cli.command {
+        Command::Proxy(args) => run_proxy(&args, proxy, log_level.as_deref(), verbosity),
+        command => {
+            let logging = config::Logging {
+                verbosity: verbosity.unwrap_or(0),
+                json: false,
             };
-            match args.options(&given) {
-                Ok(opts) => start_proxy(opts, signals),
-                Err(e) => return usage_error(&e.to_string()),
-            }
+            init_logging(log_level.as_deref(), logging);
+            run_tool(command)
         }
+    }
+}
+
+/// `nftkube proxy`: its options resolved (exit 64 when they are invalid), logging set up as they say, then
+/// `--cleanup`, `--init-only`, or the agent.
+fn run_proxy(
+    args: &cli::ProxyArgs,
+    matches: Option<&clap::ArgMatches>,
+    log_level: Option<&str>,
+    verbosity: Option<u32>,
+) -> ExitCode {
+    // A flag given on the command line overrides the config file; a default does not.
+    let given = |id: &str| {
+        matches.and_then(|m| m.value_source(id)) == Some(clap::parser::ValueSource::CommandLine)
+    };
+    let cli_given = cli::Given {
+        given: &given,
+        verbosity,
+        without_effect: matches
+            .map(cli::kube_proxy::given_without_effect)
+            .unwrap_or_default(),
+    };
+    let (opts, startup) = match args.options(&cli_given) {
+        Ok(o) => o,
+        Err(e) => return usage_error(&e.to_string()),
+    };
+    init_logging(log_level, startup.logging);
+    for w in &startup.warnings {
+        tracing::warn!("config: {w}");
+    }
+    if args.kube_proxy.cleanup == Some(true) {
+        return exit_with(cleanup_everything());
+    }
+    if args.kube_proxy.init_only == Some(true) {
+        return exit_with(init_only(&startup.conntrack));
+    }
+    // The long-running agent only, where a thread that dies alone leaves it half alive; the other
+    // commands end on their own, and `trace --live` must unwind to remove its trace table.
+    nftkube::agent::exit_on_panic();
+    let signals = block_stop_signals();
+    exit_with(start_proxy(opts, &startup, signals))
+}
+
+/// The other commands than `proxy`.
+fn run_tool(command: Command) -> ExitCode {
+    let result = match command {
+        Command::Proxy(_) => return usage_error("the proxy is run by run_proxy"),
         Command::Plan(args) => {
             let cfg = match args.render.render_config() {
                 Ok(cfg) => cfg,
@@ -275,11 +380,41 @@ fn main() -> ExitCode {
             Ok(())
         }
     };
+    exit_with(result)
+}
+
+/// Success, or the error on stderr and exit code 1.
+fn exit_with(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             say!("nftkube: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Logs to stderr at `--log-level`, else at what `-v` (or the file's verbosity) says, as text or JSON lines.
+///
+/// A log that cannot be written (its pipe's reader gone: a collector restarting) is lost, and nothing
+/// else. tracing-subscriber would report the failed write with `eprintln!`, which panics on that same
+/// stderr: the thread that logged died with it (the proxy loop, the API watcher, the signal thread).
+fn init_logging(log_level: Option<&str>, logging: config::Logging) {
+    let level = log_level
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(match logging.verbosity {
+            0..=2 => tracing::Level::INFO,
+            3..=4 => tracing::Level::DEBUG,
+            _ => tracing::Level::TRACE,
+        });
+    let fmt = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .log_internal_errors(false);
+    if logging.json {
+        fmt.json().flatten_event(true).init();
+    } else {
+        fmt.init();
     }
 }

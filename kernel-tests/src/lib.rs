@@ -245,6 +245,22 @@ impl Agent {
         }
     }
 
+    /// Waits up to `timeout` for the agent to exit on its own; its exit status, None if it is still running
+    /// (it is then stopped as `stop` does).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let exited = wait_until(timeout, || !self.running()).is_ok();
+        let mut child = self.child.take()?;
+        if !exited {
+            self.child = Some(child);
+            self.stop();
+            return None;
+        }
+        if let Some(watch) = self.listing.take() {
+            watch.finish();
+        }
+        child.try_wait().ok().flatten()
+    }
+
     /// SIGTERM, then wait; returns the exit status (None if it had to be killed or was already reaped).
     /// Then checks the state the agent leaves behind, and panics with every listing problem seen since it
     /// started (unless the test is already failing).

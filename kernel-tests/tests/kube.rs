@@ -469,16 +469,17 @@ fn config_file_and_flags_resolve_like_kube_proxy() {
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let log = agent.log();
     assert!(log.contains("unknown field frobnicate"), "{log}");
+    // kube-proxy's precedence: beside --config the file's metrics address applies, and the flag is
+    // ignored (with a warning naming it).
     assert!(
-        log.contains("conntrack.maxPerCore is not supported"),
+        log.contains("--metrics-bind-address is ignored: with --config the file's value applies"),
         "{log}"
     );
-    // The flag won over the file for metrics; the file's healthz address applies.
     wait_until(SYNC, || {
-        get_in(sb.node(), "127.0.0.1:30249".parse().unwrap(), "/metrics").is_ok()
+        get_in(sb.node(), "127.0.0.1:20249".parse().unwrap(), "/metrics").is_ok()
     })
-    .unwrap_or_else(|_| panic!("metrics not on the flag's address; log:\n{log}"));
-    assert!(get_in(sb.node(), "127.0.0.1:20249".parse().unwrap(), "/metrics").is_err());
+    .unwrap_or_else(|_| panic!("metrics not on the file's address; log:\n{log}"));
+    assert!(get_in(sb.node(), "127.0.0.1:30249".parse().unwrap(), "/metrics").is_err());
     assert_eq!(
         get_in(sb.node(), "127.0.0.1:20256".parse().unwrap(), "/healthz")
             .unwrap()

@@ -12,6 +12,7 @@ use nftkube::render::RenderConfig;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub(crate) mod kube_proxy;
 pub(crate) mod trace;
 
 #[cfg(test)]
@@ -21,13 +22,19 @@ mod tests;
 #[command(
     name = "nftkube",
     version,
-    about = "Kubernetes services in nf_tables, over netlink, with no binaries"
+    about = "Kubernetes services in nf_tables, over netlink, with no binaries",
+    // A flag given twice takes its last value, as kube-proxy's command line does.
+    args_override_self = true
 )]
 /// The command line.
 pub(crate) struct Cli {
-    /// Log level: error, warn, info, debug, trace.
-    #[arg(long, global = true, default_value = "info")]
-    pub log_level: String,
+    /// Log level: error, warn, info, debug, trace [default: info, or what -v says].
+    #[arg(long, global = true)]
+    pub log_level: Option<String>,
+    /// kube-proxy's (klog's) verbosity: 0-2 log at info, 3-4 at debug, 5 and above at trace; --log-level
+    /// wins over it.
+    #[arg(short = 'v', long = "v", global = true)]
+    pub verbosity: Option<u32>,
     #[command(subcommand)]
     /// What to do.
     pub command: Command,
@@ -38,6 +45,7 @@ pub(crate) struct Cli {
 /// The subcommands.
 pub(crate) enum Command {
     /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
+    #[command(args_override_self = true)]
     Proxy(ProxyArgs),
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
     Plan(PlanArgs),
@@ -156,6 +164,7 @@ impl RenderArgs {
             node_ips: Vec::new(),
             local_detector,
             node_zone: self.node_zone.clone(),
+            serve_external_ips: true,
         };
         // Where NodePorts are served and the node's own IPs, from this namespace's addresses.
         agent::refresh_node_addresses(&mut cfg, &self.nodeport_addresses);
@@ -199,7 +208,8 @@ pub(crate) struct ProxyArgs {
     /// The node's primary IP; an IPv6 one makes the default admin addresses [::1].
     #[arg(long)]
     pub bind_address: Option<String>,
-    /// Accepted for kube-proxy compatibility: nftkube always programs nf_tables.
+    /// nftables (the default; iptables and ipvs are accepted and mean it too) or userspace (every service
+    /// relayed in user space, nf_tables redirecting to the relay).
     #[arg(long)]
     pub proxy_mode: Option<String>,
     /// A sync bigger than this many set elements is committed as several transactions, so that none holds
@@ -217,17 +227,46 @@ pub(crate) struct ProxyArgs {
     /// The relay: TCP connections plus UDP flows at most; more wait in the listen backlog.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub relay_max_connections: u64,
+    #[command(flatten)]
+    /// The rest of kube-proxy's flags.
+    pub kube_proxy: kube_proxy::KubeProxyArgs,
+}
+
+/// What `nftkube proxy` does before (or instead of) running the loop, and how it logs.
+#[derive(Debug)]
+pub(crate) struct Startup {
+    /// Warnings about the configuration, to log once logging is set up.
+    pub warnings: Vec<String>,
+    /// How to log.
+    pub logging: config::Logging,
+    /// The conntrack sysctls to hold.
+    pub conntrack: nftkube::conntrack::sysctls::Settings,
+    /// The agent's oom_score_adj.
+    pub oom_score_adj: i32,
+    /// The configuration file, watched: a change ends the agent, as in kube-proxy.
+    pub config_file: Option<PathBuf>,
+}
+
+/// What the command line gave besides the flags' values: which were given, and the global ones.
+pub(crate) struct Given<'a> {
+    /// Whether the argument with this id was given on the command line.
+    pub given: &'a dyn Fn(&str) -> bool,
+    /// `-v`.
+    pub verbosity: Option<u32>,
+    /// kube-proxy flags without effect that were given, as `--name`.
+    pub without_effect: Vec<String>,
 }
 
 impl ProxyArgs {
     /// The flags given on the command line (`given(id)`: the argument with that id was given), for
     /// [`config::resolve`]; flags left at their defaults do not override the config file.
-    pub(crate) fn flags(&self, given: &dyn Fn(&str) -> bool) -> config::Flags {
+    pub(crate) fn flags(&self, cli: &Given) -> config::Flags {
         fn when<T: Clone>(given: &dyn Fn(&str) -> bool, id: &str, v: &T) -> Option<T> {
             given(id).then(|| v.clone())
         }
+        let given = cli.given;
         let r = &self.render;
-        config::Flags {
+        let mut flags = config::Flags {
             config: self.config.clone(),
             manifests: r.manifests.clone(),
             kubeconfig: self.kubeconfig.clone(),
@@ -255,18 +294,24 @@ impl ProxyArgs {
             ),
             pod_bridge_interface: when(given, "pod_bridge_interface", &r.pod_bridge_interface),
             proxy_mode: self.proxy_mode.clone(),
-        }
+            verbosity: cli.verbosity,
+            without_effect: cli.without_effect.clone(),
+            ..config::Flags::default()
+        };
+        self.kube_proxy.fill(&mut flags);
+        flags
     }
 
-    /// Config file, flags and defaults combined (warnings are logged); Err: what is invalid.
-    pub(crate) fn options(
-        &self,
-        given: &dyn Fn(&str) -> bool,
-    ) -> Result<ProxyOptions, OptionsError> {
-        let r = config::resolve(&self.flags(given), &config::Env::current())?;
-        for w in &r.warnings {
-            tracing::warn!("config: {w}");
-        }
+    /// Config file, flags and defaults combined; Err: what is invalid.
+    pub(crate) fn options(&self, cli: &Given) -> Result<(ProxyOptions, Startup), OptionsError> {
+        let r = config::resolve(&self.flags(cli), &config::Env::current())?;
+        let startup = Startup {
+            warnings: r.warnings.clone(),
+            logging: r.logging,
+            conntrack: r.conntrack.clone(),
+            oom_score_adj: r.oom_score_adj,
+            config_file: self.config.clone(),
+        };
         // Render flags without a config-file counterpart come from RenderArgs (which validates them);
         // the rest from the resolution.
         let mut args = self.render.clone();
@@ -277,6 +322,7 @@ impl ProxyArgs {
         render.node_name = r.node_name.clone();
         render.cluster_cidrs = r.cluster_cidrs.clone();
         render.masquerade_all = r.masquerade_all;
+        render.serve_external_ips = r.feature_gates.allow_service_external_ips;
         let mut opts = ProxyOptions::from_resolved(r, render);
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
@@ -285,7 +331,7 @@ impl ProxyArgs {
         opts.relay.max_connections = usize::try_from(self.relay_max_connections)
             .unwrap_or(usize::MAX)
             .min(tokio::sync::Semaphore::MAX_PERMITS);
-        Ok(opts)
+        Ok((opts, startup))
     }
 }
 

@@ -23,6 +23,7 @@ mod file;
 mod flags;
 mod gates;
 mod resolve;
+mod watch;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,8 +33,10 @@ pub use duration::{parse_duration_flag, parse_go_duration, DurationError};
 pub use flags::{ConntrackFlags, Flags};
 pub use gates::{parse_feature_gates, FeatureGates};
 pub use resolve::{
-    parse_bind_address, parse_cluster_cidrs, resolve, resolve_with, Env, Resolved, SourceSpec,
+    parse_bind_address, parse_cluster_cidrs, resolve, resolve_with, Env, Logging, Resolved,
+    SourceSpec,
 };
+pub use watch::{on_config_change, WATCH_PERIOD};
 
 /// The only `apiVersion` read.
 pub(crate) const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
@@ -153,7 +156,7 @@ iptables:
         assert_eq!(f.oom_score_adj, Some(-500));
         assert_eq!(f.conntrack.max_per_core, Some(32768));
         assert_eq!(f.conntrack.min, Some(65536));
-        assert_eq!(f.feature_gates.as_ref().unwrap()["SomeGate"], true);
+        assert!(f.feature_gates.as_ref().unwrap()["SomeGate"]);
         assert_eq!(f.masquerade_all, Some(true), "mode unset reads iptables.*");
     }
 

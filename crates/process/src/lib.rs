@@ -62,3 +62,9 @@ pub fn raise_open_files_limit() -> Result<u64, OpenFilesLimitError> {
     }
     Ok(raised.rlim_cur)
 }
+
+/// Sets this process's OOM score adjustment (kube-proxy's `oomScoreAdj`, -999 by default, so that the
+/// kernel kills almost anything else first). Lowering it needs CAP_SYS_RESOURCE: call before dropping it.
+pub fn set_oom_score_adj(value: i32) -> std::io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", value.to_string())
+}

@@ -197,6 +197,8 @@ pub struct RenderConfig {
     pub local_detector: DetectLocal,
     /// This node's zone (its `topology.kubernetes.io/zone` label), for topology hints.
     pub node_zone: Option<String>,
+    /// Serve Services' `externalIPs` (the `AllowServiceExternalIPs` feature gate, on by default).
+    pub serve_external_ips: bool,
 }
 
 impl Default for RenderConfig {
@@ -213,6 +215,7 @@ impl Default for RenderConfig {
             node_ips: Vec::new(),
             local_detector: DetectLocal::ClusterCidr,
             node_zone: None,
+            serve_external_ips: true,
         }
     }
 }

@@ -171,7 +171,10 @@ struct FamilyPieces<'a> {
 impl FamilyPieces<'_> {
     fn add(&mut self) {
         let cluster = self.of_family(&self.svc.cluster_ips);
-        let mut external = self.of_family(&self.svc.external_ips);
+        let mut external = match self.cfg.serve_external_ips {
+            true => self.of_family(&self.svc.external_ips),
+            false => Vec::new(),
+        };
         external.extend(self.of_family(&self.svc.load_balancer_ips));
         external.sort();
         external.dedup();
@@ -685,6 +688,28 @@ mod tests {
             nftkube_nft::text::render_rule(&etp.rules[0], &t),
             "ip saddr 10.0.0.0/8 jump pick comment \"from a pod: every endpoint\""
         );
+    }
+
+    /// The `AllowServiceExternalIPs` feature gate off: externalIPs are not served, LoadBalancer IPs and
+    /// the ClusterIP still are.
+    #[test]
+    fn external_ips_are_not_served_when_the_gate_is_off() {
+        let (spn, mut sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        sp.external_ips = vec!["192.168.250.10".parse().unwrap()];
+        sp.load_balancer_ips = vec!["192.168.250.20".parse().unwrap()];
+        let services: ServiceMap = [(spn.clone(), sp)].into();
+        let eps: EndpointsMap = [(spn.clone(), vec![ep("10.0.0.1", 8080, true)])].into();
+        let cfg = RenderConfig {
+            serve_external_ips: false,
+            ..RenderConfig::default()
+        };
+        let text = nftkube_nft::text::render_table(&render(&services, &eps, &cfg)[0]);
+        assert!(!text.contains("192.168.250.10"), "{text}");
+        assert!(
+            text.contains("192.168.250.20 . tcp . 80 : goto lb-ext"),
+            "{text}"
+        );
+        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
     }
 
     #[test]
