@@ -32,10 +32,9 @@ fn default_table_size() -> u64 {
 fn init_only_sets_the_conntrack_sysctls_then_the_agent_finds_nothing_to_write() {
     let sb = sandbox("initonly", 1);
     let node = sb.node();
-    let host_established = std::fs::read_to_string(format!(
-        "{NETFILTER}/nf_conntrack_tcp_timeout_established"
-    ))
-    .unwrap();
+    let host_established =
+        std::fs::read_to_string(format!("{NETFILTER}/nf_conntrack_tcp_timeout_established"))
+            .unwrap();
     let stream_before = sysctl_in(node, "nf_conntrack_udp_timeout_stream");
     let examples = examples_dir();
     let examples = examples.to_str().unwrap();
@@ -54,14 +53,23 @@ fn init_only_sets_the_conntrack_sysctls_then_the_agent_finds_nothing_to_write() 
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     // kube-proxy's defaults for what was not given; what was given; what is unset stays the kernel's.
-    assert_eq!(sysctl_in(node, "nf_conntrack_tcp_timeout_established"), 86_400);
+    assert_eq!(
+        sysctl_in(node, "nf_conntrack_tcp_timeout_established"),
+        86_400
+    );
     assert_eq!(sysctl_in(node, "nf_conntrack_tcp_timeout_close_wait"), 3600);
     assert_eq!(sysctl_in(node, "nf_conntrack_tcp_be_liberal"), 1);
     assert_eq!(sysctl_in(node, "nf_conntrack_udp_timeout"), 45);
-    assert_eq!(sysctl_in(node, "nf_conntrack_udp_timeout_stream"), stream_before);
+    assert_eq!(
+        sysctl_in(node, "nf_conntrack_udp_timeout_stream"),
+        stream_before
+    );
     // Nothing else: no table, and the host's own values untouched.
     for family in [Family::Ip, Family::Ip6] {
-        assert!(dump_table(node, family).is_none(), "--init-only programmed {family:?}");
+        assert!(
+            dump_table(node, family).is_none(),
+            "--init-only programmed {family:?}"
+        );
     }
     assert_eq!(
         std::fs::read_to_string(format!("{NETFILTER}/nf_conntrack_tcp_timeout_established"))
@@ -99,7 +107,10 @@ fn init_only_sets_the_conntrack_sysctls_then_the_agent_finds_nothing_to_write() 
         log.contains("nf_conntrack_tcp_timeout_established is 86400 already"),
         "{log}"
     );
-    assert!(!log.contains("cannot be set") && !log.contains(" set to "), "{log}");
+    assert!(
+        !log.contains("cannot be set") && !log.contains(" set to "),
+        "{log}"
+    );
     assert!(agent.stop(), "{}", agent.log());
 }
 
@@ -150,7 +161,9 @@ fn a_changed_config_file_ends_the_agent_and_json_logging_comes_from_it() {
     let status = agent.wait_exit(Duration::from_secs(15));
     assert_eq!(status.and_then(|s| s.code()), Some(1), "{}", agent.log());
     assert!(
-        agent.log().contains("content of the configuration file was updated"),
+        agent
+            .log()
+            .contains("content of the configuration file was updated"),
         "{}",
         agent.log()
     );

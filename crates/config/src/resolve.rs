@@ -1082,6 +1082,31 @@ featureGates:
             user.token_file.as_deref(),
             Some("/var/run/secrets/kubernetes.io/serviceaccount/token")
         );
+        // The privileged init container runs --init-only with the agent's own configuration; the agent
+        // keeps CAP_NET_ADMIN alone.
+        let ds: serde_json::Value = text
+            .split("\n---")
+            .map(|d| nftkube_yaml::parse_document(d).unwrap())
+            .find(|d| d["kind"] == "DaemonSet")
+            .unwrap();
+        let pod = &ds["spec"]["template"]["spec"];
+        let init = &pod["initContainers"][0];
+        let agent = &pod["containers"][0];
+        assert!(init["command"]
+            .as_array()
+            .unwrap()
+            .contains(&"--init-only".into()));
+        assert_eq!(init["securityContext"]["privileged"], true);
+        for c in [init, agent] {
+            assert!(c["command"]
+                .as_array()
+                .unwrap()
+                .contains(&"--config=/var/lib/nftkube/config.conf".into()));
+        }
+        assert_eq!(
+            agent["securityContext"]["capabilities"]["add"],
+            serde_json::json!(["NET_ADMIN"])
+        );
     }
 
     #[test]
