@@ -18,7 +18,7 @@
 
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,6 +115,8 @@ struct State {
     down: bool,
     fail: HashMap<Resource, u16>,
     requests: Vec<String>,
+    /// Events (events.k8s.io/v1) created or patched, as last written.
+    events: BTreeMap<(String, String), Value>,
 }
 
 struct Shared {
@@ -342,6 +344,18 @@ impl FakeApi {
     pub fn requests(&self) -> Vec<String> {
         self.shared.state.lock().unwrap().requests.clone()
     }
+
+    /// The Events posted so far (events.k8s.io/v1), as last written: a series patch replaces its event.
+    pub fn events(&self) -> Vec<Value> {
+        self.shared
+            .state
+            .lock()
+            .unwrap()
+            .events
+            .values()
+            .cloned()
+            .collect()
+    }
 }
 
 impl Drop for FakeApi {
@@ -452,6 +466,7 @@ fn wait_readable(listener: &TcpListener, ms: i32) {
 fn write_response(stream: &mut TcpStream, status: u16, body: &str) -> io::Result<()> {
     let reason = match status {
         200 => "OK",
+        201 => "Created",
         404 => "Not Found",
         410 => "Gone",
         500 => "Internal Server Error",
@@ -472,16 +487,72 @@ fn status_body(code: u16, reason: &str, message: &str) -> String {
     .to_string()
 }
 
+/// An Event created (POST …/namespaces/NS/events) or a series update of one (PATCH …/events/NAME, a merge
+/// of the fields sent): stored, and answered with the stored object, as the API server does.
+fn event(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> io::Result<()> {
+    let sent: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let segments: Vec<&str> = path.split('/').collect();
+    // ["", "apis", "events.k8s.io", "v1", "namespaces", NS, "events", NAME?]
+    let namespace = segments.get(5).copied().unwrap_or("").to_string();
+    let mut st = shared.state.lock().unwrap();
+    let stored = match (method, segments.get(7)) {
+        ("POST", None) => {
+            let name = sent["metadata"]["name"].as_str().unwrap_or("").to_string();
+            let mut obj = sent;
+            obj["metadata"]["namespace"] = json!(namespace);
+            st.events.insert((namespace, name), obj.clone());
+            obj
+        }
+        ("PATCH", Some(name)) => match st.events.get_mut(&(namespace, name.to_string())) {
+            Some(obj) => {
+                merge(obj, &sent);
+                obj.clone()
+            }
+            None => {
+                return write_response(stream, 404, &status_body(404, "NotFound", "no such event"))
+            }
+        },
+        _ => return write_response(stream, 405, &status_body(405, "MethodNotAllowed", "events")),
+    };
+    drop(st);
+    let status = if method == "POST" { 201 } else { 200 };
+    write_response(stream, status, &stored.to_string())
+}
+
+/// A JSON merge patch of `patch` into `obj`.
+fn merge(obj: &mut Value, patch: &Value) {
+    match (obj, patch) {
+        (Value::Object(o), Value::Object(p)) => {
+            for (k, v) in p {
+                merge(o.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (o, p) => *o = p.clone(),
+    }
+}
+
 fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let request_line = line.trim_end().to_string();
+    let mut content_length = 0;
     loop {
         let mut h = String::new();
         if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
             break;
+        }
+        if let Some((name, value)) = h.split_once(':') {
+            if name.eq_ignore_ascii_case("content-length") {
+                content_length = value.trim().parse().unwrap_or(0);
+            }
         }
     }
     let mut parts = request_line.split(' ');
@@ -493,6 +564,11 @@ fn handle(shared: &Shared, mut stream: TcpStream, generation: u64) -> io::Result
         .requests
         .push(format!("{method} {target}"));
     let (path, params) = query(target);
+    if path.starts_with("/apis/events.k8s.io/v1/") {
+        let mut body = vec![0; content_length];
+        reader.read_exact(&mut body)?;
+        return event(shared, &mut stream, method, &path, &body);
+    }
     let resource = [
         Resource::Services,
         Resource::EndpointSlices,

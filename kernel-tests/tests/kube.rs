@@ -823,3 +823,67 @@ fn changes_after_repeated_short_outages_come_within_the_first_backoff_delay() {
         "every outage failed the watch: {m:?}"
     );
 }
+
+/// kube-proxy's Events, published through the API: `Starting` on the Node, and warnings for a healthz
+/// address and a healthCheckNodePort that something else holds (on the Node and on the Service).
+#[test]
+fn events_are_published_where_kube_proxy_publishes_them() {
+    const HC_PORT: u16 = 30981;
+    const HEALTHZ: &str = "127.0.0.1:20356";
+    let sb = sandbox("nk-events", 1);
+    let api = FakeApi::in_namespace(sb.node());
+    api.apply(node("node-1", false));
+    for obj in objects_from_yaml(&local_load_balancer(HC_PORT, 30982)) {
+        api.apply(obj);
+    }
+    let _held = sb
+        .node()
+        .run(|| {
+            (
+                std::net::TcpListener::bind(("0.0.0.0", HC_PORT)).unwrap(),
+                std::net::TcpListener::bind(HEALTHZ).unwrap(),
+            )
+        })
+        .unwrap();
+    let agent = Agent::start_api(sb.node(), &api, &["--healthz-bind-address", HEALTHZ]);
+    let find = |reason: &str| api.events().into_iter().find(|e| e["reason"] == reason);
+    let reasons = [
+        "Starting",
+        "FailedToStartProxierHealthcheck",
+        "FailedToStartServiceHealthcheck",
+    ];
+    wait_until(SYNC, || reasons.iter().all(|r| find(r).is_some()))
+        .unwrap_or_else(|_| panic!("events: {:#?}\nlog:\n{}", api.events(), agent.log()));
+    for e in api.events() {
+        assert_eq!(e["reportingController"], "nftkube", "{e:#}");
+        assert_eq!(e["reportingInstance"], "node-1", "{e:#}");
+    }
+    let starting = find("Starting").unwrap();
+    assert_eq!(starting["type"], "Normal");
+    assert_eq!(starting["action"], "StartKubeProxy");
+    assert_eq!(starting["regarding"]["kind"], "Node");
+    assert_eq!(starting["regarding"]["name"], "node-1");
+    let healthz = find("FailedToStartProxierHealthcheck").unwrap();
+    assert_eq!(healthz["type"], "Warning");
+    assert_eq!(healthz["regarding"]["kind"], "Node");
+    assert!(
+        healthz["note"].as_str().unwrap().contains(HEALTHZ),
+        "{healthz:#}"
+    );
+    let hc = find("FailedToStartServiceHealthcheck").unwrap();
+    assert_eq!(hc["type"], "Warning");
+    assert_eq!(hc["regarding"]["kind"], "Service");
+    assert_eq!(hc["regarding"]["namespace"], "demo");
+    assert_eq!(hc["regarding"]["name"], "lb");
+    assert_eq!(
+        hc["metadata"]["namespace"], "demo",
+        "a Service's events live in its namespace"
+    );
+    assert!(
+        hc["note"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("on port {HC_PORT}")),
+        "{hc:#}"
+    );
+}

@@ -14,7 +14,7 @@
 //! address matched. When the addresses change, every server is rebound on the new ones. A port that cannot
 //! be bound is logged and retried every 5 s.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use super::health::ProxyHealth;
 use super::http::{self, Handler, Request, Response};
-use nftkube_model::NodePortAddresses;
+use nftkube_model::{About, NodePortAddresses, Notice, Notices};
 use nftkube_model::{ClusterState, NamespacedName, ServiceType, TrafficPolicy};
 
 /// What one health check port reports.
@@ -147,9 +147,16 @@ fn stop_outdated(
     });
 }
 
-/// Keeps one server per desired port, on the desired addresses, until the sender goes away.
-pub(crate) async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHealth>) {
+/// Keeps one server per desired port, on the desired addresses, until the sender goes away. A port that
+/// cannot be bound is an Event on its Service, once until it is bound (kube-proxy's
+/// `FailedToStartServiceHealthcheck`).
+pub(crate) async fn run(
+    mut rx: watch::Receiver<HcConfig>,
+    health: Arc<ProxyHealth>,
+    notices: Notices,
+) {
     let mut running: HashMap<u16, Running> = HashMap::new();
+    let mut reported: HashSet<u16> = HashSet::new();
     let mut bound_on = NodePortAddresses::None;
     loop {
         let desired = rx.borrow_and_update().clone();
@@ -184,10 +191,23 @@ pub(crate) async fn run(mut rx: watch::Receiver<HcConfig>, health: Arc<ProxyHeal
                         .collect();
                     tracing::info!(port, service = %svc.service, "health check server started");
                     running.insert(*port, Running { entry, tasks });
+                    reported.remove(port);
                 }
                 Err(e) => {
                     failed = true;
                     tracing::error!(port, service = %svc.service, "cannot start the health check server (retrying in 5 s): {e}");
+                    if reported.insert(*port) {
+                        notices.send(Notice {
+                            about: About::Service(svc.service.clone()),
+                            warning: true,
+                            reason: "FailedToStartServiceHealthcheck",
+                            action: "Listen",
+                            note: format!(
+                                "failed to start healthcheck {:?} on port {port}: {e}",
+                                svc.service.to_string()
+                            ),
+                        });
+                    }
                 }
             }
         }
@@ -317,6 +337,48 @@ mod tests {
             .port()
     }
 
+    /// A port something else holds: one Event on the Service, not one per retry, and none once it binds.
+    #[test]
+    fn a_port_that_cannot_be_bound_is_one_event_on_its_service() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let (tx, rx) = watch::channel(HcConfig::default());
+        let (sent_tx, sent) = std::sync::mpsc::channel();
+        let notices = Notices::new(move |n| sent_tx.send(n).unwrap());
+        let health = Arc::new(ProxyHealth::new(Duration::from_secs(60)));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let thread = std::thread::spawn(move || rt.block_on(run(rx, health, notices)));
+        let want = |local_endpoints| HcConfig {
+            ports: HcDesired::from([(
+                port,
+                HcService {
+                    service: NamespacedName::new("ns", "lb"),
+                    local_endpoints,
+                },
+            )]),
+            addresses: NodePortAddresses::Only(vec![Ipv4Addr::LOCALHOST.into()]),
+        };
+        tx.send(want(1)).unwrap();
+        let n = sent.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(n.about, About::Service(NamespacedName::new("ns", "lb")));
+        assert_eq!(
+            (n.reason, n.warning),
+            ("FailedToStartServiceHealthcheck", true)
+        );
+        assert!(n.note.contains(&format!("on port {port}")), "{}", n.note);
+        // A change makes it try again at once: still failing, still one event.
+        tx.send(want(2)).unwrap();
+        assert!(sent.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(taken);
+        tx.send(want(3)).unwrap();
+        assert!(sent.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(tx);
+        thread.join().unwrap();
+    }
+
     /// The servers themselves, on 127.0.0.1 in this process: started, updated and stopped by the
     /// desired map.
     #[test]
@@ -332,7 +394,7 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let thread = std::thread::spawn(move || rt.block_on(run(rx, h)));
+        let thread = std::thread::spawn(move || rt.block_on(run(rx, h, Notices::none())));
         let port = free_port();
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let key = NamespacedName::new("ns", "lb");

@@ -37,7 +37,7 @@ use health::ProxyHealth;
 use http::{Handler, Request, Response};
 use nftkube_conntrack as conntrack;
 use nftkube_metrics as metrics;
-use nftkube_model::NodePortAddresses;
+use nftkube_model::{About, NodePortAddresses, Notice, Notices};
 use nftkube_model::{ClusterState, NamespacedName};
 use nftkube_source::{Event, NodeInfo};
 use nftkube_sync::SyncReport;
@@ -80,6 +80,7 @@ impl Admin {
         opts: &AdminOptions,
         health: Arc<ProxyHealth>,
         conntrack: Arc<conntrack::Metrics>,
+        notices: Notices,
     ) -> anyhow::Result<Admin> {
         let h = health.clone();
         let healthz: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
@@ -115,6 +116,15 @@ impl Admin {
                 }
                 Err(e) => {
                     tracing::error!(%addr, "cannot serve {what}, retrying every 5 s: {e}");
+                    if kind == http::ServerKind::Healthz {
+                        notices.send(Notice {
+                            about: About::Node,
+                            warning: true,
+                            reason: "FailedToStartProxierHealthcheck",
+                            action: "StartKubeProxy",
+                            note: format!("Failed to start proxier healthz on {addr}: {e}"),
+                        });
+                    }
                     listeners.push((what, kind, addr, None, handler));
                 }
             }
@@ -131,7 +141,7 @@ impl Admin {
                     for (what, kind, addr, listener, handler) in listeners {
                         tokio::spawn(serve_or_retry(what, kind, addr, listener, handler));
                     }
-                    tokio::spawn(hc::run(hc_rx, health));
+                    tokio::spawn(hc::run(hc_rx, health, notices));
                     let _ = stop_rx.await;
                 });
             })?;

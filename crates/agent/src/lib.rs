@@ -19,7 +19,10 @@ use run::{ProxyLoop, Relays};
 
 use nftkube_admin::{health::ProxyHealth, Admin, AdminOptions, Observer};
 use nftkube_config::{Resolved, SourceSpec};
-use nftkube_model::{ClusterState, DetectLocal, NamespacedName, NodePortSpec, ServicePortName};
+use nftkube_model::{
+    About, ClusterState, DetectLocal, NamespacedName, NodePortSpec, Notice, Notices,
+    ServicePortName,
+};
 use nftkube_nft::ir::{Family, TableState};
 use nftkube_nft::monitor::{self, Drift};
 use nftkube_nft::netlink::NftSocket;
@@ -163,6 +166,18 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     }
     let bell = inbox.doorbell();
     let source = open_source(opts, &bell)?;
+    let notices = match &source {
+        ProxySource::Kube(k) => k.notices(),
+        _ => Notices::none(),
+    };
+    // kube-proxy's first event on its Node.
+    notices.send(Notice {
+        about: About::Node,
+        warning: false,
+        reason: "Starting",
+        action: "StartKubeProxy",
+        note: String::new(),
+    });
     let socket = NftSocket::open()
         .map_err(|e| anyhow::anyhow!("opening the nf_tables netlink socket: {e}"))?;
     let mut engine = SyncEngine::new(socket);
@@ -192,12 +207,18 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));
     let admin = match &opts.admin {
-        Some(a) => Some(Admin::start(a, health.clone(), conntrack.metrics())?),
+        Some(a) => Some(Admin::start(
+            a,
+            health.clone(),
+            conntrack.metrics(),
+            notices.clone(),
+        )?),
         None => None,
     };
     let observer = Observer::new(health, admin, opts.render.node_name.clone());
     let drift = monitor.drift.clone();
     let mut proxy = ProxyLoop::new(opts, source, engine, conntrack, observer, drift);
+    proxy.quarantine.notices = notices;
     proxy.relay = Relays {
         localhost,
         userspace,

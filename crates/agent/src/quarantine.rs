@@ -3,7 +3,7 @@
 //! does not pay for finding them again, and tries them again on their own, with a backoff, or as soon as
 //! they change.
 
-use nftkube_model::NamespacedName;
+use nftkube_model::{About, NamespacedName, Notice, Notices};
 use nftkube_sync::SyncReport;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -27,6 +27,8 @@ struct Held {
 #[derive(Debug, Default)]
 pub(crate) struct Quarantine {
     held: BTreeMap<NamespacedName, Held>,
+    /// A service refused for the first time is a Warning Event on it.
+    pub(crate) notices: Notices,
 }
 
 impl Quarantine {
@@ -82,7 +84,19 @@ impl Quarantine {
         for (name, (ports, reason)) in refused {
             let backoff = match self.held.get(name) {
                 Some(h) => (h.backoff * 2).min(MAX_RETRY),
-                None => FIRST_RETRY,
+                None => {
+                    self.notices.send(Notice {
+                        about: About::Service(name.clone()),
+                        warning: true,
+                        reason: "FailedToProgramService",
+                        action: "Sync",
+                        note: format!(
+                            "the kernel refuses {ports} port(s) of this service, left out while every other \
+                             service is programmed (retried with a backoff): {reason}"
+                        ),
+                    });
+                    FIRST_RETRY
+                }
             };
             tracing::warn!(
                 service = %name, ports, retry_in_s = backoff.as_secs(), error = reason,
@@ -135,10 +149,21 @@ mod tests {
             NamespacedName::new("ns", "bad"),
             NamespacedName::new("ns", "good"),
         );
-        let mut q = Quarantine::default();
+        let (sent_tx, sent) = std::sync::mpsc::channel();
+        let mut q = Quarantine {
+            notices: Notices::new(move |n| sent_tx.send(n).unwrap()),
+            ..Quarantine::default()
+        };
         let t0 = Instant::now();
         q.after_sync(&rejected(&["bad"]), |_| true, t0);
         assert_eq!(q.ports(), 1);
+        // The first refusal is a Warning Event on the service, naming the kernel's answer.
+        let n = sent.try_recv().unwrap();
+        assert_eq!(n.about, About::Service(bad.clone()));
+        assert!(
+            n.warning && n.note.ends_with("Numerical result out of range"),
+            "{n:?}"
+        );
         assert_eq!(q.withheld(t0), [bad.clone()].into());
         assert!(q.due(t0).is_empty());
         assert_eq!(q.next_retry(), Some(t0 + FIRST_RETRY));
@@ -147,6 +172,7 @@ mod tests {
         assert_eq!(q.due(t1), [bad.clone()].into());
         q.after_sync(&rejected(&["bad"]), |_| true, t1);
         assert_eq!(q.next_retry(), Some(t1 + FIRST_RETRY * 2));
+        assert!(sent.try_recv().is_err(), "one event, not one per retry");
         // A sync that did not render it (a full sync withholding it) does not release it.
         q.after_sync(&rejected(&[]), |n| *n == good, t1);
         assert_eq!(q.ports(), 1);

@@ -36,6 +36,7 @@
 
 mod coordinator;
 mod events;
+mod recorder;
 mod service_cidrs;
 
 use std::path::PathBuf;
@@ -82,6 +83,7 @@ pub static WATCH_ERRORS: [std::sync::atomic::AtomicU64; 4] =
 #[derive(Debug)]
 pub struct KubeSource {
     rx: mpsc::Receiver<Vec<Event>>,
+    notices: nftkube_model::Notices,
     stop: Option<futures::channel::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -96,6 +98,7 @@ impl KubeSource {
     /// [`KubeSource::start`], calling `notify` after each batch it queues.
     pub fn start_notifying(opts: KubeOptions, notify: super::Notify) -> anyhow::Result<KubeSource> {
         let (tx, rx) = super::Outbox::channel(notify);
+        let (notices, notice_rx) = recorder::channel();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -112,7 +115,12 @@ impl KubeSource {
                     }
                 };
                 rt.block_on(async move {
-                    let connections = match config(&opts).await.and_then(|c| Connections::new(&c)) {
+                    let clients = config(&opts).await.and_then(|c| {
+                        let events = kube::Client::try_from(c.clone())
+                            .map_err(|e| format!("building the API client: {e}"))?;
+                        Ok((Connections::new(&c)?, events))
+                    });
+                    let (connections, events) = match clients {
                         Ok(c) => c,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -120,6 +128,7 @@ impl KubeSource {
                         }
                     };
                     let _ = ready_tx.send(Ok(()));
+                    tokio::spawn(recorder::publish(events, opts.node_name.clone(), notice_rx));
                     let watch = run(connections, opts.node_name.clone(), tx).boxed();
                     futures::future::select(watch, stop_rx).await;
                 });
@@ -127,6 +136,7 @@ impl KubeSource {
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(KubeSource {
                 rx,
+                notices,
                 stop: Some(stop_tx),
                 thread: Some(thread),
             }),
@@ -141,6 +151,11 @@ impl KubeSource {
                 ))
             }
         }
+    }
+
+    /// Where to send what should become a Kubernetes Event.
+    pub fn notices(&self) -> nftkube_model::Notices {
+        self.notices.clone()
     }
 
     /// Every batch received so far, in order.
