@@ -170,3 +170,44 @@ fn a_changed_config_file_ends_the_agent_and_json_logging_comes_from_it() {
     assert!(dump_table(sb.node(), Family::Ip).is_some());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tables of the IPv4 family in `ns`.
+fn ip_tables(ns: &NetNs) -> Vec<String> {
+    ns.run(|| {
+        nftkube::nft::netlink::NftSocket::open()
+            .unwrap()
+            .list_tables(Family::Ip)
+            .unwrap()
+    })
+    .unwrap()
+}
+
+/// `nftkube proxy --cleanup`, as kube-proxy's: what every mode left (nftkube's tables and kube-proxy's),
+/// and nothing else, then exit.
+#[test]
+fn proxy_cleanup_removes_every_proxys_tables_and_nothing_else() {
+    let sb = sandbox("pcleanup", 1);
+    let node = sb.node();
+    let mut agent = Agent::start(node, &examples_dir(), &[]);
+    agent.wait_syncs(1, Duration::from_secs(30));
+    assert!(agent.stop());
+    add_foreign_table(node, Family::Ip, "kube-proxy");
+    add_foreign_table(node, Family::Ip, "someone-else");
+    let examples = examples_dir();
+    let out = nftkube_in(
+        node,
+        &[
+            "proxy",
+            "--cleanup",
+            "--manifests",
+            examples.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ip_tables(node), ["someone-else"]);
+    assert!(dump_table(node, Family::Ip6).is_none());
+}
