@@ -403,3 +403,32 @@ fn node_ports_are_served_on_every_uplink_of_a_multipath_default_route() {
         "{pod_link} is no primary address"
     );
 }
+
+/// `--feature-gates=AllowServiceExternalIPs=false`, as kube-proxy: externalIPs are not served (neither
+/// dispatched nor rejected: the node's own handling of the address decides), LoadBalancer IPs and the
+/// ClusterIP still are.
+#[test]
+fn external_ips_are_not_served_when_the_gate_is_off() {
+    let sb = sandbox("nk-extgate", 3);
+    route_from_outside(&sb, Ipv4Addr::new(192, 168, 250, 0), 24);
+    let m = Manifests::examples();
+    m.write("web.yaml", MANIFEST);
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &["--feature-gates=AllowServiceExternalIPs=false"],
+    );
+    wait_until(SYNC, || {
+        tcp_request(sb.ext(), addr(LB_IP, 80), Duration::from_millis(300)).is_ok()
+    })
+    .unwrap_or_else(|_| panic!("LoadBalancer IP never reachable; log:\n{}", agent.log()));
+    assert!(tcp_request(sb.pod(1), addr("10.96.0.30", 80), T).is_ok());
+    for ip in [EXTERNAL_IP, EMPTY_EXTERNAL_IP] {
+        assert!(
+            tcp_request(sb.ext(), addr(ip, 80), Duration::from_millis(500)).is_err(),
+            "{ip} served with the gate off"
+        );
+    }
+    let log = agent.log();
+    assert!(log.contains("AllowServiceExternalIPs=false"), "{log}");
+}
