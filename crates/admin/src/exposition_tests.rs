@@ -221,6 +221,26 @@ fn both_formats_are_read_alike_by_prometheus_python_parsers() {
             "counter",
         ),
         ("kubeproxy_proxy_healthz", "counter"),
+        (
+            "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+            "counter",
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "gauge",
+        ),
+        (
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "histogram",
+        ),
+        ("process_cpu_seconds", "counter"),
+        ("process_resident_memory_bytes", "gauge"),
+        ("process_start_time_seconds", "gauge"),
+        ("process_open_fds", "gauge"),
+        ("process_max_fds", "gauge"),
+        ("process_virtual_memory_bytes", "gauge"),
+        ("process_virtual_memory_max_bytes", "gauge"),
+        ("kubernetes_build_info", "gauge"),
     ] {
         for parsed in [&classic_parsed, &om_parsed] {
             let f = parsed
@@ -237,6 +257,17 @@ fn both_formats_are_read_alike_by_prometheus_python_parsers() {
             f.kind
         );
     }
+    let build = &classic_parsed["kubernetes_build_info"].samples;
+    let ((_, labels), one) = build.iter().next().expect("a build_info sample");
+    assert_eq!(*one, 1.0);
+    assert!(labels["git_version"].starts_with("v0."), "{labels:?}");
+    let start = classic_parsed["process_start_time_seconds"]
+        .samples
+        .values()
+        .next()
+        .copied()
+        .unwrap();
+    assert!(start > 1.6e9, "{start}");
     // The sync recorded above is in both families' samples.
     let failures = &classic_parsed["kubeproxy_sync_proxy_rules_nftables_sync_failures"].samples;
     for family in ["IPv4", "IPv6"] {

@@ -20,6 +20,7 @@ mod exposition_tests;
 pub mod hc;
 pub mod health;
 pub mod http;
+mod no_local;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -339,6 +340,8 @@ pub struct Observer {
     health_checks: BTreeMap<NamespacedName, (u16, usize)>,
     /// This node's object, when the source reports it.
     pub node: Option<NodeInfo>,
+    /// Service ports with a Local policy and no local endpoint.
+    no_local: no_local::NoLocalEndpoints,
 }
 
 impl Observer {
@@ -351,6 +354,7 @@ impl Observer {
             triggers: Vec::new(),
             health_checks: BTreeMap::new(),
             node: None,
+            no_local: no_local::NoLocalEndpoints::default(),
         }
     }
 
@@ -442,12 +446,14 @@ impl Observer {
         let names: Vec<NamespacedName> = if report.full {
             let mut all: BTreeSet<NamespacedName> = state.service_names();
             all.extend(self.health_checks.keys().cloned());
+            all.extend(self.no_local.services().cloned());
             all.into_iter().collect()
         } else {
             changed.iter().cloned().collect()
         };
         let mut modified = false;
         for name in names {
+            self.no_local.recount(state, &name, &self.node_name);
             let new = hc::health_check_of(state, &name, &self.node_name);
             let old = match new {
                 Some(v) => self.health_checks.insert(name, v),
@@ -455,6 +461,7 @@ impl Observer {
             };
             modified |= old != new;
         }
+        self.no_local.publish();
         if modified {
             if let Some(admin) = &self.admin {
                 admin.set_health_checks(self.desired_health_checks());

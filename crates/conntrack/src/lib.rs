@@ -87,6 +87,9 @@ pub struct MetricsSnapshot {
 
 impl Metrics {
     fn record_duration(&self, d: Duration) {
+        // kube-proxy's reconciler runs once per family and sync; one cleanup here walks both families'
+        // flows, so it is one run of each.
+        nftkube_metrics::CONNTRACK_RECONCILE.observe(d);
         let us = d.as_micros().min(u64::MAX as u128) as u64;
         self.cleanups.fetch_add(1, Ordering::Relaxed);
         self.duration_us_total.fetch_add(us, Ordering::Relaxed);

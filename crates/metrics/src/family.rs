@@ -165,6 +165,67 @@ impl Default for FamilyTimestamp {
     }
 }
 
+/// A service's traffic policy as the `traffic_policy` label names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum TrafficPolicy {
+    /// `internalTrafficPolicy: Local` (cluster IPs).
+    Internal,
+    /// `externalTrafficPolicy: Local` (NodePorts, load balancer and external IPs).
+    External,
+}
+
+impl TrafficPolicy {
+    /// Both.
+    pub const ALL: [TrafficPolicy; 2] = [TrafficPolicy::Internal, TrafficPolicy::External];
+
+    fn label(self) -> &'static str {
+        match self {
+            TrafficPolicy::Internal => "internal",
+            TrafficPolicy::External => "external",
+        }
+    }
+}
+
+type PolicyLabels = [(&'static str, &'static str); 2];
+
+/// `kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family, traffic_policy}`: a gauge despite its
+/// name (kube-proxy's), set at each sync to the count over the whole model.
+pub struct NoLocalEndpoints(
+    LazyLock<Family<PolicyLabels, Gauge<i64, std::sync::atomic::AtomicI64>>>,
+);
+
+impl NoLocalEndpoints {
+    /// Every count at 0.
+    pub(crate) const fn new() -> Self {
+        NoLocalEndpoints(LazyLock::new(Family::default))
+    }
+
+    fn labels(f: IpFamily, p: TrafficPolicy) -> PolicyLabels {
+        [("ip_family", f.label()), ("traffic_policy", p.label())]
+    }
+
+    /// Sets the count of family `f` and policy `p`.
+    pub fn set(&self, f: IpFamily, p: TrafficPolicy, count: usize) {
+        let count = i64::try_from(count).unwrap_or(i64::MAX);
+        self.0.get_or_create(&Self::labels(f, p)).set(count);
+    }
+
+    /// The count of family `f` and policy `p`.
+    pub fn get(&self, f: IpFamily, p: TrafficPolicy) -> i64 {
+        self.0.get_or_create(&Self::labels(f, p)).get()
+    }
+
+    /// The family itself, for a registry; all four samples present.
+    pub(crate) fn metric(&self) -> Family<PolicyLabels, Gauge<i64, std::sync::atomic::AtomicI64>> {
+        for f in IpFamily::ALL {
+            for p in TrafficPolicy::ALL {
+                let _ = self.0.get_or_create(&Self::labels(f, p));
+            }
+        }
+        (*self.0).clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

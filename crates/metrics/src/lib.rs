@@ -20,11 +20,15 @@ use std::sync::atomic::AtomicU64;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+mod build_info;
 pub mod exposition;
 mod family;
+mod process;
 
 pub use exposition::Format;
-pub use family::{FamilyCounter, FamilyHistogram, FamilyTimestamp, IpFamily};
+pub use family::{
+    FamilyCounter, FamilyHistogram, FamilyTimestamp, IpFamily, NoLocalEndpoints, TrafficPolicy,
+};
 
 /// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
 pub(crate) fn sync_bounds() -> impl Iterator<Item = f64> {
@@ -110,6 +114,14 @@ pub static NETLINK_BYTES_TOTAL: CounterU64 = CounterU64::counter();
 pub static SERVICE_PORTS: GaugeU64 = GaugeU64::gauge();
 /// Transactions the kernel rejected.
 pub static SYNC_FAILURES: FamilyCounter = FamilyCounter::new();
+/// Cleanup transactions (run apart from a sync's, deleting what no rule needs any more) the kernel
+/// rejected.
+pub static CLEANUP_FAILURES: FamilyCounter = FamilyCounter::new();
+/// Conntrack cleanups after syncs, how long each took (kube-proxy's conntrack reconciler).
+pub static CONNTRACK_RECONCILE: FamilyHistogram = FamilyHistogram::new(family::sync_histograms);
+/// Service ports with a Local traffic policy and no local endpoint, by family and policy, counted over
+/// the whole model at each sync.
+pub static NO_LOCAL_ENDPOINTS: NoLocalEndpoints = NoLocalEndpoints::new();
 /// Successful full syncs that followed someone else changing our tables (noticed by the event monitor).
 pub static REPAIRS: CounterU64 = CounterU64::counter();
 /// Services changed in the model and not yet committed.
@@ -194,6 +206,26 @@ pub fn registry() -> Registry {
         "Transactions the kernel rejected (nothing of them was applied)",
         SYNC_FAILURES.metric(),
     );
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+        "Cleanup transactions (stale affinity entries, deleted apart from the sync) the kernel rejected",
+        CLEANUP_FAILURES.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+        "Duration of each conntrack cleanup run after a sync",
+        CONNTRACK_RECONCILE.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+        "Number of services with a Local traffic policy and no endpoints",
+        NO_LOCAL_ENDPOINTS.metric(),
+    );
+    r.register_collector(Box::new(process::ProcessCollector));
+    r.register_collector(Box::new(build_info::BuildInfo));
     add(
         &mut r,
         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
