@@ -1,5 +1,6 @@
 //! The `process_*` metrics every Kubernetes component exports (client_golang's process collector, which
-//! kube-proxy registers), read from `/proc/self` at each scrape: no binaries, no cached values.
+//! kube-proxy registers), read from `/proc/self` at each scrape: no binaries, no cached values, no
+//! system calls but file reads.
 //!
 //! A value that cannot be read (a file missing, an unexpected layout) is left out of that scrape rather
 //! than shown as 0: a 0 would look like a real reading to an alert.
@@ -65,6 +66,28 @@ fn soft_limit(text: &str, name: &str) -> Option<u64> {
     }
 }
 
+/// `AT_CLKTCK`: the auxiliary vector's entry for the clock tick rate.
+const AT_CLKTCK: u64 = 17;
+
+/// The unit of the CPU and start times of `/proc/<pid>/stat` (`USER_HZ`), in ticks per second, from the
+/// auxiliary vector the kernel gave this process (`/proc/self/auxv`: native-endian (type, value) pairs of
+/// native words, ending with type 0). That is where the C library's `sysconf(_SC_CLK_TCK)` reads it; a
+/// file read needs no `unsafe` nor a layer-0 crate of its own.
+fn clock_ticks(auxv: &[u8]) -> Option<u64> {
+    const WORD: usize = std::mem::size_of::<usize>();
+    let word = |b: &[u8]| -> u64 {
+        let mut w = [0u8; WORD];
+        w.copy_from_slice(b);
+        usize::from_ne_bytes(w) as u64
+    };
+    auxv.chunks_exact(2 * WORD)
+        .map(|pair| (word(&pair[..WORD]), word(&pair[WORD..])))
+        .take_while(|&(kind, _)| kind != 0)
+        .find(|&(kind, _)| kind == AT_CLKTCK)
+        .map(|(_, ticks)| ticks)
+        .filter(|&t| t > 0)
+}
+
 /// `btime` of `/proc/stat`: boot time in Unix seconds.
 fn boot_time(text: &str) -> Option<u64> {
     text.lines()
@@ -81,7 +104,10 @@ impl ProcessStats {
         let stat = read("/proc/self/stat").and_then(|t| parse_stat(&t));
         let status = read("/proc/self/status");
         let limits = read("/proc/self/limits");
-        let ticks = nftkube_process::clock_ticks_per_second().map(|t| t as f64);
+        let ticks = std::fs::read("/proc/self/auxv")
+            .ok()
+            .and_then(|a| clock_ticks(&a))
+            .map(|t| t as f64);
         let boot = read("/proc/stat").and_then(|t| boot_time(&t));
         let f = |v: u64| v as f64;
         ProcessStats {
@@ -196,6 +222,22 @@ mod tests {
         assert_eq!(soft_limit(limits, "Max open files"), Some(1024));
         assert_eq!(soft_limit(limits, "Max address space"), Some(u64::MAX));
         assert_eq!(boot_time("cpu 1 2\nbtime 1795856148\n"), Some(1795856148));
+        let aux = |pairs: &[(usize, usize)]| -> Vec<u8> {
+            pairs
+                .iter()
+                .flat_map(|(k, v)| [k.to_ne_bytes(), v.to_ne_bytes()])
+                .flatten()
+                .collect()
+        };
+        assert_eq!(
+            clock_ticks(&aux(&[(6, 4096), (17, 100), (0, 0)])),
+            Some(100)
+        );
+        // Past the end marker nothing counts.
+        assert_eq!(clock_ticks(&aux(&[(6, 4096), (0, 0), (17, 100)])), None);
+        // This process's own: the tick rate every Linux reports to user space on common architectures.
+        let own = clock_ticks(&std::fs::read("/proc/self/auxv").unwrap());
+        assert!(own.is_some_and(|t| (100..=1024).contains(&t)), "{own:?}");
     }
 
     #[test]

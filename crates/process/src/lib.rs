@@ -62,11 +62,3 @@ pub fn raise_open_files_limit() -> Result<u64, OpenFilesLimitError> {
     }
     Ok(raised.rlim_cur)
 }
-
-/// The unit of the CPU times and start time in `/proc/<pid>/stat` (`USER_HZ`), in ticks per second; None
-/// when the system does not say.
-pub fn clock_ticks_per_second() -> Option<u64> {
-    // SAFETY: sysconf reads a system constant; it has no preconditions and touches no memory of ours.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(ticks).ok().filter(|&t| t > 0)
-}
