@@ -493,6 +493,17 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
+    /// The timestamp dashboards alert on moves in both families with a verified kernel, not only a sync.
+    #[test]
+    fn a_verified_kernel_refreshes_the_last_sync_of_both_families() {
+        let before: Vec<f64> = IpFamily::ALL.iter().map(|&f| LAST_SYNC.get(f)).collect();
+        std::thread::sleep(Duration::from_millis(5));
+        record_kernel_verified();
+        for (f, was) in IpFamily::ALL.into_iter().zip(before) {
+            assert!(LAST_SYNC.get(f) > was, "{f:?}");
+        }
+    }
+
     #[test]
     fn network_programming_buckets_are_kube_proxys() {
         let b: Vec<f64> = network_programming_bounds().collect();
