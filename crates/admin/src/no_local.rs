@@ -67,9 +67,14 @@ impl NoLocalEndpoints {
 
 /// The counts of one service.
 fn service_counts(state: &ClusterState, name: &NamespacedName, node: &str) -> Counts {
-    let endpoints = state.service_endpoints(name);
     let mut out = Counts::new();
-    for port in state.service_ports(name) {
+    let ports = state.service_ports(name);
+    // Most services have no Local policy: their endpoints are not even gathered.
+    if !ports.iter().any(|p| local_policies(p).next().is_some()) {
+        return out;
+    }
+    let endpoints = state.service_endpoints(name);
+    for port in ports {
         let eps = endpoints.get(&port.name).map(Vec::as_slice).unwrap_or(&[]);
         for f in port_families(port) {
             if has_local_endpoint(eps, f, node) {

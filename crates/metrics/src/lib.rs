@@ -119,8 +119,8 @@ pub static SYNC_FAILURES: FamilyCounter = FamilyCounter::new();
 pub static CLEANUP_FAILURES: FamilyCounter = FamilyCounter::new();
 /// Conntrack cleanups after syncs, how long each took (kube-proxy's conntrack reconciler).
 pub static CONNTRACK_RECONCILE: FamilyHistogram = FamilyHistogram::new(family::sync_histograms);
-/// Service ports with a Local traffic policy and no local endpoint, by family and policy, counted over
-/// the whole model at each sync.
+/// Service ports with a Local traffic policy and no local endpoint, by family and policy: the whole
+/// model's count after each sync (the observer recounts the services the sync touched).
 pub static NO_LOCAL_ENDPOINTS: NoLocalEndpoints = NoLocalEndpoints::new();
 /// Successful full syncs that followed someone else changing our tables (noticed by the event monitor).
 pub static REPAIRS: CounterU64 = CounterU64::counter();
@@ -224,8 +224,6 @@ pub fn registry() -> Registry {
         "Number of services with a Local traffic policy and no endpoints",
         NO_LOCAL_ENDPOINTS.metric(),
     );
-    r.register_collector(Box::new(process::ProcessCollector));
-    r.register_collector(Box::new(build_info::BuildInfo));
     add(
         &mut r,
         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
@@ -311,6 +309,9 @@ pub fn registry() -> Registry {
     ] {
         add(&mut r, name, help, g.metric());
     }
+    // What every Kubernetes component exports, read when scraped.
+    r.register_collector(Box::new(process::ProcessCollector));
+    r.register_collector(Box::new(build_info::BuildInfo));
     r
 }
 

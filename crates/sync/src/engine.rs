@@ -549,6 +549,7 @@ impl<B: Backend> SyncEngine<B> {
         let mut tx = Transaction::default();
         let mut families = Vec::new();
         for (family, elements) in stale.into_iter().filter(|(_, e)| !e.is_empty()) {
+            // Our tables are `ip` and `ip6`.
             families.push(match family {
                 Family::Ip6 => nftkube_metrics::IpFamily::V6,
                 _ => nftkube_metrics::IpFamily::V4,
@@ -1382,7 +1383,7 @@ mod tests {
     }
 
     /// An affinity prune (its own transaction) the kernel refuses is counted as kube-proxy counts a
-    /// failed cleanup, under the family it was for; the sync itself stands.
+    /// failed cleanup, under the family it was for.
     #[test]
     fn a_refused_affinity_prune_is_a_cleanup_failure_of_its_family() {
         use nftkube_metrics::{IpFamily, CLEANUP_FAILURES};
