@@ -392,7 +392,9 @@ fn health_metrics_and_health_check_node_ports_are_served() {
         m["kubeproxy_sync_proxy_rules_service_changes_total"] >= 4.0,
         "{m:?}"
     );
-    assert!(m.contains_key("kubeproxy_conntrack_reconciler_deleted_entries_total"));
+    assert!(
+        m.contains_key("kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"}")
+    );
     assert!(m.contains_key("kubeproxy_proxy_healthz_total{code=\"200\"}"));
     assert_eq!(
         m["kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}"], 0.0,

@@ -245,13 +245,20 @@ struct Counts {
 impl Collector for Counts {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let s = self.ct.snapshot();
+        let mut deleted = encoder.encode_descriptor(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Stale conntrack entries deleted after syncs, by the family of the flow",
+            None,
+            MetricType::Counter,
+        )?;
+        for (family, v) in [
+            ("IPv4", s.entries_deleted_v4),
+            ("IPv6", s.entries_deleted_v6),
+        ] {
+            ConstCounter::new(v).encode(deleted.encode_family(&[("ip_family", family)])?)?;
+        }
         // prometheus-client appends `_total` to counter names.
         for (name, help, v) in [
-            (
-                "kubeproxy_conntrack_reconciler_deleted_entries",
-                "Stale conntrack entries deleted after syncs",
-                s.entries_deleted,
-            ),
             (
                 "nftkube_conntrack_cleanups",
                 "Conntrack cleanups run after syncs",
@@ -509,7 +516,8 @@ mod tests {
             "kubeproxy_sync_proxy_rules_service_changes_pending",
             "kubeproxy_sync_proxy_rules_service_changes_total",
             "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
-            "kubeproxy_conntrack_reconciler_deleted_entries_total",
+            "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv4\"}",
+            "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"}",
             "kubeproxy_proxy_healthz_total{code=\"200\"}",
             "kubeproxy_proxy_healthz_total{code=\"503\"}",
             "kubeproxy_proxy_livez_total{code=\"200\"}",
