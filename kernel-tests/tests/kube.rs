@@ -101,13 +101,12 @@ fn get_in(ns: &NetNs, to: SocketAddr, path: &str) -> std::io::Result<Reply> {
     ns.run(move || get(to, &path, T))?
 }
 
-/// OpenMetrics text → sample name (with labels) → value; panics on a malformed line or a missing `# EOF`.
+/// The classic text format (what a scrape without `Accept` gets) → sample name (with labels) → value;
+/// panics on a malformed line or an OpenMetrics `# EOF`.
 fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    let body = text
-        .strip_suffix("# EOF\n")
-        .unwrap_or_else(|| panic!("no `# EOF` at the end:\n{text}"));
-    for line in body.lines() {
+    assert!(!text.contains("# EOF"), "OpenMetrics unasked:\n{text}");
+    for line in text.lines() {
         if line.starts_with('#') || line.is_empty() {
             assert!(
                 line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE "),
@@ -380,11 +379,11 @@ fn health_metrics_and_health_check_node_ports_are_served() {
     // Metrics: kube-proxy's names, parsed; an endpoint change with a trigger time is measured.
     let m = metrics(sb.node(), metrics_at);
     assert!(
-        m["kubeproxy_sync_proxy_rules_last_timestamp_seconds"] > 1.6e9,
+        m["kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}"] > 1.6e9,
         "{m:?}"
     );
-    assert!(m["kubeproxy_sync_full_proxy_rules_duration_seconds_count"] >= 1.0);
-    assert!(m["kubeproxy_sync_proxy_rules_duration_seconds_count"] >= 1.0);
+    assert!(m["kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}"] >= 1.0);
+    assert!(m["kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}"] >= 1.0);
     assert!(
         m["kubeproxy_sync_proxy_rules_endpoint_changes_total"] >= 3.0,
         "{m:?}"
@@ -393,10 +392,12 @@ fn health_metrics_and_health_check_node_ports_are_served() {
         m["kubeproxy_sync_proxy_rules_service_changes_total"] >= 4.0,
         "{m:?}"
     );
-    assert!(m.contains_key("kubeproxy_conntrack_reconciler_deleted_entries_total"));
+    assert!(
+        m.contains_key("kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"}")
+    );
     assert!(m.contains_key("kubeproxy_proxy_healthz_total{code=\"200\"}"));
     assert_eq!(
-        m["kubeproxy_network_programming_duration_seconds_count"], 0.0,
+        m["kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}"], 0.0,
         "no trigger time given yet"
     );
     let now = nftkube::admin::health::rfc3339(SystemTime::now() - Duration::from_millis(250));
@@ -404,15 +405,22 @@ fn health_metrics_and_health_check_node_ports_are_served() {
     s["metadata"]["annotations"] = json!({"endpoints.kubernetes.io/last-change-trigger-time": now});
     api.apply(s);
     wait_until(SYNC, || {
-        metrics(sb.node(), metrics_at)["kubeproxy_network_programming_duration_seconds_count"]
+        metrics(sb.node(), metrics_at)
+            ["kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}"]
             >= 1.0
     })
     .unwrap_or_else(|_| panic!("latency not measured; log:\n{}", agent.log()));
     let m = metrics(sb.node(), metrics_at);
-    let sum = m["kubeproxy_network_programming_duration_seconds_sum"];
+    let sum = m["kubeproxy_network_programming_duration_seconds_sum{ip_family=\"IPv4\"}"];
     assert!((0.25..10.0).contains(&sum), "latency {sum}");
+    // echo is IPv4 only: its slices' latency is an IPv4 proxier's, as in a dual-stack kube-proxy.
     assert_eq!(
-        m["kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}"], 0.0,
+        m["kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv6\"}"], 0.0,
+        "{m:?}"
+    );
+    assert_eq!(
+        m["kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\",ip_family=\"IPv4\"}"],
+        0.0,
         "{m:?}"
     );
 

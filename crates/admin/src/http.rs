@@ -164,6 +164,8 @@ pub struct Request {
     pub(crate) method: String,
     /// The path without the query.
     pub(crate) path: String,
+    /// The `Accept` header, when there is one readable as text (`/metrics` picks its format by it).
+    pub(crate) accept: Option<String>,
 }
 
 /// An answer.
@@ -234,6 +236,11 @@ fn answer(req: &hyper::Request<Incoming>, handler: &Handler) -> Response {
     handler(&Request {
         method: method.as_str().to_string(),
         path: req.uri().path().to_string(),
+        accept: req
+            .headers()
+            .get(hyper::header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
     })
 }
 

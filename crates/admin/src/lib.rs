@@ -15,9 +15,12 @@
 //! kube-proxy's probes do not expect.
 #![forbid(unsafe_code)]
 
+#[cfg(test)]
+mod exposition_tests;
 pub mod hc;
 pub mod health;
 pub mod http;
+mod no_local;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -38,7 +41,7 @@ use http::{Handler, Request, Response};
 use nftkube_conntrack as conntrack;
 use nftkube_metrics as metrics;
 use nftkube_model::{About, NodePortAddresses, Notice, Notices};
-use nftkube_model::{ClusterState, NamespacedName};
+use nftkube_model::{ClusterState, IpFamily, NamespacedName};
 use nftkube_source::{Event, NodeInfo};
 use nftkube_sync::SyncReport;
 
@@ -88,13 +91,7 @@ impl Admin {
             "/livez" => h.livez(),
             _ => Response::text(404, "404 page not found\n"),
         });
-        let registry = metrics_registry(conntrack);
-        let metrics_handler: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
-            "/metrics" => Response::new(200, metrics::CONTENT_TYPE, render_metrics(&registry)),
-            "/healthz" => Response::text(200, "ok"),
-            "/proxyMode" => Response::text(200, "nftables"),
-            _ => Response::text(404, "404 page not found\n"),
-        });
+        let metrics_handler = metrics_handler(metrics_registry(conntrack));
         let mut listeners: Vec<Listener> = Vec::new();
         for (what, kind, addr, handler) in [
             ("healthz", http::ServerKind::Healthz, opts.healthz, healthz),
@@ -216,6 +213,24 @@ async fn serve_or_retry(
     }
 }
 
+/// The metrics server's answers: `/metrics` in the format the scraper's `Accept` header asks for (the
+/// classic text format unless it names OpenMetrics), kube-proxy's `/healthz` and `/proxyMode` of that port.
+fn metrics_handler(registry: Registry) -> Handler {
+    Arc::new(move |req: &Request| match req.path.as_str() {
+        "/metrics" => {
+            let format = metrics::Format::negotiate(req.accept.as_deref());
+            Response::new(
+                200,
+                format.content_type(),
+                metrics::render(&registry, format),
+            )
+        }
+        "/healthz" => Response::text(200, "ok"),
+        "/proxyMode" => Response::text(200, "nftables"),
+        _ => Response::text(404, "404 page not found\n"),
+    })
+}
+
 /// Everything `/metrics` shows: the proxy's metrics, health answers, conntrack cleanup, API watch errors.
 pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
     let mut registry = metrics::registry();
@@ -226,11 +241,9 @@ pub fn metrics_registry(ct: Arc<conntrack::Metrics>) -> Registry {
 }
 
 /// The exposition of `registry` (OpenMetrics text).
+#[cfg(test)]
 pub(crate) fn render_metrics(registry: &Registry) -> String {
-    let mut out = String::new();
-    metrics::encode_into(&mut out, registry);
-    metrics::finish(&mut out);
-    out
+    metrics::render(registry, metrics::Format::OpenMetrics)
 }
 
 /// Counts other parts keep as plain atomics (conntrack cleanups, API watch errors), read at each scrape.
@@ -242,13 +255,20 @@ struct Counts {
 impl Collector for Counts {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let s = self.ct.snapshot();
+        let mut deleted = encoder.encode_descriptor(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Stale conntrack entries deleted after syncs, by the family of the flow",
+            None,
+            MetricType::Counter,
+        )?;
+        for (family, v) in [
+            ("IPv4", s.entries_deleted_v4),
+            ("IPv6", s.entries_deleted_v6),
+        ] {
+            ConstCounter::new(v).encode(deleted.encode_family(&[("ip_family", family)])?)?;
+        }
         // prometheus-client appends `_total` to counter names.
         for (name, help, v) in [
-            (
-                "kubeproxy_conntrack_reconciler_deleted_entries",
-                "Stale conntrack entries deleted after syncs",
-                s.entries_deleted,
-            ),
             (
                 "nftkube_conntrack_cleanups",
                 "Conntrack cleanups run after syncs",
@@ -302,6 +322,26 @@ impl Collector for Counts {
     }
 }
 
+/// The families a service is programmed in: those of its cluster IPs (a dual-stack kube-proxy observes a
+/// slice's programming latency in the proxier of the slice's family, and a service's slices of a family
+/// are programmed only where it has a cluster IP of that family). A service gone from the model by the
+/// time of the sync was programmed out of both.
+fn service_families(state: &ClusterState, name: &NamespacedName) -> BTreeSet<metrics::IpFamily> {
+    let families: BTreeSet<_> = state
+        .service_ports(name)
+        .iter()
+        .flat_map(|p| p.cluster_ips.iter())
+        .map(|ip| match IpFamily::of(ip) {
+            IpFamily::V4 => metrics::IpFamily::V4,
+            IpFamily::V6 => metrics::IpFamily::V6,
+        })
+        .collect();
+    match families.is_empty() {
+        true => metrics::IpFamily::ALL.into_iter().collect(),
+        false => families,
+    }
+}
+
 /// Trigger times kept while waiting for a successful sync.
 const MAX_TRIGGERS: usize = 100_000;
 
@@ -311,12 +351,14 @@ pub struct Observer {
     pub health: Arc<ProxyHealth>,
     admin: Option<Admin>,
     node_name: String,
-    /// Trigger times of slice changes not yet programmed.
-    triggers: Vec<SystemTime>,
+    /// Trigger times of slice changes not yet programmed, with their service.
+    triggers: Vec<(NamespacedName, SystemTime)>,
     /// Services that need a health check server: port and local endpoints.
     health_checks: BTreeMap<NamespacedName, (u16, usize)>,
     /// This node's object, when the source reports it.
     pub node: Option<NodeInfo>,
+    /// Service ports with a Local policy and no local endpoint.
+    no_local: no_local::NoLocalEndpoints,
 }
 
 impl Observer {
@@ -329,6 +371,7 @@ impl Observer {
             triggers: Vec::new(),
             health_checks: BTreeMap::new(),
             node: None,
+            no_local: no_local::NoLocalEndpoints::default(),
         }
     }
 
@@ -348,8 +391,10 @@ impl Observer {
                 &metrics::ENDPOINT_CHANGES_PENDING,
             ),
             // Bounded: while syncs keep failing, the oldest trigger times are the ones that matter.
-            Event::EndpointsChangeTriggered { at, .. } if self.triggers.len() < MAX_TRIGGERS => {
-                self.triggers.push(*at)
+            Event::EndpointsChangeTriggered { service, at }
+                if self.triggers.len() < MAX_TRIGGERS =>
+            {
+                self.triggers.push((service.clone(), *at))
             }
             Event::EndpointsChangeTriggered { .. } => {}
             Event::NodeApplied(n) => {
@@ -409,18 +454,23 @@ impl Observer {
         metrics::SERVICE_PORTS.set(state.service_map().len() as u64);
         metrics::REFUSED_CLAIMS.set(report.refused_claims as u64);
         let now = SystemTime::now();
-        for t in self.triggers.drain(..) {
-            metrics::NETWORK_PROGRAMMING.observe(now.duration_since(t).unwrap_or_default());
+        for (service, t) in self.triggers.drain(..) {
+            let latency = now.duration_since(t).unwrap_or_default();
+            for family in service_families(state, &service) {
+                metrics::NETWORK_PROGRAMMING.observe_in(family, latency);
+            }
         }
         let names: Vec<NamespacedName> = if report.full {
             let mut all: BTreeSet<NamespacedName> = state.service_names();
             all.extend(self.health_checks.keys().cloned());
+            all.extend(self.no_local.services().cloned());
             all.into_iter().collect()
         } else {
             changed.iter().cloned().collect()
         };
         let mut modified = false;
         for name in names {
+            self.no_local.recount(state, &name, &self.node_name);
             let new = hc::health_check_of(state, &name, &self.node_name);
             let old = match new {
                 Some(v) => self.health_checks.insert(name, v),
@@ -428,6 +478,7 @@ impl Observer {
             };
             modified |= old != new;
         }
+        self.no_local.publish();
         if modified {
             if let Some(admin) = &self.admin {
                 admin.set_health_checks(self.desired_health_checks());
@@ -475,7 +526,8 @@ mod tests {
             "kubeproxy_sync_proxy_rules_service_changes_pending",
             "kubeproxy_sync_proxy_rules_service_changes_total",
             "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
-            "kubeproxy_conntrack_reconciler_deleted_entries_total",
+            "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv4\"}",
+            "kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"}",
             "kubeproxy_proxy_healthz_total{code=\"200\"}",
             "kubeproxy_proxy_healthz_total{code=\"503\"}",
             "kubeproxy_proxy_livez_total{code=\"200\"}",
@@ -552,7 +604,9 @@ mod tests {
             let text = render_metrics(&metrics::registry());
             text.lines()
                 .find_map(|l| {
-                    l.strip_prefix("kubeproxy_network_programming_duration_seconds_count ")
+                    l.strip_prefix(
+                        "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv6\"} ",
+                    )
                 })
                 .map(|v| v.parse::<u64>().unwrap())
                 .unwrap()

@@ -51,6 +51,10 @@ pub struct Metrics {
     pub(crate) entries_scanned: AtomicU64,
     /// Entries deleted by exact tuple.
     pub(crate) entries_deleted: AtomicU64,
+    /// Of them, IPv4 and IPv6 entries, each counted on its own so that neither ever goes back.
+    pub(crate) entries_deleted_v4: AtomicU64,
+    /// See `entries_deleted_v4`.
+    pub(crate) entries_deleted_v6: AtomicU64,
     /// Deletes that failed for another reason than "already gone".
     pub(crate) delete_errors: AtomicU64,
     /// Kernel-side filtered deletes sent.
@@ -74,6 +78,10 @@ pub struct MetricsSnapshot {
     pub entries_scanned: u64,
     /// See [`Metrics::entries_deleted`].
     pub entries_deleted: u64,
+    /// See [`Metrics::entries_deleted_v4`].
+    pub entries_deleted_v4: u64,
+    /// See [`Metrics::entries_deleted_v6`].
+    pub entries_deleted_v6: u64,
     /// See [`Metrics::delete_errors`].
     pub delete_errors: u64,
     /// See [`Metrics::filtered_deletes`].
@@ -88,6 +96,9 @@ pub struct MetricsSnapshot {
 
 impl Metrics {
     fn record_duration(&self, d: Duration) {
+        // kube-proxy's reconciler runs once per family and sync; one cleanup here walks both families'
+        // flows, so it is one run of each.
+        nftkube_metrics::CONNTRACK_RECONCILE.observe(d);
         let us = d.as_micros().min(u64::MAX as u128) as u64;
         self.cleanups.fetch_add(1, Ordering::Relaxed);
         self.duration_us_total.fetch_add(us, Ordering::Relaxed);
@@ -104,6 +115,12 @@ impl Metrics {
             .fetch_add(r.scanned as u64, Ordering::Relaxed);
         self.entries_deleted
             .fetch_add(r.deleted as u64, Ordering::Relaxed);
+        self.entries_deleted_v4.fetch_add(
+            r.deleted.saturating_sub(r.deleted_v6) as u64,
+            Ordering::Relaxed,
+        );
+        self.entries_deleted_v6
+            .fetch_add(r.deleted_v6 as u64, Ordering::Relaxed);
         self.delete_errors
             .fetch_add(r.errors as u64, Ordering::Relaxed);
         self.filtered_deletes
@@ -123,6 +140,8 @@ impl Metrics {
             cleanup_failures: l(&self.cleanup_failures),
             entries_scanned: l(&self.entries_scanned),
             entries_deleted: l(&self.entries_deleted),
+            entries_deleted_v4: l(&self.entries_deleted_v4),
+            entries_deleted_v6: l(&self.entries_deleted_v6),
             delete_errors: l(&self.delete_errors),
             filtered_deletes: l(&self.filtered_deletes),
             duration_us_total: l(&self.duration_us_total),

@@ -54,6 +54,8 @@ pub struct CleanupReport {
     pub stale: usize,
     /// Stale entries deleted by exact tuple.
     pub deleted: usize,
+    /// Of them, IPv6 entries.
+    pub deleted_v6: usize,
     /// Stale entries that were gone by the time of the delete.
     pub gone: usize,
     /// Deletes that failed otherwise.

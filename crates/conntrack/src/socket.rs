@@ -18,11 +18,18 @@ const CHUNK: usize = 2048;
 
 const ENOENT: i32 = libc::ENOENT;
 
+/// Whether an entry is an IPv6 flow.
+fn is_v6(e: &Entry) -> bool {
+    e.orig.src.is_ipv6()
+}
+
 /// What a batch of exact deletes did.
 #[derive(Debug, Default)]
 pub struct DeleteOutcome {
     /// Entries deleted.
     pub deleted: usize,
+    /// Of them, IPv6 entries (kube-proxy counts deletions per family).
+    pub deleted_v6: usize,
     /// Already gone (expired, deleted by someone else, or replaced by a newer entry with another id).
     pub(crate) gone: usize,
     /// Any other error, with the entry it concerned.
@@ -98,11 +105,13 @@ impl CtSocket {
                 .collect();
             let errors = self.send_checked("conntrack delete", &bytes, first, chunk.len())?;
             let mut failed = 0;
+            let mut failed_v6 = 0;
             for err in errors {
                 let entry = match &err {
                     NetlinkError::Kernel { seq, .. } => by_seq.get(seq).copied(),
                     _ => None,
                 };
+                failed_v6 += usize::from(entry.is_some_and(is_v6));
                 match (entry, err.errno()) {
                     (Some(_), Some(ENOENT)) => {
                         out.gone += 1;
@@ -117,6 +126,7 @@ impl CtSocket {
                 }
             }
             out.deleted += chunk.len() - failed;
+            out.deleted_v6 += chunk.iter().filter(|e| is_v6(e)).count() - failed_v6;
         }
         Ok(out)
     }

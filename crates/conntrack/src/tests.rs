@@ -354,3 +354,28 @@ fn dump_filter_matches_like_the_kernel() {
     assert!(DeleteFilter::to_socket(ip("10.96.0.10"), 53, IPPROTO_UDP).matches(&e));
     assert!(!DeleteFilter::to_socket(ip("10.96.0.10"), 54, IPPROTO_UDP).matches(&e));
 }
+
+/// kube-proxy counts deleted entries per family: each family's count only grows, and a cleanup that looked
+/// at nothing counts nothing (nor a run of the reconciler).
+#[test]
+fn deleted_entries_are_counted_per_family() {
+    let m = super::Metrics::default();
+    let report = super::CleanupReport {
+        dumps: 1,
+        deleted: 5,
+        deleted_v6: 2,
+        ..Default::default()
+    };
+    m.record(&report);
+    m.record(&super::CleanupReport::default());
+    let s = m.snapshot();
+    assert_eq!(
+        (
+            s.entries_deleted,
+            s.entries_deleted_v4,
+            s.entries_deleted_v6,
+            s.cleanups
+        ),
+        (5, 3, 2, 1)
+    );
+}

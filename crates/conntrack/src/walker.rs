@@ -415,6 +415,7 @@ fn delete_into(
         source,
     })?;
     report.deleted = outcome.deleted;
+    report.deleted_v6 = outcome.deleted_v6;
     report.gone = outcome.gone;
     report.errors = outcome.errors.len();
     for (e, err) in outcome.errors.iter().take(5) {

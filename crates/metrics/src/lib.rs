@@ -1,6 +1,7 @@
 //! The agent's metrics, named as kube-proxy names its own, kept in prometheus-client's types and encoded by
-//! it (OpenMetrics text, served on `/metrics` by `admin`, which adds the health, conntrack and API-source
-//! counters). Process-wide statics: one agent per process.
+//! it (OpenMetrics text, rewritten into the classic Prometheus text format unless the scraper asks for
+//! OpenMetrics: [`exposition`]; served on `/metrics` by `admin`, which adds the health, conntrack and
+//! API-source counters). Process-wide statics: one agent per process.
 //!
 //! A histogram is one prometheus-client `Histogram`: its buckets, sum and count change under one lock, so
 //! a scrape always sees a consistent snapshot (no bucket above `+Inf`, `_count` equal to `+Inf`).
@@ -13,15 +14,21 @@
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry};
 use std::ops::Deref;
 use std::sync::atomic::AtomicU64;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-/// The content type of the OpenMetrics text that `/metrics` answers.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+mod build_info;
+pub mod exposition;
+mod family;
+mod process;
+
+pub use exposition::Format;
+pub use family::{
+    FamilyCounter, FamilyHistogram, FamilyTimestamp, IpFamily, NoLocalEndpoints, TrafficPolicy,
+};
 
 /// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
 pub(crate) fn sync_bounds() -> impl Iterator<Item = f64> {
@@ -75,72 +82,22 @@ impl<M> Deref for AtomicMetric<M> {
     }
 }
 
-/// A histogram of durations, in seconds.
-pub struct DurationHistogram(LazyLock<Histogram>);
-
-impl DurationHistogram {
-    /// With kube-proxy's buckets for sync durations.
-    pub(crate) const fn sync_durations() -> Self {
-        DurationHistogram(LazyLock::new(|| Histogram::new(sync_bounds())))
-    }
-
-    /// With kube-proxy's buckets for network programming latency.
-    pub(crate) const fn network_programming() -> Self {
-        DurationHistogram(LazyLock::new(|| {
-            Histogram::new(network_programming_bounds())
-        }))
-    }
-
-    /// Records one duration.
-    pub fn observe(&self, d: Duration) {
-        self.0.observe(d.as_secs_f64());
-    }
-
-    /// The histogram itself (a handle on the same buckets), for a registry.
-    pub(crate) fn metric(&self) -> Histogram {
-        (*self.0).clone()
-    }
-}
-
-/// A Unix timestamp in seconds.
-pub struct Timestamp(LazyLock<Gauge<f64, AtomicU64>>);
-
-impl Timestamp {
-    /// Unset (0).
-    pub(crate) const fn new() -> Self {
-        Timestamp(LazyLock::new(Gauge::default))
-    }
-
-    /// Sets it to now.
-    pub fn mark(&self) {
-        self.0.set(now_unix_ms() as f64 / 1000.0);
-    }
-
-    /// The gauge itself (a handle on the same value), for a registry.
-    pub(crate) fn metric(&self) -> Gauge<f64, AtomicU64> {
-        (*self.0).clone()
-    }
-}
-
-impl Default for Timestamp {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// Every sync, full or partial (`sync_proxy_rules_duration_seconds`).
-pub(crate) static SYNC_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_DURATION: FamilyHistogram = FamilyHistogram::new(family::sync_histograms);
 /// Full syncs (`sync_full_proxy_rules_duration_seconds`).
-pub(crate) static SYNC_FULL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_FULL_DURATION: FamilyHistogram =
+    FamilyHistogram::new(family::sync_histograms);
 /// Partial syncs (`sync_partial_proxy_rules_duration_seconds`).
-pub(crate) static SYNC_PARTIAL_DURATION: DurationHistogram = DurationHistogram::sync_durations();
+pub(crate) static SYNC_PARTIAL_DURATION: FamilyHistogram =
+    FamilyHistogram::new(family::sync_histograms);
 /// From an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the commit that
-/// programmed it.
-pub static NETWORK_PROGRAMMING: DurationHistogram = DurationHistogram::network_programming();
+/// programmed it, under the family of the service's cluster IPs.
+pub static NETWORK_PROGRAMMING: FamilyHistogram =
+    FamilyHistogram::new(family::network_programming_histograms);
 /// When a sync was last asked for (a change arrived, or a periodic resync fell due).
-pub static LAST_QUEUED: Timestamp = Timestamp::new();
-/// When the last successful sync finished.
-pub(crate) static LAST_SYNC: Timestamp = Timestamp::new();
+pub static LAST_QUEUED: FamilyTimestamp = FamilyTimestamp::new();
+/// When the last successful sync, or check that the kernel holds what it committed, finished.
+pub(crate) static LAST_SYNC: FamilyTimestamp = FamilyTimestamp::new();
 /// Service / EndpointSlice changes received, in total and since the last sync started.
 pub static SERVICE_CHANGES_TOTAL: CounterU64 = CounterU64::counter();
 /// Service changes received since the last sync started.
@@ -156,7 +113,15 @@ pub static NETLINK_BYTES_TOTAL: CounterU64 = CounterU64::counter();
 /// Service ports in the model after the last successful sync.
 pub static SERVICE_PORTS: GaugeU64 = GaugeU64::gauge();
 /// Transactions the kernel rejected.
-pub static SYNC_FAILURES: CounterU64 = CounterU64::counter();
+pub static SYNC_FAILURES: FamilyCounter = FamilyCounter::new();
+/// Cleanup transactions (run apart from a sync's, deleting what no rule needs any more) the kernel
+/// rejected.
+pub static CLEANUP_FAILURES: FamilyCounter = FamilyCounter::new();
+/// Conntrack cleanups after syncs, how long each took (kube-proxy's conntrack reconciler).
+pub static CONNTRACK_RECONCILE: FamilyHistogram = FamilyHistogram::new(family::sync_histograms);
+/// Service ports with a Local traffic policy and no local endpoint, by family and policy: the whole
+/// model's count after each sync (the observer recounts the services the sync touched).
+pub static NO_LOCAL_ENDPOINTS: NoLocalEndpoints = NoLocalEndpoints::new();
 /// Successful full syncs that followed someone else changing our tables (noticed by the event monitor).
 pub static REPAIRS: CounterU64 = CounterU64::counter();
 /// Services changed in the model and not yet committed.
@@ -197,9 +162,10 @@ pub fn record_kernel_verified() {
     LAST_SYNC.mark();
 }
 
-/// The last successful sync or verification, in Unix seconds (0 before the first).
+/// The last successful sync or verification, in Unix seconds (0 before the first; the same in both
+/// families).
 pub fn last_sync_seconds() -> f64 {
-    LAST_SYNC.0.get()
+    LAST_SYNC.get(IpFamily::V4)
 }
 
 /// Registers `metric` under `name` (prometheus-client appends `_total` to counters).
@@ -236,8 +202,32 @@ pub fn registry() -> Registry {
     }
     add(
         &mut r,
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+        "Transactions the kernel rejected (nothing of them was applied)",
+        SYNC_FAILURES.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+        "Cleanup transactions (stale affinity entries, deleted apart from the sync) the kernel rejected",
+        CLEANUP_FAILURES.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+        "Duration of each conntrack cleanup run after a sync",
+        CONNTRACK_RECONCILE.metric(),
+    );
+    add(
+        &mut r,
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+        "Number of services with a Local traffic policy and no endpoints",
+        NO_LOCAL_ENDPOINTS.metric(),
+    );
+    add(
+        &mut r,
         "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-        "When the last successful sync finished",
+        "When the last successful sync, or check that the kernel holds what it committed, finished",
         LAST_SYNC.metric(),
     );
     add(
@@ -247,11 +237,6 @@ pub fn registry() -> Registry {
         LAST_QUEUED.metric(),
     );
     for (name, help, c) in [
-        (
-            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
-            "Transactions the kernel rejected (nothing of them was applied)",
-            &SYNC_FAILURES,
-        ),
         (
             "kubeproxy_sync_proxy_rules_service_changes",
             "Service changes received",
@@ -324,6 +309,9 @@ pub fn registry() -> Registry {
     ] {
         add(&mut r, name, help, g.metric());
     }
+    // What every Kubernetes component exports, read when scraped.
+    r.register_collector(Box::new(process::ProcessCollector));
+    r.register_collector(Box::new(build_info::BuildInfo));
     r
 }
 
@@ -338,13 +326,21 @@ pub fn finish(out: &mut String) {
     let _ = encode_eof(out);
 }
 
-#[cfg(test)]
-/// Every metric above, as a whole exposition.
-pub(crate) fn render_prometheus() -> String {
+/// The whole exposition of `registry` in `format`.
+pub fn render(registry: &Registry, format: Format) -> String {
     let mut out = String::new();
-    encode_into(&mut out, &registry());
+    encode_into(&mut out, registry);
     finish(&mut out);
-    out
+    match format {
+        Format::OpenMetrics => out,
+        Format::Classic => exposition::to_classic(&out),
+    }
+}
+
+#[cfg(test)]
+/// Every metric above, as a whole OpenMetrics exposition.
+pub(crate) fn render_prometheus() -> String {
+    render(&registry(), Format::OpenMetrics)
 }
 
 #[cfg(test)]
@@ -364,17 +360,17 @@ mod tests {
             };
             if let Some(le) = key
                 .strip_prefix(&format!("{name}_bucket{{le=\""))
-                .and_then(|r| r.strip_suffix("\"}"))
+                .and_then(|r| r.strip_suffix("\",ip_family=\"IPv4\"}"))
             {
                 buckets.insert(le.to_string(), value.parse().unwrap());
-            } else if key == format!("{name}_count") {
+            } else if key == format!("{name}_count{{ip_family=\"IPv4\"}}") {
                 count = Some(value.parse().unwrap());
             }
         }
         (buckets, count.expect("a _count line"))
     }
 
-    fn render_one(h: &DurationHistogram) -> String {
+    fn render_one(h: &FamilyHistogram) -> String {
         let mut r = Registry::default();
         r.register("x", "help", h.metric());
         let mut out = String::new();
@@ -384,16 +380,25 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let h = DurationHistogram::sync_durations();
+        let h = FamilyHistogram::new(family::sync_histograms);
         h.observe(Duration::from_micros(500));
         h.observe(Duration::from_millis(3));
         h.observe(Duration::from_secs(100));
         let out = render_one(&h);
-        assert!(out.contains("x_bucket{le=\"0.001\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.004\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_count 3\n"), "{out}");
-        assert!(out.contains("x_sum 100.0035"), "{out}");
+        assert!(
+            out.contains("x_bucket{le=\"0.001\",ip_family=\"IPv4\"} 1\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("x_bucket{le=\"0.004\",ip_family=\"IPv4\"} 2\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("x_bucket{le=\"+Inf\",ip_family=\"IPv6\"} 3\n"),
+            "{out}"
+        );
+        assert!(out.contains("x_count{ip_family=\"IPv4\"} 3\n"), "{out}");
+        assert!(out.contains("x_sum{ip_family=\"IPv4\"} 100.0035"), "{out}");
     }
 
     /// Observers on two threads, a scraper on a third: every scrape shows buckets that never decrease
@@ -402,7 +407,7 @@ mod tests {
     /// showed a bucket larger than `+Inf`.
     #[test]
     fn scrapes_see_consistent_histograms_under_concurrent_observation() {
-        let h = Arc::new(DurationHistogram::sync_durations());
+        let h = Arc::new(FamilyHistogram::new(family::sync_histograms));
         let stop = Arc::new(AtomicBool::new(false));
         let observers: Vec<_> = (0..2)
             .map(|t| {
@@ -458,12 +463,12 @@ mod tests {
         PENDING_CHANGES.set(7);
         let text = render_prometheus();
         for name in [
-            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
-            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
-            "kubeproxy_sync_proxy_rules_duration_seconds_count",
-            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}",
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}",
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv6\"}",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\",ip_family=\"IPv4\"}",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv6\"}",
             "kubeproxy_sync_proxy_rules_service_changes_total",
             "kubeproxy_sync_proxy_rules_service_changes_pending",
             "kubeproxy_sync_proxy_rules_endpoint_changes_total",
@@ -489,6 +494,17 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
+    /// The timestamp dashboards alert on moves in both families with a verified kernel, not only a sync.
+    #[test]
+    fn a_verified_kernel_refreshes_the_last_sync_of_both_families() {
+        let before: Vec<f64> = IpFamily::ALL.iter().map(|&f| LAST_SYNC.get(f)).collect();
+        std::thread::sleep(Duration::from_millis(5));
+        record_kernel_verified();
+        for (f, was) in IpFamily::ALL.into_iter().zip(before) {
+            assert!(LAST_SYNC.get(f) > was, "{f:?}");
+        }
+    }
+
     #[test]
     fn network_programming_buckets_are_kube_proxys() {
         let b: Vec<f64> = network_programming_bounds().collect();
@@ -500,10 +516,16 @@ mod tests {
         assert_eq!(b[73], 120.0);
         assert_eq!(b[79], 300.0);
         assert!(b.windows(2).all(|w| w[0] < w[1]));
-        let h = DurationHistogram::network_programming();
+        let h = FamilyHistogram::new(family::network_programming_histograms);
         h.observe(Duration::from_millis(700));
         let out = render_one(&h);
-        assert!(out.contains("x_bucket{le=\"0.5\"} 0\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"1.0\"} 1\n"), "{out}");
+        assert!(
+            out.contains("x_bucket{le=\"0.5\",ip_family=\"IPv4\"} 0\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("x_bucket{le=\"1.0\",ip_family=\"IPv4\"} 1\n"),
+            "{out}"
+        );
     }
 }

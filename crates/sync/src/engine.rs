@@ -547,7 +547,13 @@ impl<B: Backend> SyncEngine<B> {
     /// a refused prune is left to the next full sync.
     fn prune_affinity(&mut self, stale: Vec<(Family, Vec<Element>)>) {
         let mut tx = Transaction::default();
+        let mut families = Vec::new();
         for (family, elements) in stale.into_iter().filter(|(_, e)| !e.is_empty()) {
+            // Our tables are `ip` and `ip6`.
+            families.push(match family {
+                Family::Ip6 => nftkube_metrics::IpFamily::V6,
+                _ => nftkube_metrics::IpFamily::V4,
+            });
             tracing::info!(
                 family = family.as_str(),
                 entries = elements.len(),
@@ -567,6 +573,10 @@ impl<B: Backend> SyncEngine<B> {
         }
         if let Err(e) = self.backend.commit(&tx) {
             tracing::warn!(error = %e, "affinity: stale entries not deleted; the next full sync retries");
+            // kube-proxy's cleanup failures: a deletion run apart from the sync's transaction, refused.
+            for family in families {
+                nftkube_metrics::CLEANUP_FAILURES.inc_in(family);
+            }
         }
     }
 
@@ -1370,6 +1380,28 @@ mod tests {
         let r = w.full(&mut e);
         assert!(r.full);
         kernel_matches(&e.backend, &w, &e.unused_chains);
+    }
+
+    /// An affinity prune (its own transaction) the kernel refuses is counted as kube-proxy counts a
+    /// failed cleanup, under the family it was for.
+    #[test]
+    fn a_refused_affinity_prune_is_a_cleanup_failure_of_its_family() {
+        use nftkube_metrics::{IpFamily, CLEANUP_FAILURES};
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let before = CLEANUP_FAILURES.get(IpFamily::V6);
+        e.backend.fail_next = Some((0, libc::ENOENT));
+        let entry = Element {
+            key: vec![0xfd; 20].into(),
+            value: None,
+        };
+        e.prune_affinity(vec![(Family::Ip6, vec![entry]), (Family::Ip, vec![])]);
+        // The counter is process-wide and other tests run beside this one: at least ours was counted.
+        assert!(CLEANUP_FAILURES.get(IpFamily::V6) > before);
+        e.prune_affinity(vec![(Family::Ip, vec![])]);
+        assert!(
+            e.backend.committed.is_empty(),
+            "nothing to prune, nothing sent"
+        );
     }
 
     /// The kernel refuses one service's objects (here: anything naming its endpoint, with ERANGE, as it
