@@ -1203,3 +1203,124 @@ fn concurrent_adds_on_one_network_all_land() {
         assert_eq!(answer, format!("p{i}"));
     }
 }
+
+/// A replaced pod: the old pod's DEL and the new pod's ADD of the same hostPort run at once, each its own
+/// process, hundreds of times. The DEL chose its elements by their comment in a read; had it deleted them by
+/// key after the ADD took the key over, the new pod would lose its port with both commands exiting 0. Every
+/// round, the port's element is the new pod's, CHECK agrees, and at the end a real connection reaches it.
+#[test]
+fn a_replaced_pods_del_never_removes_the_new_pods_mapping() {
+    const ROUNDS: usize = 300;
+    let node = Node::new("pm-race");
+    let net = Network::a();
+    let maps = || json!([mapping(8080, TCP_PORT, "tcp")]);
+    let pods = [Container::start("p0"), Container::start("p1")];
+    let prevs: Vec<Value> = pods
+        .iter()
+        .map(|c| {
+            let (ok, prev) = node.invoke(
+                "bridge",
+                "ADD",
+                Some((c, "eth0")),
+                &net.bridge_conf(&node.dir),
+            );
+            assert!(ok, "{prev}");
+            prev
+        })
+        .collect();
+    let (ok, out) = node.portmap("ADD", &net, &pods[0], "eth0", &prevs[0], maps());
+    assert!(ok, "{out}");
+    let mut lost = Vec::new();
+    for round in 0..ROUNDS {
+        let (old, new) = (round % 2, (round + 1) % 2);
+        let ((del_ok, del_out), (add_ok, add_out)) = std::thread::scope(|s| {
+            let del = s.spawn(|| {
+                let conf = net.portmap_conf(Some(&prevs[old]), maps());
+                node.invoke("portmap", "DEL", Some((&pods[old], "eth0")), &conf)
+            });
+            let add = s.spawn(|| {
+                let conf = net.portmap_conf(Some(&prevs[new]), maps());
+                node.invoke("portmap", "ADD", Some((&pods[new], "eth0")), &conf)
+            });
+            (del.join().unwrap(), add.join().unwrap())
+        });
+        assert!(
+            del_ok && add_ok,
+            "round {round}: DEL {del_out}, ADD {add_out}"
+        );
+        let owners: Vec<Option<String>> = node
+            .elements(Family::Ip, "ports-net-a")
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
+        if owners != [Some(format!("{} eth0", pods[new].id))] {
+            lost.push((round, owners));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {ROUNDS} rounds lost the new pod's port: {lost:?}",
+        lost.len()
+    );
+    let last = ROUNDS % 2;
+    let (ok, out) = node.portmap("CHECK", &net, &pods[last], "eth0", &prevs[last], maps());
+    assert!(ok, "CHECK of the last pod: {out}");
+    assert_eq!(
+        node.elements(Family::Ip, "targets-net-a").len(),
+        1,
+        "only the last pod's target is left"
+    );
+    assert_eq!(
+        tcp(node.sb.ext(), v4(node_ip_v4()), 8080).unwrap(),
+        format!("p{last}")
+    );
+}
+
+/// Conditions as upstream writes them (one word per string, joined with spaces) work like the one-string
+/// form; and DEL succeeds, removing the mapping, on a configuration ADD refuses (the stock plugin's iptables
+/// conditions with a module, a non-boolean snat, unknown keys), so that the interface plugin's DEL runs after
+/// it and the address is released.
+#[test]
+fn upstreams_condition_lists_and_del_on_a_config_add_refuses() {
+    let node = Node::new("pm-conf");
+    let mut net = Network::a();
+    let ext = ext_ip_v4();
+    net.extra = json!({"conditionsV4": ["ip", "saddr", "!=", format!("{ext}/32")]});
+    let c1 = Container::start("c1");
+    let prev = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (n4, lo) = (v4(node_ip_v4()), IpAddr::from([127, 0, 0, 1]));
+    assert_unanswered(
+        tcp_short(node.sb.ext(), n4, 8080),
+        "the client the condition leaves out",
+    );
+    assert_eq!(
+        tcp(node.ns(), lo, 8080).unwrap(),
+        "c1",
+        "from the node: not that client"
+    );
+
+    let mut stock = net.portmap_conf(Some(&prev), json!([mapping(8080, TCP_PORT, "tcp")]));
+    stock["conditionsV4"] = json!(["-m", "comment", "--comment", "from the stock plugin"]);
+    let (ok, out) = node.invoke("portmap", "ADD", Some((&c1, "eth0")), &stock);
+    assert!(
+        !ok && out["msg"].as_str().unwrap().contains("\"-m\""),
+        "ADD must refuse it: {out}"
+    );
+    stock["snat"] = json!("yes");
+    stock["someRuntimeKey"] = json!({"x": [1]});
+    let (ok, out) = node.invoke("portmap", "DEL", Some((&c1, "eth0")), &stock);
+    assert!(ok, "DEL must not fail on what it does not need: {out}");
+    assert!(node.elements(Family::Ip, "ports-net-a").is_empty());
+    assert_unanswered(tcp_short(node.ns(), lo, 8080), "the port after DEL");
+    let (ok, out) = node.invoke(
+        "bridge",
+        "DEL",
+        Some((&c1, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "bridge DEL: {out}");
+    let mut gc = stock;
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let (ok, out) = node.invoke("portmap", "GC", None, &gc);
+    assert!(ok, "GC must not fail on what it does not need: {out}");
+}

@@ -9,6 +9,7 @@
 //! - [`netconf`]: the configuration on stdin, typed;
 //! - [`conditions`]: `conditionsV4/V6`, a subset of nft match syntax parsed into IR;
 //! - [`render`]: the objects of a network and the elements of an attachment;
+//! - `kernel`: the reads and the generation-checked commit, over netlink or on the fake kernel;
 //! - `state`: reading them back and planning one batch;
 //! - `flows`: UDP conntrack cleanup;
 //! - `plugin`: the commands.
@@ -17,6 +18,7 @@
 pub mod cni;
 pub mod conditions;
 mod flows;
+mod kernel;
 pub mod netconf;
 mod plugin;
 pub mod render;
