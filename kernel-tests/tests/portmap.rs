@@ -610,13 +610,21 @@ fn send_frame(ns: &NetNs, ifname: &str, frame: Vec<u8>) {
 
 /// ADD turns route_localnet on for 127.0.0.1 mappings, which also lets a container's packets to 127.0.0.0/8
 /// in over the bridge: the plugin's own guard drops them (no agent runs here), so a service bound to the
-/// node's loopback is out of the containers' reach. Without the guard the same packet gets there.
+/// node's loopback is out of the containers' reach, the mapped container's and a second one's on the same
+/// bridge with no mapping of its own. Without the guard the same packet gets there.
 #[test]
 fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
     let node = Node::new("pm-mart");
     let net = Network::a();
-    let c1 = Container::start("c1");
-    let prev = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (c1, c2) = (Container::start("c1"), Container::start("c2"));
+    let prev1 = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (ok, prev) = node.invoke(
+        "bridge",
+        "ADD",
+        Some((&c2, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "{prev}");
     let lo_port = 9999;
     let service = node
         .ns()
@@ -624,23 +632,31 @@ fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
         .unwrap()
         .unwrap();
     service.set_read_timeout(Some(SHORT)).unwrap();
-    let container_ip = match prev["ips"][0]["address"].as_str().unwrap().split_once('/') {
-        Some((ip, _)) => ip.parse().unwrap(),
-        None => panic!("no container address in {prev}"),
+    let address = |prev: &Value| -> std::net::Ipv4Addr {
+        match prev["ips"][0]["address"].as_str().unwrap().split_once('/') {
+            Some((ip, _)) => ip.parse().unwrap(),
+            None => panic!("no container address in {prev}"),
+        }
     };
-    let frame = udp_frame(
-        (result_mac(&prev, "eth0"), result_mac(&prev, net.bridge)),
-        std::net::SocketAddrV4::new(container_ip, 40000),
-        std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, lo_port),
-        b"martian",
-    );
+    let frame_from = |prev: &Value| {
+        udp_frame(
+            (result_mac(prev, "eth0"), result_mac(prev, net.bridge)),
+            std::net::SocketAddrV4::new(address(prev), 40000),
+            std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, lo_port),
+            b"martian",
+        )
+    };
+    let container_ip = address(&prev);
+    let frame = frame_from(&prev);
     let mut buf = [0u8; 64];
-    send_frame(&c1.ns, "eth0", frame.clone());
-    if let Ok((n, from)) = service.recv_from(&mut buf) {
-        panic!(
-            "the node's loopback service got {:?} from {from}",
-            String::from_utf8_lossy(&buf[..n])
-        );
+    for (c, frame) in [(&c1, frame_from(&prev1)), (&c2, frame.clone())] {
+        send_frame(&c.ns, "eth0", frame);
+        if let Ok((n, from)) = service.recv_from(&mut buf) {
+            panic!(
+                "the node's loopback service got {:?} from {from}",
+                String::from_utf8_lossy(&buf[..n])
+            );
+        }
     }
     // Without the guard chains the same frame reaches it: the test sends what a container could.
     node.ns()
@@ -653,7 +669,7 @@ fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
             NftSocket::open().unwrap().commit(&tx).unwrap();
         })
         .unwrap();
-    send_frame(&c1.ns, "eth0", frame);
+    send_frame(&c2.ns, "eth0", frame);
     let (n, from) = service
         .recv_from(&mut buf)
         .expect("without the guard the frame reaches the loopback service");
