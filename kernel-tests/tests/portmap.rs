@@ -181,7 +181,20 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+        // The plugin's records of this namespace: a later namespace may get the same inode.
+        let _ = std::fs::remove_dir_all(records_dir(self.ns()));
     }
+}
+
+/// Where the plugin records the attachments of the namespace `ns` (by its device and inode).
+fn records_dir(ns: &NetNs) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(ns.path()).unwrap();
+    PathBuf::from(format!(
+        "/run/nftkube-portmap/netns-{}-{}",
+        m.dev(),
+        m.ino()
+    ))
 }
 
 fn run_with_stdin(mut cmd: std::process::Command, stdin: &Value) -> (bool, Value) {
@@ -1339,4 +1352,176 @@ fn upstreams_condition_lists_and_del_on_a_config_add_refuses() {
     gc["cni.dev/valid-attachments"] = json!([]);
     let (ok, out) = node.invoke("portmap", "GC", None, &gc);
     assert!(ok, "GC must not fail on what it does not need: {out}");
+}
+
+/// Deletes the plugin's tables in the node's namespace, as `nft flush ruleset` in a firewall reload does.
+fn flush_plugin_tables(node: &Node) {
+    node.ns()
+        .run(|| {
+            let mut tx = Transaction::default();
+            for family in [Family::Ip, Family::Ip6] {
+                tx.push(family, TABLE, Op::DeleteTable);
+            }
+            NftSocket::open().unwrap().commit(&tx).unwrap();
+        })
+        .unwrap();
+}
+
+/// Runs `nftkube-portmap restore` in the node's namespace; its success and output.
+fn restore(node: &Node) -> (bool, String) {
+    let out = command_in(node.ns(), portmap_bin())
+        .arg("restore")
+        .output()
+        .expect("running nftkube-portmap restore");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A firewall reload deletes the plugin's tables: one command (`nftkube-portmap restore`, what the systemd
+/// unit runs) brings back the mappings of every attachment whose last command was a successful ADD, with
+/// their conditions and hairpin, and not those of an attachment DELeted while the tables were gone. Run again,
+/// or while the tables are intact, it changes nothing; racing DELs and ADDs, it never brings back what a DEL
+/// removed.
+#[test]
+fn restore_after_a_flush_brings_back_what_was_not_deleted() {
+    let node = Node::new("pm-restore");
+    let net = Network::a();
+    let (c1, c2, c3) = (
+        Container::start("c1"),
+        Container::start("c2"),
+        Container::start("c3"),
+    );
+    let prev1 = node.attach(
+        &net,
+        &c1,
+        "eth0",
+        json!([
+            mapping(8081, TCP_PORT, "tcp"),
+            mapping(8053, UDP_PORT, "udp")
+        ]),
+    );
+    let prev2 = node.attach(&net, &c2, "eth0", json!([mapping(8082, TCP_PORT, "tcp")]));
+    let prev3 = node.attach(&net, &c3, "eth0", json!([mapping(8083, TCP_PORT, "tcp")]));
+    let (ext, n4) = (node.sb.ext(), v4(node_ip_v4()));
+    let lo = IpAddr::from([127, 0, 0, 1]);
+    assert_eq!(tcp(ext, n4, 8082).unwrap(), "c2");
+
+    flush_plugin_tables(&node);
+    assert_unanswered(tcp_short(ext, n4, 8081), "after the flush");
+    // c2 goes away while the tables are gone: its DEL finds nothing, and must be remembered all the same.
+    node.detach(
+        &net,
+        &c2,
+        "eth0",
+        &prev2,
+        json!([mapping(8082, TCP_PORT, "tcp")]),
+    );
+
+    let (ok, out) = restore(&node);
+    assert!(ok, "restore: {out}");
+    assert!(out.contains("2 attachments"), "{out}");
+    assert_listable(node.ns());
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+    assert_eq!(udp(ext, n4, 8053).unwrap(), "c1");
+    assert_eq!(tcp(ext, n4, 8083).unwrap(), "c3");
+    assert_eq!(
+        tcp(node.ns(), lo, 8083).unwrap(),
+        "c3",
+        "127.0.0.1 and its SNAT too"
+    );
+    assert_unanswered(
+        tcp_short(ext, n4, 8082),
+        "c2, deleted while the tables were gone",
+    );
+    for (c, prev, maps) in [
+        (
+            &c1,
+            &prev1,
+            json!([
+                mapping(8081, TCP_PORT, "tcp"),
+                mapping(8053, UDP_PORT, "udp")
+            ]),
+        ),
+        (&c3, &prev3, json!([mapping(8083, TCP_PORT, "tcp")])),
+    ] {
+        let (ok, out) = node.portmap("CHECK", &net, c, "eth0", prev, maps);
+        assert!(ok, "CHECK after restore: {out}");
+    }
+    let before = node.elements(Family::Ip, "ports-net-a");
+    let (ok, out) = restore(&node);
+    assert!(ok, "restore again: {out}");
+    assert_eq!(
+        node.elements(Family::Ip, "ports-net-a"),
+        before,
+        "a restore of intact tables changes nothing"
+    );
+
+    // Restores racing a DEL: whichever runs first, c3's mapping is gone once the DEL returned.
+    flush_plugin_tables(&node);
+    std::thread::scope(|s| {
+        let r = s.spawn(|| restore(&node));
+        let conf = net.portmap_conf(Some(&prev3), json!([mapping(8083, TCP_PORT, "tcp")]));
+        let (ok, out) = node.invoke("portmap", "DEL", Some((&c3, "eth0")), &conf);
+        assert!(ok, "DEL: {out}");
+        let (ok, out) = r.join().unwrap();
+        assert!(ok, "restore: {out}");
+    });
+    let (ok, out) = restore(&node);
+    assert!(ok, "{out}");
+    assert_unanswered(tcp_short(ext, n4, 8083), "c3 after its DEL");
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+}
+
+/// Where the agent runs, no command is needed: after the plugin's tables are deleted (a firewall reload), the
+/// agent puts the recorded mappings back within a second, and again after a second flush, but not those of an
+/// attachment DELeted while the tables were gone.
+#[test]
+fn the_agent_restores_the_mappings_within_a_second_of_a_flush() {
+    let node = Node::new("pm-agent");
+    let net = Network::a();
+    let (c1, c2) = (Container::start("c1"), Container::start("c2"));
+    let _ = node.attach(&net, &c1, "eth0", json!([mapping(8081, TCP_PORT, "tcp")]));
+    let prev2 = node.attach(&net, &c2, "eth0", json!([mapping(8082, TCP_PORT, "tcp")]));
+    let manifests = Manifests::examples();
+    let agent = Agent::start(node.ns(), &manifests.dir, &[]);
+    agent.wait_syncs(1, Duration::from_secs(20));
+    let (ext, n4) = (node.sb.ext(), v4(node_ip_v4()));
+    let ports = |node: &Node| node.elements(Family::Ip, "ports-net-a").len();
+
+    // The agent alone, timed from the flush.
+    let flushed = std::time::Instant::now();
+    flush_plugin_tables(&node);
+    let took = wait_until(Duration::from_secs(1), || ports(&node) == 2)
+        .map(|_| flushed.elapsed())
+        .unwrap_or_else(|_| panic!("not restored within 1 s of the flush:\n{}", agent.log()));
+    assert_eq!(tcp(ext, n4, 8082).unwrap(), "c2", "restored after {took:?}");
+
+    // A DEL while the tables are gone is not undone by the next restore.
+    flush_plugin_tables(&node);
+    node.detach(
+        &net,
+        &c2,
+        "eth0",
+        &prev2,
+        json!([mapping(8082, TCP_PORT, "tcp")]),
+    );
+    wait_until(Duration::from_secs(2), || ports(&node) == 1).unwrap_or_else(|_| {
+        panic!(
+            "not restored after the second flush: {:?}\n{}",
+            node.elements(Family::Ip, "ports-net-a"),
+            agent.log()
+        )
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(ports(&node), 1, "c2 came back");
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+    assert_unanswered(
+        tcp_short(ext, n4, 8082),
+        "c2, deleted while the tables were gone",
+    );
+    assert_listable(node.ns());
 }

@@ -12,7 +12,8 @@
 //! - `kernel`: the reads and the generation-checked commit, over netlink or on the fake kernel;
 //! - `state`: reading them back and planning one batch;
 //! - `flows`: UDP conntrack cleanup;
-//! - `plugin`: the commands.
+//! - `records`: what ADD succeeded with, kept until DEL or GC, for `restore` after a firewall reload;
+//! - `plugin`: the commands, and `restore`.
 #![forbid(unsafe_code)]
 
 pub mod cni;
@@ -21,6 +22,7 @@ mod flows;
 mod kernel;
 pub mod netconf;
 mod plugin;
+mod records;
 pub mod render;
 mod state;
 
@@ -54,4 +56,34 @@ pub fn main() -> u8 {
     }
     let _ = stdout.flush();
     u8::from(!out.ok)
+}
+
+/// The plugin's table, in each family.
+pub const TABLE: &str = render::TABLE;
+
+/// What `nftkube-portmap restore` does, for the agent: None when the plugin never recorded anything in this
+/// network namespace (and nothing is created), otherwise how many attachments were restored, or what failed.
+pub fn restore_recorded() -> Option<Result<usize, Vec<String>>> {
+    records::any().then(plugin::restore)
+}
+
+/// `nftkube-portmap restore`: puts back the mappings of every attachment recorded in this network namespace
+/// (after a firewall reload deleted the plugin's tables); prints what it did. Returns the exit status.
+pub fn restore_main() -> u8 {
+    match plugin::restore() {
+        Ok(n) => {
+            let _ = writeln!(
+                std::io::stdout(),
+                "nftkube-portmap restore: {n} attachments' mappings in place"
+            );
+            0
+        }
+        Err(failed) => {
+            let mut err = std::io::stderr().lock();
+            for f in &failed {
+                let _ = writeln!(err, "nftkube-portmap restore: {f}");
+            }
+            1
+        }
+    }
 }
