@@ -6,11 +6,13 @@
 //! matches must hold (AND) for the network's port mappings to apply. The grammar:
 //!
 //! ```text
-//! match   := addr | ifname | mark
+//! match   := addr | ifname | mark | iptables
 //! addr    := ("ip" | "ip6") ("saddr" | "daddr") [op] ADDRESS ["/" PREFIX]
 //! ifname  := "iifname" [op] NAME          NAME may be quoted; a trailing "*" matches a prefix
 //! mark    := "meta" "mark" [op] NUMBER    decimal or 0x hexadecimal
 //! op      := "==" | "!="
+//! iptables := ["!"] ("-s" | "--source" | "-d" | "--destination") ADDRESS ["/" PREFIX]
+//!           | ["!"] ("-i" | "--in-interface") NAME        a trailing "+" matches a prefix
 //! ```
 //!
 //! `ip` matches are allowed in `conditionsV4` only, `ip6` in `conditionsV6` only. Parsing is linear in the

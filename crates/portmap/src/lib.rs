@@ -1,5 +1,6 @@
 //! The CNI portmap plugin on nf_tables: hostPorts mapped to containers through maps in its own tables
-//! (`ip nftkube-portmap`, `ip6 nftkube-portmap`), with the kernel as its only record.
+//! (`ip nftkube-portmap`, `ip6 nftkube-portmap`). The kernel is what every command reads; a file per attachment
+//! keeps what ADD succeeded with, only to put it back after a firewall reload.
 //!
 //! Its binary, `nftkube-portmap`, is what a runtime runs (installed as `portmap` in its CNI_PATH); the nftkube
 //! binary still speaks the protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a copy) and as

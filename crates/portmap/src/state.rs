@@ -1,4 +1,4 @@
-//! The kernel as the plugin's only record: reading one network's objects in one family, and planning the
+//! The kernel as the record every command reads: reading one network's objects in one family, and planning the
 //! changes that bring them to what a command wants. Planning is pure (tested without root).
 
 use super::kernel::Kernel;
