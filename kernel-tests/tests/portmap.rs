@@ -181,20 +181,23 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        // The plugin's records of this namespace: a later namespace may get the same inode.
-        let _ = std::fs::remove_dir_all(records_dir(self.ns()));
+        // The plugin's records of this namespace: a later namespace may get the same inode. (No panic in
+        // a drop that may run while a failed test unwinds.)
+        if let Some(dir) = records_dir(self.ns()) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
 /// Where the plugin records the attachments of the namespace `ns` (by its device and inode).
-fn records_dir(ns: &NetNs) -> PathBuf {
+fn records_dir(ns: &NetNs) -> Option<PathBuf> {
     use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(ns.path()).unwrap();
-    PathBuf::from(format!(
+    let m = std::fs::metadata(ns.path()).ok()?;
+    Some(PathBuf::from(format!(
         "/run/nftkube-portmap/netns-{}-{}",
         m.dev(),
         m.ino()
-    ))
+    )))
 }
 
 fn run_with_stdin(mut cmd: std::process::Command, stdin: &Value) -> (bool, Value) {
