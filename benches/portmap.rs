@@ -186,6 +186,18 @@ impl Subject {
     }
 }
 
+impl Drop for Subject {
+    /// Removes nftkube's plugin records of the namespace (`/run/nftkube-portmap/netns-DEV-INODE`, one file
+    /// per filled container): a namespace created later may get the same inode, and must not inherit them.
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(m) = std::fs::metadata(self.ns.path()) {
+            let dir = format!("/run/nftkube-portmap/netns-{}-{}", m.dev(), m.ino());
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
 /// `$var`, or the workspace's release build of `name` (`cargo build --release --bins`; ci/bench does).
 fn release_binary(var: &str, name: &str) -> PathBuf {
     std::fs::canonicalize(nftkube_sandbox::workspace_binary(var, "release", name)).unwrap()

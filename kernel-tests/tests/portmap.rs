@@ -181,7 +181,23 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+        // The plugin's records of this namespace: a later namespace may get the same inode. (No panic in
+        // a drop that may run while a failed test unwinds.)
+        if let Some(dir) = records_dir(self.ns()) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
+}
+
+/// Where the plugin records the attachments of the namespace `ns` (by its device and inode).
+fn records_dir(ns: &NetNs) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(ns.path()).ok()?;
+    Some(PathBuf::from(format!(
+        "/run/nftkube-portmap/netns-{}-{}",
+        m.dev(),
+        m.ino()
+    )))
 }
 
 fn run_with_stdin(mut cmd: std::process::Command, stdin: &Value) -> (bool, Value) {
@@ -610,13 +626,21 @@ fn send_frame(ns: &NetNs, ifname: &str, frame: Vec<u8>) {
 
 /// ADD turns route_localnet on for 127.0.0.1 mappings, which also lets a container's packets to 127.0.0.0/8
 /// in over the bridge: the plugin's own guard drops them (no agent runs here), so a service bound to the
-/// node's loopback is out of the containers' reach. Without the guard the same packet gets there.
+/// node's loopback is out of the containers' reach, the mapped container's and a second one's on the same
+/// bridge with no mapping of its own. Without the guard the same packet gets there.
 #[test]
 fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
     let node = Node::new("pm-mart");
     let net = Network::a();
-    let c1 = Container::start("c1");
-    let prev = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (c1, c2) = (Container::start("c1"), Container::start("c2"));
+    let prev1 = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (ok, prev) = node.invoke(
+        "bridge",
+        "ADD",
+        Some((&c2, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "{prev}");
     let lo_port = 9999;
     let service = node
         .ns()
@@ -624,23 +648,31 @@ fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
         .unwrap()
         .unwrap();
     service.set_read_timeout(Some(SHORT)).unwrap();
-    let container_ip = match prev["ips"][0]["address"].as_str().unwrap().split_once('/') {
-        Some((ip, _)) => ip.parse().unwrap(),
-        None => panic!("no container address in {prev}"),
+    let address = |prev: &Value| -> std::net::Ipv4Addr {
+        match prev["ips"][0]["address"].as_str().unwrap().split_once('/') {
+            Some((ip, _)) => ip.parse().unwrap(),
+            None => panic!("no container address in {prev}"),
+        }
     };
-    let frame = udp_frame(
-        (result_mac(&prev, "eth0"), result_mac(&prev, net.bridge)),
-        std::net::SocketAddrV4::new(container_ip, 40000),
-        std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, lo_port),
-        b"martian",
-    );
+    let frame_from = |prev: &Value| {
+        udp_frame(
+            (result_mac(prev, "eth0"), result_mac(prev, net.bridge)),
+            std::net::SocketAddrV4::new(address(prev), 40000),
+            std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, lo_port),
+            b"martian",
+        )
+    };
+    let container_ip = address(&prev);
+    let frame = frame_from(&prev);
     let mut buf = [0u8; 64];
-    send_frame(&c1.ns, "eth0", frame.clone());
-    if let Ok((n, from)) = service.recv_from(&mut buf) {
-        panic!(
-            "the node's loopback service got {:?} from {from}",
-            String::from_utf8_lossy(&buf[..n])
-        );
+    for (c, frame) in [(&c1, frame_from(&prev1)), (&c2, frame.clone())] {
+        send_frame(&c.ns, "eth0", frame);
+        if let Ok((n, from)) = service.recv_from(&mut buf) {
+            panic!(
+                "the node's loopback service got {:?} from {from}",
+                String::from_utf8_lossy(&buf[..n])
+            );
+        }
     }
     // Without the guard chains the same frame reaches it: the test sends what a container could.
     node.ns()
@@ -653,7 +685,7 @@ fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
             NftSocket::open().unwrap().commit(&tx).unwrap();
         })
         .unwrap();
-    send_frame(&c1.ns, "eth0", frame);
+    send_frame(&c2.ns, "eth0", frame);
     let (n, from) = service
         .recv_from(&mut buf)
         .expect("without the guard the frame reaches the loopback service");
@@ -1202,4 +1234,297 @@ fn concurrent_adds_on_one_network_all_land() {
         let answer = tcp(node.sb.ext(), v4(node_ip_v4()), 7000 + i as u16).unwrap();
         assert_eq!(answer, format!("p{i}"));
     }
+}
+
+/// A replaced pod: the old pod's DEL and the new pod's ADD of the same hostPort run at once, each its own
+/// process, hundreds of times. The DEL chose its elements by their comment in a read; had it deleted them by
+/// key after the ADD took the key over, the new pod would lose its port with both commands exiting 0. Every
+/// round, the port's element is the new pod's, CHECK agrees, and at the end a real connection reaches it.
+#[test]
+fn a_replaced_pods_del_never_removes_the_new_pods_mapping() {
+    const ROUNDS: usize = 300;
+    let node = Node::new("pm-race");
+    let net = Network::a();
+    let maps = || json!([mapping(8080, TCP_PORT, "tcp")]);
+    let pods = [Container::start("p0"), Container::start("p1")];
+    let prevs: Vec<Value> = pods
+        .iter()
+        .map(|c| {
+            let (ok, prev) = node.invoke(
+                "bridge",
+                "ADD",
+                Some((c, "eth0")),
+                &net.bridge_conf(&node.dir),
+            );
+            assert!(ok, "{prev}");
+            prev
+        })
+        .collect();
+    let (ok, out) = node.portmap("ADD", &net, &pods[0], "eth0", &prevs[0], maps());
+    assert!(ok, "{out}");
+    let mut lost = Vec::new();
+    for round in 0..ROUNDS {
+        let (old, new) = (round % 2, (round + 1) % 2);
+        let ((del_ok, del_out), (add_ok, add_out)) = std::thread::scope(|s| {
+            let del = s.spawn(|| {
+                let conf = net.portmap_conf(Some(&prevs[old]), maps());
+                node.invoke("portmap", "DEL", Some((&pods[old], "eth0")), &conf)
+            });
+            let add = s.spawn(|| {
+                let conf = net.portmap_conf(Some(&prevs[new]), maps());
+                node.invoke("portmap", "ADD", Some((&pods[new], "eth0")), &conf)
+            });
+            (del.join().unwrap(), add.join().unwrap())
+        });
+        assert!(
+            del_ok && add_ok,
+            "round {round}: DEL {del_out}, ADD {add_out}"
+        );
+        let owners: Vec<Option<String>> = node
+            .elements(Family::Ip, "ports-net-a")
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
+        if owners != [Some(format!("{} eth0", pods[new].id))] {
+            lost.push((round, owners));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {ROUNDS} rounds lost the new pod's port: {lost:?}",
+        lost.len()
+    );
+    let last = ROUNDS % 2;
+    let (ok, out) = node.portmap("CHECK", &net, &pods[last], "eth0", &prevs[last], maps());
+    assert!(ok, "CHECK of the last pod: {out}");
+    assert_eq!(
+        node.elements(Family::Ip, "targets-net-a").len(),
+        1,
+        "only the last pod's target is left"
+    );
+    assert_eq!(
+        tcp(node.sb.ext(), v4(node_ip_v4()), 8080).unwrap(),
+        format!("p{last}")
+    );
+}
+
+/// Conditions as upstream writes them (one word per string, joined with spaces) work like the one-string
+/// form; and DEL succeeds, removing the mapping, on a configuration ADD refuses (the stock plugin's iptables
+/// conditions with a module, a non-boolean snat, unknown keys), so that the interface plugin's DEL runs after
+/// it and the address is released.
+#[test]
+fn upstreams_condition_lists_and_del_on_a_config_add_refuses() {
+    let node = Node::new("pm-conf");
+    let mut net = Network::a();
+    let ext = ext_ip_v4();
+    net.extra = json!({"conditionsV4": ["ip", "saddr", "!=", format!("{ext}/32")]});
+    let c1 = Container::start("c1");
+    let prev = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
+    let (n4, lo) = (v4(node_ip_v4()), IpAddr::from([127, 0, 0, 1]));
+    assert_unanswered(
+        tcp_short(node.sb.ext(), n4, 8080),
+        "the client the condition leaves out",
+    );
+    assert_eq!(
+        tcp(node.ns(), lo, 8080).unwrap(),
+        "c1",
+        "from the node: not that client"
+    );
+
+    let mut stock = net.portmap_conf(Some(&prev), json!([mapping(8080, TCP_PORT, "tcp")]));
+    stock["conditionsV4"] = json!(["-m", "comment", "--comment", "from the stock plugin"]);
+    let (ok, out) = node.invoke("portmap", "ADD", Some((&c1, "eth0")), &stock);
+    assert!(
+        !ok && out["msg"].as_str().unwrap().contains("\"-m\""),
+        "ADD must refuse it: {out}"
+    );
+    stock["snat"] = json!("yes");
+    stock["someRuntimeKey"] = json!({"x": [1]});
+    let (ok, out) = node.invoke("portmap", "DEL", Some((&c1, "eth0")), &stock);
+    assert!(ok, "DEL must not fail on what it does not need: {out}");
+    assert!(node.elements(Family::Ip, "ports-net-a").is_empty());
+    assert_unanswered(tcp_short(node.ns(), lo, 8080), "the port after DEL");
+    let (ok, out) = node.invoke(
+        "bridge",
+        "DEL",
+        Some((&c1, "eth0")),
+        &net.bridge_conf(&node.dir),
+    );
+    assert!(ok, "bridge DEL: {out}");
+    let mut gc = stock;
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let (ok, out) = node.invoke("portmap", "GC", None, &gc);
+    assert!(ok, "GC must not fail on what it does not need: {out}");
+}
+
+/// Deletes the plugin's tables in the node's namespace, as `nft flush ruleset` in a firewall reload does.
+fn flush_plugin_tables(node: &Node) {
+    node.ns()
+        .run(|| {
+            let mut tx = Transaction::default();
+            for family in [Family::Ip, Family::Ip6] {
+                tx.push(family, TABLE, Op::DeleteTable);
+            }
+            NftSocket::open().unwrap().commit(&tx).unwrap();
+        })
+        .unwrap();
+}
+
+/// Runs `nftkube-portmap restore` in the node's namespace; its success and output.
+fn restore(node: &Node) -> (bool, String) {
+    let out = command_in(node.ns(), portmap_bin())
+        .arg("restore")
+        .output()
+        .expect("running nftkube-portmap restore");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A firewall reload deletes the plugin's tables: one command (`nftkube-portmap restore`, what the systemd
+/// unit runs) brings back the mappings of every attachment whose last command was a successful ADD, with
+/// their conditions and hairpin, and not those of an attachment DELeted while the tables were gone. Run again,
+/// or while the tables are intact, it changes nothing; racing DELs and ADDs, it never brings back what a DEL
+/// removed.
+#[test]
+fn restore_after_a_flush_brings_back_what_was_not_deleted() {
+    let node = Node::new("pm-restore");
+    let net = Network::a();
+    let (c1, c2, c3) = (
+        Container::start("c1"),
+        Container::start("c2"),
+        Container::start("c3"),
+    );
+    let prev1 = node.attach(
+        &net,
+        &c1,
+        "eth0",
+        json!([
+            mapping(8081, TCP_PORT, "tcp"),
+            mapping(8053, UDP_PORT, "udp")
+        ]),
+    );
+    let prev2 = node.attach(&net, &c2, "eth0", json!([mapping(8082, TCP_PORT, "tcp")]));
+    let prev3 = node.attach(&net, &c3, "eth0", json!([mapping(8083, TCP_PORT, "tcp")]));
+    let (ext, n4) = (node.sb.ext(), v4(node_ip_v4()));
+    let lo = IpAddr::from([127, 0, 0, 1]);
+    assert_eq!(tcp(ext, n4, 8082).unwrap(), "c2");
+
+    flush_plugin_tables(&node);
+    assert_unanswered(tcp_short(ext, n4, 8081), "after the flush");
+    // c2 goes away while the tables are gone: its DEL finds nothing, and must be remembered all the same.
+    node.detach(
+        &net,
+        &c2,
+        "eth0",
+        &prev2,
+        json!([mapping(8082, TCP_PORT, "tcp")]),
+    );
+
+    let (ok, out) = restore(&node);
+    assert!(ok, "restore: {out}");
+    assert!(out.contains("2 attachments"), "{out}");
+    assert_listable(node.ns());
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+    assert_eq!(udp(ext, n4, 8053).unwrap(), "c1");
+    assert_eq!(tcp(ext, n4, 8083).unwrap(), "c3");
+    assert_eq!(
+        tcp(node.ns(), lo, 8083).unwrap(),
+        "c3",
+        "127.0.0.1 and its SNAT too"
+    );
+    assert_unanswered(
+        tcp_short(ext, n4, 8082),
+        "c2, deleted while the tables were gone",
+    );
+    for (c, prev, maps) in [
+        (
+            &c1,
+            &prev1,
+            json!([
+                mapping(8081, TCP_PORT, "tcp"),
+                mapping(8053, UDP_PORT, "udp")
+            ]),
+        ),
+        (&c3, &prev3, json!([mapping(8083, TCP_PORT, "tcp")])),
+    ] {
+        let (ok, out) = node.portmap("CHECK", &net, c, "eth0", prev, maps);
+        assert!(ok, "CHECK after restore: {out}");
+    }
+    let before = node.elements(Family::Ip, "ports-net-a");
+    let (ok, out) = restore(&node);
+    assert!(ok, "restore again: {out}");
+    assert_eq!(
+        node.elements(Family::Ip, "ports-net-a"),
+        before,
+        "a restore of intact tables changes nothing"
+    );
+
+    // Restores racing a DEL: whichever runs first, c3's mapping is gone once the DEL returned.
+    flush_plugin_tables(&node);
+    std::thread::scope(|s| {
+        let r = s.spawn(|| restore(&node));
+        let conf = net.portmap_conf(Some(&prev3), json!([mapping(8083, TCP_PORT, "tcp")]));
+        let (ok, out) = node.invoke("portmap", "DEL", Some((&c3, "eth0")), &conf);
+        assert!(ok, "DEL: {out}");
+        let (ok, out) = r.join().unwrap();
+        assert!(ok, "restore: {out}");
+    });
+    let (ok, out) = restore(&node);
+    assert!(ok, "{out}");
+    assert_unanswered(tcp_short(ext, n4, 8083), "c3 after its DEL");
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+}
+
+/// Where the agent runs, no command is needed: after the plugin's tables are deleted (a firewall reload), the
+/// agent puts the recorded mappings back within a second, and again after a second flush, but not those of an
+/// attachment DELeted while the tables were gone.
+#[test]
+fn the_agent_restores_the_mappings_within_a_second_of_a_flush() {
+    let node = Node::new("pm-agent");
+    let net = Network::a();
+    let (c1, c2) = (Container::start("c1"), Container::start("c2"));
+    let _ = node.attach(&net, &c1, "eth0", json!([mapping(8081, TCP_PORT, "tcp")]));
+    let prev2 = node.attach(&net, &c2, "eth0", json!([mapping(8082, TCP_PORT, "tcp")]));
+    let manifests = Manifests::examples();
+    let agent = Agent::start(node.ns(), &manifests.dir, &[]);
+    agent.wait_syncs(1, Duration::from_secs(20));
+    let (ext, n4) = (node.sb.ext(), v4(node_ip_v4()));
+    let ports = |node: &Node| node.elements(Family::Ip, "ports-net-a").len();
+
+    // The agent alone, timed from the flush.
+    let flushed = std::time::Instant::now();
+    flush_plugin_tables(&node);
+    let took = wait_until(Duration::from_secs(1), || ports(&node) == 2)
+        .map(|_| flushed.elapsed())
+        .unwrap_or_else(|_| panic!("not restored within 1 s of the flush:\n{}", agent.log()));
+    assert_eq!(tcp(ext, n4, 8082).unwrap(), "c2", "restored after {took:?}");
+
+    // A DEL while the tables are gone is not undone by the next restore.
+    flush_plugin_tables(&node);
+    node.detach(
+        &net,
+        &c2,
+        "eth0",
+        &prev2,
+        json!([mapping(8082, TCP_PORT, "tcp")]),
+    );
+    wait_until(Duration::from_secs(2), || ports(&node) == 1).unwrap_or_else(|_| {
+        panic!(
+            "not restored after the second flush: {:?}\n{}",
+            node.elements(Family::Ip, "ports-net-a"),
+            agent.log()
+        )
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(ports(&node), 1, "c2 came back");
+    assert_eq!(tcp(ext, n4, 8081).unwrap(), "c1");
+    assert_unanswered(
+        tcp_short(ext, n4, 8082),
+        "c2, deleted while the tables were gone",
+    );
+    assert_listable(node.ns());
 }

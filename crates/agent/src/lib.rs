@@ -4,6 +4,7 @@
 
 mod kube_proxy;
 mod node_addresses;
+mod portmap_restore;
 mod quarantine;
 mod run;
 pub mod runner;
@@ -184,6 +185,8 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     engine.set_max_transaction_elements(opts.max_transaction_elements);
     // Stopped and joined when dropped, whichever way this function returns.
     let monitor = start_monitor(&mut engine, bell.notifier(Wake::Drift))?;
+    // The CNI portmap plugin's tables, back after a firewall reload; stopped when dropped.
+    let _portmap = portmap_restore::PortmapRestore::start()?;
     // NodePorts on loopback, when asked for, through the relay (after each sync).
     let localhost = nftkube_relay::LocalhostNodePorts::start(&opts.nodeport.cidrs(), &opts.relay)?;
     // Userspace mode: the relay serves the services, nf_tables only redirects to it.

@@ -20,6 +20,27 @@ pub struct FakeKernel {
     /// When set, every commit that adds an element whose key or value holds these bytes, or a chain whose
     /// name does, fails with this errno on that change, as the kernel refuses an object it cannot hold.
     pub refuse: Option<(Vec<u8>, i32)>,
+    /// The ruleset generation: one more with every commit that changed something, as the kernel counts.
+    pub generation: u32,
+    /// Element comments (their user data), by family, table, set and key.
+    pub comments: BTreeMap<(Family, String, String, ElementBytes), String>,
+    /// When set, committed as another process's batch just before the next [`FakeKernel::commit_at`] is
+    /// checked: the competing change that lands between a command's read and its commit.
+    pub interleave: Option<Transaction>,
+}
+
+/// The kernel's answer to a batch whose generation moved: ERESTART on BATCH_BEGIN, nothing applied.
+fn generation_moved() -> CommitError {
+    CommitError {
+        failures: vec![(
+            None,
+            NetlinkError::Batch {
+                seq: 0,
+                errno: libc::ERESTART,
+                ext_ack: None,
+            },
+        )],
+    }
 }
 
 fn fail(i: usize, errno: i32, what: String) -> CommitError {
@@ -48,6 +69,72 @@ fn adds(change: &super::tx::Change, bytes: &[u8]) -> bool {
 }
 
 impl FakeKernel {
+    /// As `NftSocket::commit_at`: applies `tx` only if the generation is still `generation` (after the
+    /// `interleave`d batch, if one is waiting), and refuses all of it with ERESTART otherwise.
+    pub fn commit_at(&mut self, tx: &Transaction, generation: u32) -> Result<usize, CommitError> {
+        if let Some(competing) = self.interleave.take() {
+            self.commit(&competing)?;
+        }
+        if tx.is_empty() {
+            return Ok(0);
+        }
+        if generation != self.generation {
+            return Err(generation_moved());
+        }
+        self.commit(tx)
+    }
+
+    /// The elements of one set with their comments, as `NftSocket::dump_set_commented` reads them.
+    pub fn read_set_commented(
+        &self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Vec<(Element, Option<String>)> {
+        let Some(s) = self
+            .tables
+            .get(&(family, table.to_owned()))
+            .and_then(|t| t.sets.get(set))
+        else {
+            return Vec::new();
+        };
+        s.elements
+            .iter()
+            .map(|e| {
+                let key = (family, table.to_owned(), set.to_owned(), e.key.clone());
+                (e.clone(), self.comments.get(&key).cloned())
+            })
+            .collect()
+    }
+
+    /// Keeps `comments` in step with a committed transaction.
+    fn record_comments(&mut self, tx: &Transaction) {
+        for c in &tx.changes {
+            let key =
+                |set: &str, e: &Element| (c.family, c.table.clone(), set.to_owned(), e.key.clone());
+            match &c.op {
+                Op::AddCommentedElements { set, elements } => {
+                    for e in elements {
+                        self.comments
+                            .insert(key(set, &e.element), e.comment.clone());
+                    }
+                }
+                Op::DeleteElements { set, elements } => {
+                    for e in elements {
+                        self.comments.remove(&key(set, e));
+                    }
+                }
+                Op::DeleteSet(set) => self
+                    .comments
+                    .retain(|(f, t, s, _), _| (*f, t, s) != (c.family, &c.table, set)),
+                Op::DeleteTable => self
+                    .comments
+                    .retain(|(f, t, _, _), _| (*f, t) != (c.family, &c.table)),
+                _ => {}
+            }
+        }
+    }
+
     fn apply(
         tables: &mut BTreeMap<(Family, String), TableState>,
         tx: &Transaction,
@@ -263,6 +350,10 @@ impl Backend for FakeKernel {
         let mut next = self.tables.clone();
         Self::apply(&mut next, tx)?;
         self.tables = next;
+        self.record_comments(tx);
+        if !tx.is_empty() {
+            self.generation = self.generation.wrapping_add(1);
+        }
         self.committed.push(tx.clone());
         Ok(tx.changes.len())
     }

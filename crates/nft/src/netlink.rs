@@ -101,12 +101,30 @@ impl NftSocket {
 
     /// Applies the transaction atomically. Returns the number of bytes sent.
     pub fn commit(&mut self, tx: &Transaction) -> Result<usize, CommitError> {
+        self.send_batch(tx, None)
+    }
+
+    /// Applies the transaction atomically if the ruleset is still at `generation` (as [`Self::generation`]
+    /// read it before the state the transaction was planned from): when anyone committed since, the kernel
+    /// refuses the whole batch with ERESTART and nothing of it is applied. For read-plan-commit cycles whose
+    /// plan is only right for what they read, such as deleting elements chosen by their comment: deletion is
+    /// by key, and the key may meanwhile belong to someone else.
+    pub fn commit_at(&mut self, tx: &Transaction, generation: u32) -> Result<usize, CommitError> {
+        self.send_batch(tx, Some(generation))
+    }
+
+    fn send_batch(
+        &mut self,
+        tx: &Transaction,
+        generation: Option<u32>,
+    ) -> Result<usize, CommitError> {
         if tx.is_empty() {
             return Ok(0);
         }
         let n = wire::seq_count(tx);
         let first = self.sock.reserve_seq(n);
-        let batch = wire::encode_batch(tx, first).map_err(|e| CommitError::one(None, e.into()))?;
+        let batch = wire::encode_batch_at(tx, first, generation)
+            .map_err(|e| CommitError::one(None, e.into()))?;
         let expect = Expect::Acks {
             first,
             last: first.wrapping_add(n - 1),

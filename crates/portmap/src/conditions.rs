@@ -1,15 +1,18 @@
 //! `conditionsV4` / `conditionsV6`: a documented subset of nft's match syntax, parsed into typed matches that
 //! become IR expressions. Nothing is passed to the kernel (or to nft) as text.
 //!
-//! Each string of the list holds one or more matches separated by white space; all matches of all strings
-//! must hold (AND) for the network's port mappings to apply. The grammar:
+//! The list's strings are joined with spaces, as upstream joins them: one string may hold several matches
+//! (`["ip saddr 10.0.0.0/8 iifname eth0"]`), or each string one word (`["ip", "saddr", "10.0.0.0/8"]`). All
+//! matches must hold (AND) for the network's port mappings to apply. The grammar:
 //!
 //! ```text
-//! match   := addr | ifname | mark
+//! match   := addr | ifname | mark | iptables
 //! addr    := ("ip" | "ip6") ("saddr" | "daddr") [op] ADDRESS ["/" PREFIX]
 //! ifname  := "iifname" [op] NAME          NAME may be quoted; a trailing "*" matches a prefix
 //! mark    := "meta" "mark" [op] NUMBER    decimal or 0x hexadecimal
 //! op      := "==" | "!="
+//! iptables := ["!"] ("-s" | "--source" | "-d" | "--destination") ADDRESS ["/" PREFIX]
+//!           | ["!"] ("-i" | "--in-interface") NAME        a trailing "+" matches a prefix
 //! ```
 //!
 //! `ip` matches are allowed in `conditionsV4` only, `ip6` in `conditionsV6` only. Parsing is linear in the
@@ -103,40 +106,42 @@ pub(crate) fn list_name(family: Family) -> &'static str {
     }
 }
 
-/// Parses every string of a conditions list for a table of `family`.
+/// Parses a conditions list for a table of `family`. The strings are read as one sequence of words, as
+/// upstream joins them with spaces: `["ip saddr 1.2.3.4"]` and `["ip", "saddr", "1.2.3.4"]` are the same
+/// condition, and a match may span strings. Blank strings add nothing.
 pub(crate) fn parse(family: Family, conditions: &[String]) -> Result<Vec<Match>, ConditionError> {
+    let words: Vec<(&str, usize)> = conditions
+        .iter()
+        .enumerate()
+        .flat_map(|(index, text)| text.split_whitespace().map(move |w| (w, index)))
+        .collect();
+    let mut p = Parser {
+        words: &words,
+        at: 0,
+        family,
+    };
     let mut out = Vec::new();
-    for (index, text) in conditions.iter().enumerate() {
-        let fail = |reason: String| ConditionError {
+    while p.at < words.len() {
+        let m = p.one().map_err(|reason| ConditionError {
             list: list_name(family),
-            index,
+            index: p.index(),
             reason,
-        };
-        let words: Vec<&str> = text.split_whitespace().collect();
-        if words.is_empty() {
-            return Err(fail("empty condition".into()));
-        }
-        let mut p = Parser {
-            words: &words,
-            at: 0,
-            family,
-        };
-        while p.at < words.len() {
-            out.push(p.one().map_err(fail)?);
-        }
+        })?;
+        out.push(m);
     }
     Ok(out)
 }
 
 struct Parser<'a> {
-    words: &'a [&'a str],
+    /// Every word of the list, with the index of the string it is in.
+    words: &'a [(&'a str, usize)],
     at: usize,
     family: Family,
 }
 
 impl<'a> Parser<'a> {
     fn next(&mut self, what: &str) -> Result<&'a str, String> {
-        let w = self
+        let (w, _) = self
             .words
             .get(self.at)
             .ok_or_else(|| format!("ends where {what} was expected"))?;
@@ -144,14 +149,21 @@ impl<'a> Parser<'a> {
         Ok(w)
     }
 
+    /// The index of the string holding the last word read (the one at fault when reading fails).
+    fn index(&self) -> usize {
+        self.words
+            .get(self.at.saturating_sub(1))
+            .map_or(0, |(_, i)| *i)
+    }
+
     /// An optional `==` / `!=`: whether it negates.
     fn op(&mut self) -> bool {
-        match self.words.get(self.at) {
-            Some(&"!=") => {
+        match self.words.get(self.at).map(|(w, _)| *w) {
+            Some("!=") => {
                 self.at += 1;
                 true
             }
-            Some(&"==") => {
+            Some("==") => {
                 self.at += 1;
                 false
             }
@@ -164,6 +176,11 @@ impl<'a> Parser<'a> {
         match word {
             "ip" | "ip6" => self.addr(word),
             "iifname" => self.iifname(),
+            "!" => self.iptables(true),
+            w if w.starts_with('-') => {
+                self.at -= 1;
+                self.iptables(false)
+            }
             "meta" => match self.next("a meta key")? {
                 "mark" => self.mark(),
                 "iifname" => self.iifname(),
@@ -185,14 +202,25 @@ impl<'a> Parser<'a> {
                 if v6 { "conditionsV6" } else { "conditionsV4" }
             ));
         }
-        let field = match (self.next("saddr or daddr")?, v6) {
-            ("saddr", false) => Field::IpSaddr,
-            ("daddr", false) => Field::IpDaddr,
-            ("saddr", true) => Field::Ip6Saddr,
-            ("daddr", true) => Field::Ip6Daddr,
-            (other, _) => return Err(format!("{proto} {other:?}: expected saddr or daddr")),
+        let source = match self.next("saddr or daddr")? {
+            "saddr" => true,
+            "daddr" => false,
+            other => return Err(format!("{proto} {other:?}: expected saddr or daddr")),
         };
         let negate = self.op();
+        self.address(source, negate)
+    }
+
+    /// `ADDRESS[/PREFIX]` of the list's family, for the source or destination field.
+    fn address(&mut self, source: bool, negate: bool) -> Result<Match, String> {
+        let v6 = self.family == Family::Ip6;
+        let proto = if v6 { "ip6" } else { "ip" };
+        let field = match (source, v6) {
+            (true, false) => Field::IpSaddr,
+            (false, false) => Field::IpDaddr,
+            (true, true) => Field::Ip6Saddr,
+            (false, true) => Field::Ip6Daddr,
+        };
         let text = self.next("an address")?;
         let (addr, prefix) = match text.split_once('/') {
             Some((a, p)) => (a, Some(p)),
@@ -228,19 +256,28 @@ impl<'a> Parser<'a> {
             .strip_prefix('"')
             .and_then(|r| r.strip_suffix('"'))
             .unwrap_or(raw);
-        let (name, prefix) = match name.strip_suffix('*') {
-            Some(n) => (n, true),
-            None => (name, false),
-        };
-        let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
-        if name.is_empty() || name.len() > 15 || !name.chars().all(valid) {
-            return Err(format!("{raw:?} is not an interface name"));
+        interface(raw, name, '*', negate)
+    }
+
+    /// iptables syntax (the stock plugin's iptables backend passes the words to iptables): the three options
+    /// that say the same as a match of this grammar are read as it, `[!] -s|--source ADDR[/LEN]`,
+    /// `[!] -d|--destination ADDR[/LEN]` and `[!] -i|--in-interface NAME[+]`. Any other option is refused:
+    /// iptables' modules (`-m ...`), protocols and ports have no typed match here, and reading part of a
+    /// condition would map ports for traffic the author meant to leave out.
+    fn iptables(&mut self, negate: bool) -> Result<Match, String> {
+        let option = self.next("an iptables option after \"!\"")?;
+        match option {
+            "-s" | "--source" => self.address(true, negate),
+            "-d" | "--destination" => self.address(false, negate),
+            "-i" | "--in-interface" => {
+                let raw = self.next("an interface name")?;
+                interface(raw, raw, '+', negate)
+            }
+            other => Err(format!(
+                "iptables option {other:?} is not supported (of iptables syntax only [!] -s, -d and -i are read; \
+                 write nft syntax: ip saddr, ip daddr, iifname, meta mark)"
+            )),
         }
-        Ok(Match::IifName {
-            name: name.into(),
-            prefix,
-            negate,
-        })
     }
 
     fn mark(&mut self) -> Result<Match, String> {
@@ -253,6 +290,24 @@ impl<'a> Parser<'a> {
         .map_err(|_| format!("{text:?} is not a 32-bit mark"))?;
         Ok(Match::Mark { value, negate })
     }
+}
+
+/// An interface name match; `raw` as written (for errors), `name` unquoted, `wildcard` the suffix that makes
+/// it a prefix (nft's `*`, iptables' `+`).
+fn interface(raw: &str, name: &str, wildcard: char, negate: bool) -> Result<Match, String> {
+    let (name, prefix) = match name.strip_suffix(wildcard) {
+        Some(n) => (n, true),
+        None => (name, false),
+    };
+    let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 15 || !name.chars().all(valid) {
+        return Err(format!("{raw:?} is not an interface name"));
+    }
+    Ok(Match::IifName {
+        name: name.into(),
+        prefix,
+        negate,
+    })
 }
 
 #[cfg(test)]
@@ -289,8 +344,66 @@ mod tests {
                 },
             ]
         );
+        let tokens = p4(&[
+            "ip",
+            "saddr",
+            "!=",
+            "10.0.0.0/8",
+            "",
+            "iifname",
+            "\"eth*\"",
+            "meta mark",
+            "0x10",
+        ])
+        .unwrap();
+        assert_eq!(tokens, m, "upstream's one word per string reads the same");
+        assert_eq!(p4(&["", "  "]).unwrap(), [], "blank strings add nothing");
         let v6 = parse(Family::Ip6, &["ip6 daddr fd00::1".to_string()]).unwrap();
         assert!(matches!(v6[0], Match::Addr { prefix: 128, .. }));
+    }
+
+    /// The stock plugin's iptables-syntax source, destination and input interface read as their nft
+    /// equivalents; every other iptables option is refused, naming it.
+    #[test]
+    fn iptables_syntax_reads_the_three_options_and_refuses_the_rest() {
+        let ipt = p4(&[
+            "!",
+            "-s",
+            "10.0.0.0/8",
+            "-i",
+            "eth+",
+            "--destination 1.2.3.4",
+        ])
+        .unwrap();
+        let nft = p4(&["ip saddr != 10.0.0.0/8 iifname eth* ip daddr 1.2.3.4"]).unwrap();
+        assert_eq!(ipt, nft);
+        let v6 = parse(Family::Ip6, &["-d".to_string(), "fd00::/8".to_string()]).unwrap();
+        assert!(matches!(
+            v6[0],
+            Match::Addr {
+                field: Field::Ip6Daddr,
+                prefix: 8,
+                ..
+            }
+        ));
+        for (input, want) in [
+            (
+                &["-p", "tcp"][..],
+                "conditionsV4[0]: iptables option \"-p\" is not supported",
+            ),
+            (&["-m", "mark", "--mark", "0x10"], "iptables option \"-m\""),
+            (&["-o", "eth0"], "iptables option \"-o\""),
+            (&["-s", "1.2.3.4,5.6.7.8"], "not an address"),
+            (&["-s", "10.0.0.0/255.0.0.0"], "prefix length"),
+            (&["-i", "eth*"], "not an interface name"),
+            (
+                &["ip saddr 1.2.3.4", "!"],
+                "conditionsV4[1]: ends where an iptables option",
+            ),
+        ] {
+            let e = p4(input).unwrap_err().to_string();
+            assert!(e.contains(want), "{input:?}: {e}");
+        }
     }
 
     #[test]
@@ -306,7 +419,11 @@ mod tests {
             (&["ip saddr fd00::1"], "not an ip address"),
             (&["meta mark zz"], "not a 32-bit mark"),
             (&["iifname a/b"], "not an interface name"),
-            (&["  "], "empty condition"),
+            (&["ip", "saddr"], "conditionsV4[1]: ends where an address"),
+            (
+                &["ip", "saddr", "1.2.3.4", "tcp"],
+                "conditionsV4[3]: \"tcp\"",
+            ),
             (&["ip saddr 1.2.3.4; drop"], "not an address"),
         ];
         for (input, want) in cases {

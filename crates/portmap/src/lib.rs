@@ -1,5 +1,6 @@
 //! The CNI portmap plugin on nf_tables: hostPorts mapped to containers through maps in its own tables
-//! (`ip nftkube-portmap`, `ip6 nftkube-portmap`), with the kernel as its only record.
+//! (`ip nftkube-portmap`, `ip6 nftkube-portmap`). The kernel is what every command reads; a file per attachment
+//! keeps what ADD succeeded with, only to put it back after a firewall reload.
 //!
 //! Its binary, `nftkube-portmap`, is what a runtime runs (installed as `portmap` in its CNI_PATH); the nftkube
 //! binary still speaks the protocol when invoked as `portmap` or `nftkube-portmap` (a symlink or a copy) and as
@@ -9,16 +10,20 @@
 //! - [`netconf`]: the configuration on stdin, typed;
 //! - [`conditions`]: `conditionsV4/V6`, a subset of nft match syntax parsed into IR;
 //! - [`render`]: the objects of a network and the elements of an attachment;
+//! - `kernel`: the reads and the generation-checked commit, over netlink or on the fake kernel;
 //! - `state`: reading them back and planning one batch;
 //! - `flows`: UDP conntrack cleanup;
-//! - `plugin`: the commands.
+//! - `records`: what ADD succeeded with, kept until DEL or GC, for `restore` after a firewall reload;
+//! - `plugin`: the commands, and `restore`.
 #![forbid(unsafe_code)]
 
 pub mod cni;
 pub mod conditions;
 mod flows;
+mod kernel;
 pub mod netconf;
 mod plugin;
+mod records;
 pub mod render;
 mod state;
 
@@ -52,4 +57,34 @@ pub fn main() -> u8 {
     }
     let _ = stdout.flush();
     u8::from(!out.ok)
+}
+
+/// The plugin's table, in each family.
+pub const TABLE: &str = render::TABLE;
+
+/// What `nftkube-portmap restore` does, for the agent: None when the plugin never recorded anything in this
+/// network namespace (and nothing is created), otherwise how many attachments were restored, or what failed.
+pub fn restore_recorded() -> Option<Result<usize, Vec<String>>> {
+    records::any().then(plugin::restore)
+}
+
+/// `nftkube-portmap restore`: puts back the mappings of every attachment recorded in this network namespace
+/// (after a firewall reload deleted the plugin's tables); prints what it did. Returns the exit status.
+pub fn restore_main() -> u8 {
+    match plugin::restore() {
+        Ok(n) => {
+            let _ = writeln!(
+                std::io::stdout(),
+                "nftkube-portmap restore: {n} attachments' mappings in place"
+            );
+            0
+        }
+        Err(failed) => {
+            let mut err = std::io::stderr().lock();
+            for f in &failed {
+                let _ = writeln!(err, "nftkube-portmap restore: {f}");
+            }
+            1
+        }
+    }
 }

@@ -163,19 +163,54 @@ fn invalid(msg: impl Into<String>) -> CniError {
     CniError::new(code::INVALID_CONFIG, msg)
 }
 
-/// Parses stdin. The version is checked first, so that a runtime speaking another version hears so.
-pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+/// The configuration as a JSON object, and the version it is answered in. The version is checked first, so
+/// that a runtime speaking another version hears so.
+fn document(stdin: &[u8]) -> Result<(Map<String, Value>, String), CniError> {
     let v: Value = serde_json::from_slice(stdin).map_err(|e| {
         CniError::new(code::DECODE_FAILURE, "network configuration: not JSON")
             .with_details(e.to_string())
     })?;
-    let obj = v.as_object().ok_or_else(|| {
+    let not_object = || {
         CniError::new(
             code::DECODE_FAILURE,
             "network configuration: not a JSON object",
         )
-    })?;
+    };
+    if !v.is_object() {
+        return Err(not_object());
+    }
     let cni_version = negotiate_version(&v)?;
+    let Value::Object(obj) = v else {
+        return Err(not_object());
+    };
+    Ok((obj, cni_version))
+}
+
+/// What DEL and GC read of the configuration, and nothing more: they find an attachment's elements by the
+/// network's name and their comments, so conditions, SNAT settings, port mappings and unknown keys cannot
+/// make them fail. That matters: libcni stops a chained DEL at the first plugin that fails, and portmap's
+/// DEL runs before the interface and IPAM plugins', which would never release the container's address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Removal {
+    /// The network's name; None when it is not one ADD accepts (then the plugin has nothing of it).
+    pub(crate) name: Option<String>,
+    /// GC: `cni.dev/valid-attachments` (checked by GC, which needs it).
+    pub(crate) valid_attachments: Option<Vec<Attachment>>,
+}
+
+/// Parses stdin for DEL or GC: only the version, the name and (for GC) the valid attachments.
+pub(crate) fn parse_removal(stdin: &[u8], gc: bool) -> Result<Removal, CniError> {
+    let (obj, _) = document(stdin)?;
+    Ok(Removal {
+        name: network_name(&obj).ok(),
+        valid_attachments: if gc { valid_attachments(&obj)? } else { None },
+    })
+}
+
+/// Parses stdin for ADD, CHECK and STATUS: everything, strictly.
+pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+    let (obj, cni_version) = document(stdin)?;
+    let obj = &obj;
     if obj.contains_key("externalSetMarkChain") {
         return Err(CniError::new(
             code::UNSUPPORTED_FIELD,
@@ -483,6 +518,40 @@ mod tests {
         assert_eq!(
             prev.container_subnet(Family::Ip6).unwrap().to_string(),
             "fd00::/64"
+        );
+    }
+
+    /// DEL and GC read past everything ADD would refuse: iptables conditions, wrong types, an iptables
+    /// chain, unknown keys, a broken prevResult. GC still needs its list, and a name ADD would refuse is no
+    /// network of ours.
+    #[test]
+    fn del_and_gc_read_only_the_name_and_the_attachments() {
+        let hostile = conf(json!({
+            "conditionsV4": ["-m", "comment", "--comment", "x"], "conditionsV6": "nope",
+            "snat": "yes", "masqAll": 3, "markMasqBit": 99, "externalSetMarkChain": "KUBE-MARK",
+            "unknown": {"deep": [1]}, "prevResult": [], "runtimeConfig": {"portMappings": 7},
+        }));
+        let bytes = hostile.to_string();
+        assert!(parse(bytes.as_bytes()).is_err(), "ADD refuses it");
+        let del = parse_removal(bytes.as_bytes(), false).unwrap();
+        assert_eq!(del.name.as_deref(), Some("net1"));
+        let gc = parse_removal(bytes.as_bytes(), true).unwrap();
+        assert_eq!(gc.valid_attachments, None, "absent: GC says so itself");
+        let mut with = hostile.clone();
+        with["cni.dev/valid-attachments"] = json!([{"containerID": "c1", "ifname": "eth0"}]);
+        let gc = parse_removal(with.to_string().as_bytes(), true).unwrap();
+        assert_eq!(gc.valid_attachments.map(|v| v.len()), Some(1));
+        let mut bad_name = hostile;
+        bad_name["name"] = json!("no spaces allowed");
+        assert_eq!(
+            parse_removal(bad_name.to_string().as_bytes(), false)
+                .unwrap()
+                .name,
+            None
+        );
+        assert!(
+            parse_removal(b"[]", false).is_err(),
+            "not a configuration at all"
         );
     }
 

@@ -3,7 +3,9 @@
 
 use super::cni::{self, code, Attachment, CniError, Command, Env};
 use super::flows::{self, HostPort};
+use super::kernel::Kernel;
 use super::netconf::{self, NetConf, Protocol};
+use super::records::Records;
 use super::render::{self, Names, Wanted, FAMILIES};
 use super::state::{self, NetworkView, Removed};
 use nftkube_nft::ir::{Element, Family};
@@ -41,21 +43,48 @@ fn dispatch(env: &Env, stdin: &[u8]) -> Result<String, CniError> {
     if env.command == Command::Version {
         return Ok(cni::version_info());
     }
-    let conf = netconf::parse(stdin)?;
     let attachment = || env.attachment.clone().expect("read_env requires it");
+    // DEL and GC read only what they need: see `netconf::Removal`.
+    if matches!(env.command, Command::Del | Command::Gc) {
+        let conf = netconf::parse_removal(stdin, env.command == Command::Gc)?;
+        let Some(name) = &conf.name else {
+            // No network ADD accepts, so nothing of it to remove.
+            return Ok(String::new());
+        };
+        let names = Names::of(name);
+        let records = Records::lock()?;
+        let mut sock = open()?;
+        if env.command == Command::Del {
+            del(&mut sock, &names, &attachment())?;
+            records.remove(name, &attachment())?;
+        } else {
+            let valid = conf.valid_attachments.as_deref();
+            gc(&mut sock, &names, valid)?;
+            forget_invalid(&records, name, valid.unwrap_or_default())?;
+        }
+        return Ok(String::new());
+    }
+    let conf = netconf::parse(stdin)?;
     match env.command {
-        Command::Add => add(&conf, &attachment()),
-        Command::Del => del(&conf, &attachment()).map(|()| String::new()),
-        Command::Check => check(&conf, &attachment()).map(|()| String::new()),
-        Command::Gc => gc(&conf).map(|()| String::new()),
+        Command::Add => {
+            let records = Records::lock()?;
+            let result = add(&mut open()?, &conf, &attachment())?;
+            if !conf.port_mappings.is_empty() {
+                records.write(&conf.name, &attachment(), stdin)?;
+            }
+            Ok(result)
+        }
+        Command::Check => check(&mut open()?, &conf, &attachment()).map(|()| String::new()),
         Command::Status => status().map(|()| String::new()),
-        Command::Version => unreachable!(),
+        Command::Version | Command::Del | Command::Gc => unreachable!("answered above"),
     }
 }
 
-/// How many times a command reads, plans and commits again when a concurrent invocation changed the same
-/// objects in between (the kernel then refuses the batch, and nothing of it is applied).
-const ATTEMPTS: usize = 5;
+/// How many times a command reads, plans and commits: again whenever anyone committed between its read and
+/// its commit (the kernel then refuses the whole batch). Each lost round means another invocation (or the
+/// agent) committed, so the bound only trips under a storm of commits: it covers dozens of pods started at
+/// once on one node.
+const ATTEMPTS: u32 = 40;
 
 fn open() -> Result<NftSocket, CniError> {
     NftSocket::open().map_err(|e| {
@@ -64,8 +93,8 @@ fn open() -> Result<NftSocket, CniError> {
     })
 }
 
-fn read(sock: &mut NftSocket, family: Family, names: &Names) -> Result<NetworkView, CniError> {
-    state::read(sock, family, names).map_err(|e| {
+fn read(k: &mut impl Kernel, family: Family, names: &Names) -> Result<NetworkView, CniError> {
+    state::read(k, family, names).map_err(|e| {
         CniError::new(
             code::IO_FAILURE,
             format!("reading table {} {}", family.as_str(), render::TABLE),
@@ -74,27 +103,32 @@ fn read(sock: &mut NftSocket, family: Family, names: &Names) -> Result<NetworkVi
     })
 }
 
-/// Reads, plans with `plan` and commits, again while concurrent changes make the batch fail.
+/// Reads, plans with `plan` and commits, checked against the generation the read saw: the plan deletes by
+/// key what it chose by comment, and a key another invocation took over since (a replaced pod's hostPort
+/// given to the new pod) must not be deleted. When anyone committed in between, the kernel refuses the
+/// whole batch (ERESTART) and the command reads and plans again.
 fn transact(
+    k: &mut impl Kernel,
     names: &Names,
     mut plan: impl FnMut(&mut Transaction, Family, &NetworkView) -> Result<Removed, CniError>,
 ) -> Result<Vec<(Family, Removed)>, CniError> {
-    let mut sock = open()?;
     let mut last = None;
-    for _ in 0..ATTEMPTS {
+    for attempt in 0..ATTEMPTS {
+        let generation = k.generation().map_err(|e| {
+            CniError::new(code::IO_FAILURE, "reading the nf_tables generation")
+                .with_details(e.to_string())
+        })?;
         let mut tx = Transaction::default();
         let mut removed = Vec::new();
         for family in FAMILIES {
-            let view = read(&mut sock, family, names)?;
+            let view = read(k, family, names)?;
             removed.push((family, plan(&mut tx, family, &view)?));
         }
-        match sock.commit(&tx) {
+        match k.commit_at(&tx, generation) {
             Ok(_) => return Ok(removed),
-            Err(e)
-                if e.errno()
-                    .is_some_and(|n| [libc::EEXIST, libc::ENOENT, libc::EBUSY].contains(&n)) =>
-            {
+            Err(e) if lost_a_race(&e) => {
                 last = Some(e);
+                back_off(attempt);
             }
             Err(e) => {
                 return Err(
@@ -111,6 +145,22 @@ fn transact(
     .with_details(last.map(|e| e.to_string()).unwrap_or_default()))
 }
 
+/// Whether the batch was refused because the ruleset moved under it: the generation changed (ERESTART), or,
+/// for a kernel that ignored the generation, an object another invocation created or deleted meanwhile.
+fn lost_a_race(e: &nftkube_nft::netlink::CommitError) -> bool {
+    e.errno()
+        .is_some_and(|n| [libc::ERESTART, libc::EEXIST, libc::ENOENT, libc::EBUSY].contains(&n))
+}
+
+/// A short pause before the next round, growing with the rounds lost and spread by process id, so that
+/// invocations that keep refusing each other's batches fall out of step: 0.05 to 0.8 ms a round, some 30 ms
+/// if every round is lost.
+fn back_off(attempt: u32) {
+    let spread = std::process::id() % 7;
+    let micros = 50 * u64::from(attempt.min(10) + spread);
+    std::thread::sleep(std::time::Duration::from_micros(micros));
+}
+
 /// The elements an attachment wants in `family`.
 fn wanted(conf: &NetConf, names: &Names, family: Family, owner: &str) -> Vec<Wanted> {
     let Some(ip) = conf
@@ -123,7 +173,7 @@ fn wanted(conf: &NetConf, names: &Names, family: Family, owner: &str) -> Vec<Wan
     render::elements(family, names, &conf.port_mappings, ip, owner)
 }
 
-fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
+fn add(k: &mut impl Kernel, conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
     let prev = conf.prev_result.as_ref().ok_or_else(|| {
         CniError::new(
             code::INVALID_CONFIG,
@@ -143,7 +193,7 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
     }
     let names = Names::of(&conf.name);
     let owner = render::owner_comment(&a.container_id, &a.ifname);
-    let removed = transact(&names, |tx, family, view| {
+    let removed = transact(k, &names, |tx, family, view| {
         let want = wanted(conf, &names, family, &owner);
         if !want.is_empty() {
             let subnet = prev.container_subnet(family);
@@ -172,28 +222,26 @@ fn add(conf: &NetConf, a: &Attachment) -> Result<String, CniError> {
     Ok(result)
 }
 
-fn del(conf: &NetConf, a: &Attachment) -> Result<(), CniError> {
-    let names = Names::of(&conf.name);
+fn del(k: &mut impl Kernel, names: &Names, a: &Attachment) -> Result<(), CniError> {
     let owner = render::owner_comment(&a.container_id, &a.ifname);
-    let removed = transact(&names, |tx, family, view| {
-        Ok(state::remove_where(tx, family, view, &names, |c| {
+    let removed = transact(k, names, |tx, family, view| {
+        Ok(state::remove_where(tx, family, view, names, |c| {
             c == Some(owner.as_str())
         }))
     })?;
-    clear_flows(&udp_ports(&names, &removed));
+    clear_flows(&udp_ports(names, &removed));
     Ok(())
 }
 
-fn check(conf: &NetConf, a: &Attachment) -> Result<(), CniError> {
+fn check(k: &mut impl Kernel, conf: &NetConf, a: &Attachment) -> Result<(), CniError> {
     if conf.prev_result.is_none() {
         return Err(CniError::new(code::INVALID_CONFIG, "prevResult: missing"));
     }
     let names = Names::of(&conf.name);
     let owner = render::owner_comment(&a.container_id, &a.ifname);
-    let mut sock = open()?;
     let mut problems = Vec::new();
     for family in FAMILIES {
-        let view = read(&mut sock, family, &names)?;
+        let view = read(k, family, &names)?;
         let want = wanted(conf, &names, family, &owner);
         let subnet = conf
             .prev_result
@@ -216,25 +264,53 @@ fn check(conf: &NetConf, a: &Attachment) -> Result<(), CniError> {
     .with_details(problems.join("; ")))
 }
 
-fn gc(conf: &NetConf) -> Result<(), CniError> {
-    let valid: BTreeSet<(String, String)> = conf
-        .valid_attachments
-        .as_ref()
+fn gc(k: &mut impl Kernel, names: &Names, valid: Option<&[Attachment]>) -> Result<(), CniError> {
+    let valid: BTreeSet<(String, String)> = valid
         .ok_or_else(|| CniError::new(code::INVALID_CONFIG, "cni.dev/valid-attachments: missing"))?
         .iter()
         .map(|a| (a.container_id.clone(), a.ifname.clone()))
         .collect();
-    let names = Names::of(&conf.name);
-    let removed = transact(&names, |tx, family, view| {
+    let removed = transact(k, names, |tx, family, view| {
         // Only elements this plugin wrote (its comment format) and no valid attachment owns.
         let doomed = |c: Option<&str>| {
             c.and_then(render::parse_owner)
                 .is_some_and(|(id, ifname)| !valid.contains(&(id.to_owned(), ifname.to_owned())))
         };
-        Ok(state::remove_where(tx, family, view, &names, doomed))
+        Ok(state::remove_where(tx, family, view, names, doomed))
     })?;
-    clear_flows(&udp_ports(&names, &removed));
+    clear_flows(&udp_ports(names, &removed));
     Ok(())
+}
+
+/// GC: forgets the records of `network` that no valid attachment owns.
+fn forget_invalid(records: &Records, network: &str, valid: &[Attachment]) -> Result<(), CniError> {
+    for r in records.list(Some(network))? {
+        if !valid.contains(&r.attachment) {
+            records.remove(network, &r.attachment)?;
+        }
+    }
+    Ok(())
+}
+
+/// `nftkube-portmap restore`: ADDs again, from its record, every attachment of this network namespace whose
+/// last command was a successful ADD (after a firewall reload deleted the tables; a no-op while they are
+/// intact). Returns how many were restored, or what failed (the others are restored all the same).
+pub(crate) fn restore() -> Result<usize, Vec<String>> {
+    let records = Records::lock().map_err(|e| vec![e.msg])?;
+    let mut sock = open().map_err(|e| vec![e.msg])?;
+    let mut failed = Vec::new();
+    let mut restored = 0;
+    for r in records.list(None).map_err(|e| vec![e.msg])? {
+        match netconf::parse(&r.config).and_then(|conf| add(&mut sock, &conf, &r.attachment)) {
+            Ok(_) => restored += 1,
+            Err(e) => failed.push(format!("{}: {} {}", r.path.display(), e.msg, e.details)),
+        }
+    }
+    if failed.is_empty() {
+        Ok(restored)
+    } else {
+        Err(failed)
+    }
 }
 
 /// STATUS: whether nf_tables answers here and this process may change it.
@@ -320,4 +396,124 @@ fn enable_localnet_routing(interfaces: &[String]) -> Result<(), CniError> {
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nftkube_nft::fake::FakeKernel;
+    use serde_json::json;
+
+    /// A TCP mapping of host port 8080 to `ip` (snat off: no /proc/sys write in a unit test).
+    fn conf(ip: &str) -> NetConf {
+        let c = json!({"cniVersion": "1.1.0", "name": "n1", "snat": false,
+            "runtimeConfig": {"portMappings": [{"hostPort": 8080, "containerPort": 80, "protocol": "tcp"}]},
+            "prevResult": {"interfaces": [{"name": "eth0", "sandbox": "/run/netns/x"}],
+                           "ips": [{"address": format!("{ip}/24"), "interface": 0}]}});
+        netconf::parse(c.to_string().as_bytes()).unwrap()
+    }
+
+    fn attachment(id: &str) -> Attachment {
+        Attachment {
+            container_id: id.into(),
+            ifname: "eth0".into(),
+        }
+    }
+
+    /// The owner of host port 8080's element in the ports map.
+    fn port_owner(k: &FakeKernel) -> Option<String> {
+        let ports = k.read_set_commented(Family::Ip, render::TABLE, &Names::of("n1").ports);
+        assert!(ports.len() <= 1, "{ports:?}");
+        ports.into_iter().next().and_then(|(_, c)| c)
+    }
+
+    /// A replaced pod: the old pod's DEL reads its element, the new pod's ADD of the same hostPort commits
+    /// (taking the key over), then the DEL commits. Planned from the old read, the DEL would delete the key,
+    /// now the new pod's; checked against its generation, it is refused, reads again, and removes only what
+    /// is still the old pod's.
+    #[test]
+    fn a_del_racing_the_replacing_add_keeps_the_new_mapping() {
+        let mut k = FakeKernel::default();
+        add(&mut k, &conf("10.0.0.2"), &attachment("old")).unwrap();
+        let mut other = k.clone();
+        add(&mut other, &conf("10.0.0.3"), &attachment("new")).unwrap();
+        k.interleave = other.committed.last().cloned();
+        let before = k.committed.len();
+
+        del(&mut k, &Names::of("n1"), &attachment("old")).unwrap();
+
+        assert_eq!(port_owner(&k).as_deref(), Some("new eth0"));
+        check(&mut k, &conf("10.0.0.3"), &attachment("new")).unwrap();
+        let targets = k.read_set_commented(Family::Ip, render::TABLE, &Names::of("n1").targets);
+        assert_eq!(
+            targets
+                .iter()
+                .map(|(_, c)| c.as_deref())
+                .collect::<Vec<_>>(),
+            [Some("new eth0")],
+            "the old pod's target element is gone, the new one's kept"
+        );
+        assert_eq!(
+            k.committed.len(),
+            before + 2,
+            "the competing ADD, then the DEL's second plan (its first was refused)"
+        );
+    }
+
+    /// Without the generation check the same interleaving loses the new mapping: the plan the check refuses
+    /// is the one that deletes the new pod's key.
+    #[test]
+    fn the_first_del_plan_would_have_deleted_the_new_key() {
+        let mut k = FakeKernel::default();
+        add(&mut k, &conf("10.0.0.2"), &attachment("old")).unwrap();
+        let stale = state::read(&mut k, Family::Ip, &Names::of("n1")).unwrap();
+        add(&mut k, &conf("10.0.0.3"), &attachment("new")).unwrap();
+        let mut tx = Transaction::default();
+        state::remove_where(&mut tx, Family::Ip, &stale, &Names::of("n1"), |c| {
+            c == Some("old eth0")
+        });
+        nftkube_nft::backend::Backend::commit(&mut k, &tx).unwrap();
+        assert_eq!(port_owner(&k), None, "the unchecked stale plan deleted it");
+    }
+
+    /// Every command's batch is refused while someone commits between its read and its commit, and it
+    /// gives up after `ATTEMPTS` rounds, saying so with code 11 (try again later), having changed nothing.
+    #[test]
+    fn a_command_gives_up_after_the_bound_and_changes_nothing() {
+        struct Busy(FakeKernel);
+        impl Kernel for Busy {
+            fn generation(&mut self) -> Result<u32, nftkube_nft::netlink::DumpError> {
+                Ok(self.0.generation)
+            }
+            fn structure(
+                &mut self,
+                family: Family,
+                table: &str,
+            ) -> Result<Option<nftkube_nft::ir::TableState>, nftkube_nft::netlink::DumpError>
+            {
+                self.0.structure(family, table)
+            }
+            fn commented(
+                &mut self,
+                family: Family,
+                table: &str,
+                set: &str,
+            ) -> Result<Vec<state::Read>, nftkube_nft::netlink::DumpError> {
+                self.0.commented(family, table, set)
+            }
+            fn commit_at(
+                &mut self,
+                tx: &Transaction,
+                generation: u32,
+            ) -> Result<usize, nftkube_nft::netlink::CommitError> {
+                // Someone else commits every time, just before.
+                self.0.generation += 1;
+                self.0.commit_at(tx, generation)
+            }
+        }
+        let mut k = Busy(FakeKernel::default());
+        let e = add(&mut k, &conf("10.0.0.2"), &attachment("a")).unwrap_err();
+        assert_eq!(e.code, code::TRY_AGAIN_LATER, "{e:?}");
+        assert!(k.0.tables.is_empty() && k.0.committed.is_empty());
+    }
 }

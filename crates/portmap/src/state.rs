@@ -1,10 +1,11 @@
-//! The kernel as the plugin's only record: reading one network's objects in one family, and planning the
+//! The kernel as the record every command reads: reading one network's objects in one family, and planning the
 //! changes that bring them to what a command wants. Planning is pure (tested without root).
 
+use super::kernel::Kernel;
 use super::netconf::{NetConf, Subnet};
 use super::render::{self, Names, Wanted, TABLE};
 use nftkube_nft::ir::*;
-use nftkube_nft::netlink::{DumpError, NftSocket};
+use nftkube_nft::netlink::DumpError;
 use nftkube_nft::tx::{Op, Transaction};
 use std::collections::BTreeMap;
 
@@ -31,16 +32,16 @@ impl NetworkView {
 
 /// Reads the network's objects: the table's structure and the elements of the network's own sets only.
 pub(crate) fn read(
-    sock: &mut NftSocket,
+    kernel: &mut impl Kernel,
     family: Family,
     names: &Names,
 ) -> Result<NetworkView, DumpError> {
-    let table = sock.dump_table_structure(family, TABLE)?;
+    let table = kernel.structure(family, TABLE)?;
     let mut elements = BTreeMap::new();
     if let Some(t) = &table {
         for set in names.element_sets() {
             if t.sets.contains_key(set) {
-                elements.insert(set.to_owned(), sock.dump_set_commented(family, TABLE, set)?);
+                elements.insert(set.to_owned(), kernel.commented(family, TABLE, set)?);
             }
         }
     }

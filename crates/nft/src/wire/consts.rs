@@ -7,6 +7,8 @@ pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
 pub(crate) const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 /// Closes a batch: the kernel commits it.
 pub(crate) const NFNL_MSG_BATCH_END: u16 = 0x11;
+/// BATCH_BEGIN's attribute: the ruleset generation the batch was planned from (u32, big-endian).
+pub(crate) const NFNL_BATCH_GENID: u16 = 1;
 /// The multicast group of nf_tables events.
 pub(crate) const NFNLGRP_NFTABLES: u32 = 7;
 

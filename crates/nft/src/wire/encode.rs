@@ -40,10 +40,24 @@ fn msg_type(t: u16) -> u16 {
 /// Encodes the transaction as BEGIN, one message per object (element lists split into chunks), END.
 /// Sequence numbers start at `first_seq`. Only the last object message asks for an ACK (see socket.rs).
 pub fn encode_batch(tx: &Transaction, first_seq: u32) -> Result<EncodedBatch, LengthError> {
+    encode_batch_at(tx, first_seq, None)
+}
+
+/// As [`encode_batch`], and with `generation`, BATCH_BEGIN carries NFNL_BATCH_GENID: the kernel then applies
+/// the batch only if the ruleset generation is still that one, and otherwise refuses all of it with ERESTART
+/// on BATCH_BEGIN (nothing applied). A generation of 0 asks for no check: the kernel reads 0 as "absent".
+pub fn encode_batch_at(
+    tx: &Transaction,
+    first_seq: u32,
+    generation: Option<u32>,
+) -> Result<EncodedBatch, LengthError> {
     let mut seq = first_seq;
     let mut bytes = Vec::new();
     let mut begin = MsgBuilder::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq);
     begin.raw(&nfgen(0, NFNL_SUBSYS_NFTABLES));
+    if let Some(generation) = generation {
+        begin.attr_be32(NFNL_BATCH_GENID, generation);
+    }
     bytes.extend(begin.finish()?);
     seq = seq.wrapping_add(1);
 

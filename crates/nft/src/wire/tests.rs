@@ -676,6 +676,27 @@ fn a_wrong_pin_fails() {
 // ---------------------------------------------------------------------------------------------------------
 // Batch framing.
 
+/// With a generation, BATCH_BEGIN carries it as NFNL_BATCH_GENID (attribute 1, u32 big-endian) after its
+/// nfgenmsg, and the object messages are the same bytes as without.
+#[test]
+fn a_generation_checked_batch_carries_the_genid_on_begin() {
+    let tx = tx_of(Family::Ip, vec![Op::AddTable]);
+    let plain = encode_batch(&tx, 7).unwrap();
+    let checked = encode_batch_at(&tx, 7, Some(0x0102_0304)).unwrap();
+    let begin = messages(&checked.bytes).next().unwrap();
+    assert_eq!(begin.msg_type, NFNL_MSG_BATCH_BEGIN);
+    assert_eq!(
+        begin.payload,
+        [0, 0, 0, 10, 8, 0, 1, 0, 1, 2, 3, 4],
+        "nfgenmsg, then len 8, type 1, the generation big-endian"
+    );
+    assert_eq!(
+        object_messages(&plain.bytes),
+        object_messages(&checked.bytes)
+    );
+    assert_eq!(checked.ack_seq, plain.ack_seq);
+}
+
 #[test]
 fn batch_framing_flags_and_sequence_numbers() {
     let mut tx = tx_of(
