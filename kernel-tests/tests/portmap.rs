@@ -106,8 +106,8 @@ impl Node {
         run_with_stdin(cmd, conf)
     }
 
-    /// ADD as a runtime chains it: bridge (with host-local), then portmap with bridge's result as prevResult.
-    fn attach(&self, net: &Network, c: &Container, ifname: &str, mappings: Value) -> Value {
+    /// The interface plugin's ADD (bridge, with host-local): its result, portmap's prevResult.
+    fn bridge_up(&self, net: &Network, c: &Container, ifname: &str) -> Value {
         let (ok, prev) = self.invoke(
             "bridge",
             "ADD",
@@ -115,6 +115,12 @@ impl Node {
             &net.bridge_conf(&self.dir),
         );
         assert!(ok, "bridge ADD failed: {prev}");
+        prev
+    }
+
+    /// ADD as a runtime chains it: bridge (with host-local), then portmap with bridge's result as prevResult.
+    fn attach(&self, net: &Network, c: &Container, ifname: &str, mappings: Value) -> Value {
+        let prev = self.bridge_up(net, c, ifname);
         let conf = net.portmap_conf(Some(&prev), mappings);
         let (ok, out) = self.invoke("portmap", "ADD", Some((c, ifname)), &conf);
         assert!(ok, "portmap ADD failed: {out}");
@@ -483,13 +489,7 @@ fn a_failed_route_localnet_write_leaves_no_mapping() {
     let node = Node::new("pm-lnet");
     let net = Network::a();
     let c1 = Container::start("c1");
-    let (ok, mut prev) = node.invoke(
-        "bridge",
-        "ADD",
-        Some((&c1, "eth0")),
-        &net.bridge_conf(&node.dir),
-    );
-    assert!(ok, "bridge ADD failed: {prev}");
+    let mut prev = node.bridge_up(&net, &c1, "eth0");
     // The bridge, as if deleted since: /proc/sys/net/ipv4/conf/pmgone0/route_localnet does not exist.
     let bridge = prev["interfaces"]
         .as_array_mut()
@@ -634,13 +634,7 @@ fn containers_do_not_reach_the_nodes_loopback_through_route_localnet() {
     let net = Network::a();
     let (c1, c2) = (Container::start("c1"), Container::start("c2"));
     let prev1 = node.attach(&net, &c1, "eth0", json!([mapping(8080, TCP_PORT, "tcp")]));
-    let (ok, prev) = node.invoke(
-        "bridge",
-        "ADD",
-        Some((&c2, "eth0")),
-        &net.bridge_conf(&node.dir),
-    );
-    assert!(ok, "{prev}");
+    let prev = node.bridge_up(&net, &c2, "eth0");
     let lo_port = 9999;
     let service = node
         .ns()
@@ -907,13 +901,7 @@ fn bad_configs_are_refused_naming_the_field_and_change_nothing() {
     let (c1, c2) = (Container::start("c1"), Container::start("c2"));
     let maps = json!([mapping(8080, TCP_PORT, "tcp")]);
     let prev = node.attach(&net, &c1, "eth0", maps);
-    let (ok, prev2) = node.invoke(
-        "bridge",
-        "ADD",
-        Some((&c2, "eth0")),
-        &net.bridge_conf(&node.dir),
-    );
-    assert!(ok, "{prev2}");
+    let prev2 = node.bridge_up(&net, &c2, "eth0");
     let good = || net.portmap_conf(Some(&prev2), json!([mapping(9090, TCP_PORT, "tcp")]));
     let with_mapping = |m: Value| net.portmap_conf(Some(&prev2), json!([m]));
     let mut wrong_version = good();
@@ -1194,16 +1182,7 @@ fn concurrent_adds_on_one_network_all_land() {
     // The interfaces first, one by one (host-local's own lock is not what is tested here).
     let prevs: Vec<Value> = containers
         .iter()
-        .map(|c| {
-            let (ok, prev) = node.invoke(
-                "bridge",
-                "ADD",
-                Some((c, "eth0")),
-                &net.bridge_conf(&node.dir),
-            );
-            assert!(ok, "{prev}");
-            prev
-        })
+        .map(|c| node.bridge_up(&net, c, "eth0"))
         .collect();
     std::thread::scope(|s| {
         for (i, (c, prev)) in containers.iter().zip(&prevs).enumerate() {
@@ -1249,16 +1228,7 @@ fn a_replaced_pods_del_never_removes_the_new_pods_mapping() {
     let pods = [Container::start("p0"), Container::start("p1")];
     let prevs: Vec<Value> = pods
         .iter()
-        .map(|c| {
-            let (ok, prev) = node.invoke(
-                "bridge",
-                "ADD",
-                Some((c, "eth0")),
-                &net.bridge_conf(&node.dir),
-            );
-            assert!(ok, "{prev}");
-            prev
-        })
+        .map(|c| node.bridge_up(&net, c, "eth0"))
         .collect();
     let (ok, out) = node.portmap("ADD", &net, &pods[0], "eth0", &prevs[0], maps());
     assert!(ok, "{out}");
