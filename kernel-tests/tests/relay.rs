@@ -899,7 +899,7 @@ fn udp_flows_keep_their_endpoint_until_idle_unless_it_is_removed() {
 }
 
 #[test]
-fn the_connection_limit_holds_new_clients_in_the_backlog_until_one_closes() {
+fn at_the_connection_limit_a_new_client_is_reset_at_once_and_served_once_one_closes() {
     let sb = sandbox("nk-rlk", 1);
     let _lines = line_server(&sb, 1, 9003);
     let opts = RelayOptions {
@@ -920,26 +920,152 @@ fn the_connection_limit_holds_new_clients_in_the_backlog_until_one_closes() {
     let mut second = Line::open(sb.client(), dst);
     assert_eq!(first.ask().unwrap(), "pod1");
     assert_eq!(second.ask().unwrap(), "pod1");
-    // The third connects (the kernel's backlog completes the handshake) but is not relayed yet.
+    // The third is accepted and reset: the client learns at once, nothing waits in a backlog.
     let mut third = Line::open(sb.client(), dst);
-    third
-        .s
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .unwrap();
-    let waiting = third.ask();
+    let refused = third.ask();
     assert!(
-        waiting.is_err(),
-        "a third connection was relayed over a limit of 2: {waiting:?}"
+        refused.is_err(),
+        "a third connection was relayed over a limit of 2: {refused:?}"
     );
     assert_eq!(relay.live_connections(), 2);
-    // One closes: the waiting one is accepted and its earlier line answered.
+    assert_eq!(relay.stats().refused_total_limit.load(Ordering::Relaxed), 1);
+    // One closes: the next client is served.
     drop(first);
-    third.s.set_read_timeout(Some(T)).unwrap();
-    let mut buf = [0u8; 64];
-    let n = third
-        .s
-        .read(&mut buf)
-        .expect("the waiting connection relayed after a slot freed");
-    assert_eq!(String::from_utf8_lossy(&buf[..n]).trim(), "pod1");
+    wait_until(T, || relay.live_connections() == 1).expect("the closed connection's place back");
+    let mut fourth = Line::open(sb.client(), dst);
+    assert_eq!(fourth.ask().unwrap(), "pod1");
     assert_eq!(second.ask().unwrap(), "pod1");
+}
+
+#[test]
+fn a_limit_smaller_than_the_number_of_listeners_still_lets_each_accept() {
+    let sb = sandbox("nk-rlm", 1);
+    let _lines = line_server(&sb, 1, 9004);
+    let opts = RelayOptions {
+        max_connections: 2,
+        ..RelayOptions::default()
+    };
+    let mut relay = relay_in(sb.node(), opts);
+    let ports = 7020..7026u16;
+    let frontends: Vec<_> = ports
+        .clone()
+        .map(|p| {
+            tcp_frontend(
+                &format!("default/svc{p}"),
+                SocketAddr::from(([0, 0, 0, 0], p)),
+                vec![backend(1, 9004)],
+            )
+        })
+        .collect();
+    apply(&mut relay, &frontends);
+    // Six listeners, two places, no traffic before: each service answers its client in turn.
+    for p in ports {
+        let mut line = Line::open(sb.client(), node_from_pod0(p));
+        assert_eq!(line.ask().unwrap(), "pod1", "listener on port {p}");
+    }
+}
+
+/// `n` datagrams to `dst`, each from a fresh source port (a new flow each), from the client pod.
+fn udp_flood(sb: &sandbox::Sandbox, dst: SocketAddr, n: usize) {
+    sb.client()
+        .run(move || -> io::Result<()> {
+            for _ in 0..n {
+                UdpSocket::bind("0.0.0.0:0")?.send_to(b"flood", dst)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_timeout() {
+    let sb = sandbox("nk-rlf", 1);
+    let _lines = line_server(&sb, 1, 9005);
+    let udp_timeout = Duration::from_millis(700);
+    let flooded = |max_per_service| {
+        let opts = RelayOptions {
+            max_connections: 4,
+            max_connections_per_service: max_per_service,
+            udp_idle_timeout: udp_timeout,
+            ..RelayOptions::default()
+        };
+        let mut relay = relay_in(sb.node(), opts);
+        let dns = Frontend {
+            service: "default/dns".into(),
+            protocol: Protocol::Udp,
+            listen: "0.0.0.0:7030".parse().unwrap(),
+            endpoints: vec![backend(1, BACKEND_UDP_PORT)],
+            // Hours of affinity must not keep flows (and their places) alive: only the balancer keeps it.
+            affinity: Some(Duration::from_secs(3 * 3600)),
+        };
+        let web = tcp_frontend(
+            "default/web",
+            "0.0.0.0:7031".parse().unwrap(),
+            vec![backend(1, 9005)],
+        );
+        apply(&mut relay, &[dns, web]);
+        udp_flood(&sb, node_from_pod0(7030), 30);
+        wait_until(T, || relay.live_connections() >= 2).expect("flood flows opened");
+        relay
+    };
+    let web = node_from_pod0(7031);
+    // A per-service limit below the total: the flood takes its service's share, the other is served at once.
+    let relay = flooded(2);
+    assert_eq!(relay.live_connections(), 2);
+    assert_eq!(Line::open(sb.client(), web).ask().unwrap(), "pod1");
+    drop(relay);
+    // No per-service limit: the flood takes every place, and the other service is refused only until the
+    // flows idle out.
+    let relay = flooded(4);
+    assert_eq!(relay.live_connections(), 4);
+    assert!(Line::open(sb.client(), web).ask().is_err());
+    let freed = wait_until(udp_timeout * 3, || relay.live_connections() == 0)
+        .expect("the flood's flows outlived the udp timeout");
+    assert!(
+        freed <= udp_timeout + Duration::from_millis(500),
+        "{freed:?}"
+    );
+    assert_eq!(Line::open(sb.client(), web).ask().unwrap(), "pod1");
+}
+
+#[test]
+fn an_idle_tcp_connection_is_closed_after_its_timeout_and_a_talking_one_is_not() {
+    let sb = sandbox("nk-rli", 1);
+    let _lines = line_server(&sb, 1, 9006);
+    let idle_timeout = Duration::from_secs(1);
+    let opts = RelayOptions {
+        tcp_idle_timeout: idle_timeout,
+        ..RelayOptions::default()
+    };
+    let mut relay = relay_in(sb.node(), opts);
+    apply(
+        &mut relay,
+        &[tcp_frontend(
+            "default/idle",
+            "0.0.0.0:7032".parse().unwrap(),
+            vec![backend(1, 9006)],
+        )],
+    );
+    let dst = node_from_pod0(7032);
+    let mut idle = Line::open(sb.client(), dst);
+    let mut talking = Line::open(sb.client(), dst);
+    assert_eq!(idle.ask().unwrap(), "pod1");
+    // The talking one speaks every 300 ms for three timeouts.
+    let start = Instant::now();
+    while start.elapsed() < idle_timeout * 3 {
+        assert_eq!(
+            talking.ask().unwrap(),
+            "pod1",
+            "after {:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // The idle one was reset: the client reads an error (or end of stream), not a hang.
+    let mut buf = [0u8; 16];
+    let read = idle.s.read(&mut buf);
+    assert!(matches!(read, Err(_) | Ok(0)), "{read:?}");
+    assert_eq!(relay.stats().closed_idle.load(Ordering::Relaxed), 1);
+    assert_eq!(relay.live_connections(), 1);
 }

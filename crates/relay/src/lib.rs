@@ -8,7 +8,9 @@
 //! place without touching connections to endpoints that remain.
 
 mod balancer;
+mod capacity;
 mod frontends;
+mod idle;
 mod localhost;
 mod service;
 mod socket;
@@ -24,6 +26,7 @@ pub use service::Stats;
 pub use tcp::DIAL_TIMEOUTS;
 pub use userspace::UserspaceProxy;
 
+use capacity::Capacity;
 use nftkube_model::Protocol;
 use service::{Limits, Service};
 use std::collections::BTreeMap;
@@ -31,17 +34,30 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
 use tokio::task::AbortHandle;
+
+/// The default TCP idle timeout: kube-proxy's default for established TCP connections in conntrack
+/// (`--conntrack-tcp-timeout-established`), so an idle connection lives as long through the relay as through
+/// the kernel's DNAT path.
+pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// How a relay behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelayOptions {
-    /// Relayed TCP connections plus UDP flows at most; beyond it new connections wait in the backlog.
+    /// Relayed TCP connections plus UDP flows at most; beyond it a new connection is reset (a new UDP
+    /// flow's datagram dropped).
     pub max_connections: usize,
-    /// A UDP flow without a datagram either way for this long is closed (kube-proxy's `--udp-timeout`),
-    /// unless its service has ClientIP affinity, whose timeout it then takes.
+    /// Relayed TCP connections plus UDP flows of one service port (listener) at most, so that a flood to one
+    /// service leaves room for the others.
+    pub max_connections_per_service: usize,
+    /// Relayed TCP connections plus UDP flows from one client address at most (loopback clients, the node
+    /// itself, excepted).
+    pub max_connections_per_source: usize,
+    /// A UDP flow without a datagram either way for this long is closed (kube-proxy's `--udp-timeout`).
+    /// ClientIP affinity outlives it: the balancer keeps the client's endpoint for the affinity timeout.
     pub udp_idle_timeout: Duration,
+    /// A TCP connection that moved no byte either way for this long is closed (both sides reset).
+    pub tcp_idle_timeout: Duration,
     /// One dial attempt per timeout, each to the next endpoint.
     pub dial_timeouts: Vec<Duration>,
     /// The runtime's worker threads.
@@ -52,7 +68,10 @@ impl Default for RelayOptions {
     fn default() -> Self {
         RelayOptions {
             max_connections: 10_000,
+            max_connections_per_service: 5_000,
+            max_connections_per_source: 1_000,
             udp_idle_timeout: Duration::from_millis(250),
+            tcp_idle_timeout: TCP_IDLE_TIMEOUT,
             dial_timeouts: DIAL_TIMEOUTS.to_vec(),
             worker_threads: 2,
         }
@@ -147,7 +166,12 @@ impl Relay {
             .build()
             .map_err(RelayError::Runtime)?;
         let limits = Arc::new(Limits {
-            connections: Arc::new(Semaphore::new(opts.max_connections)),
+            capacity: Arc::new(Capacity::new(
+                opts.max_connections,
+                opts.max_connections_per_service,
+                opts.max_connections_per_source,
+            )),
+            tcp_idle_timeout: opts.tcp_idle_timeout,
             dial_timeouts: opts.dial_timeouts.clone(),
             stats: Stats::default(),
         });
@@ -208,7 +232,7 @@ impl Relay {
             source,
         };
         let (protocol, listen, svc) = (f.protocol, f.listen, service.clone());
-        let idle = f.affinity.unwrap_or(self.udp_idle_timeout);
+        let idle = self.udp_idle_timeout;
         let started = self.runtime.block_on(self.runtime.spawn(async move {
             match protocol {
                 Protocol::Tcp => {
