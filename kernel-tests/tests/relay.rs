@@ -817,12 +817,25 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     // The kernel holds one redirect rule per hook and one map element per frontend, no chain per service.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).expect("ip nftkube");
     let text = nftkube::nft::text::render_table(&t);
-    assert_eq!(t.chains.len(), 2, "{text}");
+    assert_eq!(t.chains.len(), 3, "{text}");
     assert!(
         text.contains("redirect to :ip daddr . meta l4proto . th dport map @relay-ports"),
         "{text}"
     );
-    assert!(text.contains("10.96.0.10 . tcp . 80 : "), "{text}");
+    // The relay's port for the ClusterIP answers only redirected connections: not from outside, not from a
+    // pod dialling the node's address, while the ClusterIP still works.
+    let relay_port = relay_port_of(&text, "10.96.0.10 . tcp . 80 : ");
+    let direct_ext = SocketAddr::from((sandbox::node_ip_v4(), relay_port));
+    let direct_pod = node_from_pod0(relay_port);
+    assert!(
+        !served(sb.ext(), direct_ext, Duration::from_millis(500)),
+        "relay port {relay_port} reachable from outside"
+    );
+    assert!(
+        !served(sb.client(), direct_pod, Duration::from_millis(500)),
+        "relay port {relay_port} reachable from a pod"
+    );
+    assert!(served(sb.client(), echo, T), "ClusterIP from a pod");
 
     // A service deleted: its frontend stops answering (the redirect element goes, the listener closes).
     m.write(
@@ -838,6 +851,50 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     })
     .expect("the NodePort of a deleted service is still served");
     assert!(served(sb.client(), echo, T));
+}
+
+#[test]
+fn userspace_node_ports_listen_on_the_nodeport_addresses_only() {
+    let sb = sandbox("nk-rln", 3);
+    let m = Manifests::examples();
+    m.write("nodeports.yaml", NODE_PORTS);
+    let only_node_ip = format!("{}/32", sandbox::node_ip_v4());
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &[
+            "--proxy-mode",
+            "userspace",
+            "--nodeport-addresses",
+            &only_node_ip,
+        ],
+    );
+    agent.wait_syncs(1, SYNC);
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30080));
+    wait_until(SYNC, || served(sb.ext(), node_port, T))
+        .expect("NodePort on the node IP never served");
+    // The node's address on the pods' side is not a NodePort address: nothing answers there.
+    let other = node_from_pod0(30080);
+    assert!(!served(sb.client(), other, T), "NodePort served on {other}");
+    assert!(
+        served(sb.client(), addr(ECHO_V4, 80), T),
+        "ClusterIP from a pod"
+    );
+}
+
+/// The relay port a `relay-ports` element maps `key` (as nft lists it, "addr . tcp . port : ") to.
+fn relay_port_of(listing: &str, key: &str) -> u16 {
+    let at = listing
+        .find(key)
+        .unwrap_or_else(|| panic!("{key} not in {listing}"))
+        + key.len();
+    let digits: String = listing[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no port after {key} in {listing}"))
 }
 
 #[test]
@@ -939,7 +996,7 @@ fn at_the_connection_limit_a_new_client_is_reset_at_once_and_served_once_one_clo
 
 #[test]
 fn a_limit_smaller_than_the_number_of_listeners_still_lets_each_accept() {
-    let sb = sandbox("nk-rlm", 1);
+    let sb = sandbox("nk-rll", 1);
     let _lines = line_server(&sb, 1, 9004);
     let opts = RelayOptions {
         max_connections: 2,

@@ -1,15 +1,18 @@
 //! `--proxy-mode userspace`: every TCP and UDP service port is relayed in user space. The relay listens on an
 //! ephemeral port per service port and family (on every address), and nf_tables redirects the service's
-//! ClusterIPs, external IPs and LoadBalancer IPs to it through one map (`render::userspace`). NodePorts are
-//! listened on directly, on every address, as kube-proxy's userspace proxier did.
+//! ClusterIPs, external IPs and LoadBalancer IPs to it through one map (`render::userspace`), and drops what
+//! reaches those ports without a redirect. NodePorts are listened on directly, on the addresses
+//! `--nodeport-addresses` selects.
 
 use super::{Frontend, Relay, RelayError, RelayOptions};
-use nftkube_model::{ClusterState, IpFamily, NamespacedName, Protocol, ServicePort};
+use nftkube_model::{
+    ClusterState, IpFamily, NamespacedName, NodePortAddresses, Protocol, ServicePort,
+};
 use nftkube_nft::Backend;
 use nftkube_render::{self as render, usable_endpoints, Piece};
 use nftkube_sync::{SyncEngine, SyncError, SyncReport};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 /// The relay of userspace mode and what nf_tables needs from it.
@@ -31,9 +34,27 @@ fn node_port_name(svc: &ServicePort) -> String {
     format!("{} (NodePort)", svc.name)
 }
 
+/// Where NodePorts of family `f` are listened on: the addresses `--nodeport-addresses` selects (every
+/// address when it selects all of them; loopback is the localhost relay's).
+fn node_port_ips(nodeport: &NodePortAddresses, f: IpFamily) -> Vec<IpAddr> {
+    match nodeport {
+        NodePortAddresses::AllLocal => vec![any(f, 0).ip()],
+        NodePortAddresses::Only(ips) => ips
+            .iter()
+            .copied()
+            .filter(|ip| IpFamily::of(ip) == f)
+            .collect(),
+        NodePortAddresses::None => Vec::new(),
+    }
+}
+
 /// The listeners one service port needs: per family it has addresses in, one redirect target on an
-/// ephemeral port, and its NodePort.
-fn frontends_of(svc: &ServicePort, endpoints: &[nftkube_model::Endpoint]) -> Vec<Frontend> {
+/// ephemeral port, and its NodePort on each NodePort address.
+fn frontends_of(
+    svc: &ServicePort,
+    endpoints: &[nftkube_model::Endpoint],
+    nodeport: &NodePortAddresses,
+) -> Vec<Frontend> {
     if svc.protocol == Protocol::Sctp {
         return Vec::new();
     }
@@ -57,7 +78,9 @@ fn frontends_of(svc: &ServicePort, endpoints: &[nftkube_model::Endpoint]) -> Vec
         }
         let has_family = svc.cluster_ips.iter().any(|ip| IpFamily::of(ip) == f);
         if let Some(np) = svc.node_port.filter(|_| has_family) {
-            out.push(frontend(node_port_name(svc), any(f, np)));
+            for ip in node_port_ips(nodeport, f) {
+                out.push(frontend(node_port_name(svc), SocketAddr::new(ip, np)));
+            }
         }
     }
     out
@@ -79,8 +102,9 @@ impl UserspaceProxy {
         engine: &mut SyncEngine<B>,
         state: &ClusterState,
         changed: &BTreeSet<NamespacedName>,
+        nodeport: &NodePortAddresses,
     ) -> Result<SyncReport, SyncError> {
-        self.apply_listeners(state);
+        self.apply_listeners(state, nodeport);
         if engine.needs_full_sync() {
             let mut pieces = BTreeMap::new();
             for name in state.service_names() {
@@ -105,13 +129,13 @@ impl UserspaceProxy {
         engine.sync_partial(updates)
     }
 
-    fn apply_listeners(&mut self, state: &ClusterState) {
+    fn apply_listeners(&mut self, state: &ClusterState, nodeport: &NodePortAddresses) {
         let mut frontends = Vec::new();
         for name in state.service_names() {
             let endpoints = state.service_endpoints(&name);
             for sp in state.service_ports(&name) {
                 let eps = endpoints.get(&sp.name).map(Vec::as_slice).unwrap_or(&[]);
-                frontends.extend(frontends_of(sp, eps));
+                frontends.extend(frontends_of(sp, eps, nodeport));
             }
         }
         for e in self.relay.apply(&frontends) {
@@ -119,13 +143,15 @@ impl UserspaceProxy {
         }
     }
 
-    /// The redirect elements of a service port: to its listener of each family, if it has one.
+    /// The redirect elements of a service port, to its listener of each family if it has one, and that
+    /// listener's port among those that answer redirected traffic only.
     fn pieces(&self, sp: &ServicePort) -> Vec<Piece> {
         let mut out = Vec::new();
         for f in [IpFamily::V4, IpFamily::V6] {
             let name = sp.name.to_string();
             if let Some(local) = self.relay.local_addr(&name, sp.protocol, any(f, 0)) {
                 out.extend(render::userspace::relay_pieces(sp, f, local.port()));
+                out.push(render::userspace::listener_piece(sp, f, local.port()));
             }
         }
         out

@@ -1,8 +1,11 @@
 //! Userspace mode (`--proxy-mode userspace`): nf_tables only sends service traffic to the relay. One map,
 //! `relay-ports`, keyed like the nf_tables mode's dispatch (`daddr . l4proto . dport`), gives the relay's
 //! listening port for each frontend, and one rule per hook redirects there: no rule or chain per service.
+//! The relay's listeners for those redirects bind every address on ephemeral ports; one input rule drops what
+//! reaches them without having been redirected (`ct status dnat` unset), so a ClusterIP-only service is never
+//! reachable at `node:port` from outside, nor from the node itself.
 
-use super::claims::Precedence;
+use super::claims::{FrontendKind, Precedence};
 use super::common::*;
 use super::names::*;
 use super::Piece;
@@ -40,7 +43,47 @@ fn table(f: IpFamily) -> TableState {
         t.add_chain(Chain::base(name, ChainType::Nat, hook, PRIO_DSTNAT))
             .rules = vec![redirect()];
     }
+    t.add_set(Set::new(
+        SET_RELAY_LISTENERS,
+        vec![DataType::InetProto, DataType::InetService],
+        vec![],
+    ));
+    // `redirect` sets the connection's DNAT status on its first packet, so every packet of a redirected
+    // connection (or UDP flow) passes; one addressed to a relay port directly does not.
+    let unredirected = RuleBuilder::new()
+        .in_set(
+            &[Field::L4Proto, Field::ThDport],
+            SET_RELAY_LISTENERS,
+            false,
+        )
+        .ct_lacks(CtKey::Status, CT_STATUS_DNAT)
+        .verdict(Verdict::Drop)
+        .build();
+    t.add_chain(Chain::base(
+        CHAIN_FILTER_INPUT,
+        ChainType::Filter,
+        Hook::Input,
+        PRIO_FILTER_EARLY,
+    ))
+    .rules = vec![unredirected];
     t
+}
+
+/// The `relay-listeners` element of the relay's redirect target for one service port and family.
+pub fn listener_piece(svc: &ServicePort, f: IpFamily, relay_port: u16) -> Piece {
+    Piece::Element {
+        family: nft_family(f),
+        set: PieceSet::named(SET_RELAY_LISTENERS),
+        element: Element {
+            key: concat_key(&[
+                vec![svc.protocol.number()],
+                relay_port.to_be_bytes().to_vec(),
+            ])
+            .into(),
+            value: None,
+        },
+        precedence: Precedence::of(svc, FrontendKind::ClusterIp),
+    }
 }
 
 /// Every frontend address of a service port in a family: ClusterIPs, external IPs, LoadBalancer IPs.
@@ -96,7 +139,11 @@ mod tests {
             text.contains("meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @relay-ports"),
             "{text}"
         );
-        assert_eq!(t.chains.len(), 2);
+        assert!(
+            text.contains("meta l4proto . th dport @relay-listeners ct status & dnat == 0 drop"),
+            "{text}"
+        );
+        assert_eq!(t.chains.len(), 3);
     }
 
     #[test]
