@@ -880,6 +880,13 @@ fn userspace_node_ports_listen_on_the_nodeport_addresses_only() {
         served(sb.client(), addr(ECHO_V4, 80), T),
         "ClusterIP from a pod"
     );
+    // The admin server says which proxy runs.
+    let (status, _, mode) = sb
+        .node()
+        .run(|| nftkube::admin::http::get(addr("127.0.0.1", 10249), "/proxyMode", T))
+        .unwrap()
+        .expect("/proxyMode");
+    assert_eq!((status, mode.as_str()), (200, "userspace"));
 }
 
 /// The relay port a `relay-ports` element maps `key` (as nft lists it, "addr . tcp . port : ") to.

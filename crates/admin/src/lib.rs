@@ -75,11 +75,12 @@ type Listener = (
 
 impl Admin {
     /// Binds the healthz and metrics addresses now (in the caller's network namespace) and serves them
-    /// from a thread of their own.
+    /// from a thread of their own. `/proxyMode` answers `proxy_mode` ("nftables", "userspace").
     pub fn start(
         opts: &AdminOptions,
         health: Arc<ProxyHealth>,
         conntrack: Arc<conntrack::Metrics>,
+        proxy_mode: &'static str,
     ) -> anyhow::Result<Admin> {
         let h = health.clone();
         let healthz: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
@@ -91,7 +92,7 @@ impl Admin {
         let metrics_handler: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
             "/metrics" => Response::new(200, metrics::CONTENT_TYPE, render_metrics(&registry)),
             "/healthz" => Response::text(200, "ok"),
-            "/proxyMode" => Response::text(200, "nftables"),
+            "/proxyMode" => Response::text(200, proxy_mode),
             _ => Response::text(404, "404 page not found\n"),
         });
         let mut listeners: Vec<Listener> = Vec::new();

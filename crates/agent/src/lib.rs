@@ -192,7 +192,16 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
     // kube-proxy's health timeout: twice the sync period.
     let health = Arc::new(ProxyHealth::new(opts.sync_period * 2));
     let admin = match &opts.admin {
-        Some(a) => Some(Admin::start(a, health.clone(), conntrack.metrics())?),
+        Some(a) => Some(Admin::start(
+            a,
+            health.clone(),
+            conntrack.metrics(),
+            if opts.userspace {
+                "userspace"
+            } else {
+                "nftables"
+            },
+        )?),
         None => None,
     };
     let observer = Observer::new(health, admin, opts.render.node_name.clone());
