@@ -1027,6 +1027,46 @@ fn a_limit_smaller_than_the_number_of_listeners_still_lets_each_accept() {
     }
 }
 
+#[test]
+fn applying_one_service_touches_its_listeners_only() {
+    let sb = sandbox("nk-rls", 1);
+    let _lines = line_server(&sb, 1, 9007);
+    let mut relay = relay_in(sb.node(), RelayOptions::default());
+    let fe = |name: &str, port: u16| {
+        tcp_frontend(
+            name,
+            SocketAddr::from(([0, 0, 0, 0], port)),
+            vec![backend(1, 9007)],
+        )
+    };
+    // "default/web2" extends "default/web" as a string: it is another service all the same.
+    apply(
+        &mut relay,
+        &[
+            fe("default/web:http", 7040),
+            fe("default/web (NodePort)", 7041),
+            fe("default/web2:http", 7042),
+        ],
+    );
+    let mut kept = Line::open(sb.client(), node_from_pod0(7042));
+    assert_eq!(kept.ask().unwrap(), "pod1");
+    // default/web changes: one listener goes, one comes; default/web2 and its connection are untouched.
+    let errors = relay.apply_service("default/web", &[fe("default/web:http", 7043)]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(relay.listeners(), 2);
+    assert!(refused(&sb, node_from_pod0(7040)));
+    assert!(refused(&sb, node_from_pod0(7041)));
+    assert_eq!(
+        Line::open(sb.client(), node_from_pod0(7043)).ask().unwrap(),
+        "pod1"
+    );
+    assert_eq!(kept.ask().unwrap(), "pod1");
+    // A deleted service: all of its listeners go.
+    assert!(relay.apply_service("default/web", &[]).is_empty());
+    assert_eq!(relay.listeners(), 1);
+    assert_eq!(kept.ask().unwrap(), "pod1");
+}
+
 /// Whether a connection from the client pod to `dst` is reset, at connect (the reset can arrive before
 /// `connect` returns) or at its first request, instead of answered.
 fn refused(sb: &sandbox::Sandbox, dst: SocketAddr) -> bool {

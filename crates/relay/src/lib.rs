@@ -127,6 +127,12 @@ pub enum RelayError {
 /// A listener is identified by its service, protocol and requested address (many ask for port 0).
 type Key = (String, Protocol, SocketAddr);
 
+/// Whether a listener named `name` belongs to `service` (see [`Relay::apply_service`]).
+fn owned_by(name: &str, service: &str) -> bool {
+    name.strip_prefix(service)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(':') || rest.starts_with(' '))
+}
+
 struct Active {
     frontend: Frontend,
     service: Arc<Service>,
@@ -186,18 +192,44 @@ impl Relay {
     /// Makes the listeners exactly `frontends`. A listener that cannot be opened is reported and left out;
     /// every other one is served.
     pub fn apply(&mut self, frontends: &[Frontend]) -> Vec<RelayError> {
+        let scope: Vec<Key> = self.active.keys().cloned().collect();
+        self.reconcile(scope, frontends)
+    }
+
+    /// Makes the listeners of one service (`namespace/name`) exactly `frontends`, leaving every other
+    /// service's alone: O(its listeners), so a sync costs O(changed services). A listener belongs to the
+    /// service when its name is the service's, or the service's followed by `:` (a port) or a space (a
+    /// NodePort listener's suffix); Kubernetes names hold neither.
+    pub fn apply_service(&mut self, service: &str, frontends: &[Frontend]) -> Vec<RelayError> {
+        let from: Key = (
+            service.to_owned(),
+            Protocol::Tcp,
+            SocketAddr::from(([0; 4], 0)),
+        );
+        let scope: Vec<Key> = self
+            .active
+            .range(from..)
+            .map(|(k, _)| k)
+            .take_while(|k| k.0.starts_with(service))
+            .filter(|k| owned_by(&k.0, service))
+            .cloned()
+            .collect();
+        self.reconcile(scope, frontends)
+    }
+
+    /// Closes the listeners of `scope` that `frontends` does not name, updates those it names differently,
+    /// and opens the new ones.
+    fn reconcile(&mut self, scope: Vec<Key>, frontends: &[Frontend]) -> Vec<RelayError> {
         let wanted: BTreeMap<Key, &Frontend> = frontends
             .iter()
             .map(|f| ((f.service.clone(), f.protocol, f.listen), f))
             .collect();
-        self.active.retain(|key, a| {
-            let keep = wanted.contains_key(key);
-            if !keep {
+        for key in scope.into_iter().filter(|k| !wanted.contains_key(k)) {
+            if let Some(a) = self.active.remove(&key) {
                 a.service.update(Vec::new(), None);
                 a.task.abort();
             }
-            keep
-        });
+        }
         let mut errors = Vec::new();
         for (key, f) in wanted {
             match self.active.get_mut(&key) {
@@ -305,6 +337,26 @@ impl Drop for Relay {
     fn drop(&mut self) {
         for a in self.active.values() {
             a.task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owned_by;
+
+    #[test]
+    fn a_listener_belongs_to_its_service_and_to_no_service_whose_name_it_extends() {
+        for name in [
+            "ns/web",
+            "ns/web:http",
+            "ns/web:http (NodePort)",
+            "ns/web (NodePort)",
+        ] {
+            assert!(owned_by(name, "ns/web"), "{name}");
+        }
+        for name in ["ns/web2", "ns/web2:http", "ns/we", "ns2/web:http"] {
+            assert!(!owned_by(name, "ns/web"), "{name}");
         }
     }
 }

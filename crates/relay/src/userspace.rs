@@ -19,6 +19,8 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct UserspaceProxy {
     relay: Relay,
+    /// The NodePort addresses the listeners were last made for: a change rebuilds every listener.
+    nodeport: Option<NodePortAddresses>,
 }
 
 fn any(f: IpFamily, port: u16) -> SocketAddr {
@@ -86,12 +88,28 @@ fn frontends_of(
     out
 }
 
+/// The listeners of every port of one service.
+fn service_frontends(
+    state: &ClusterState,
+    name: &NamespacedName,
+    nodeport: &NodePortAddresses,
+) -> Vec<Frontend> {
+    let endpoints = state.service_endpoints(name);
+    let mut out = Vec::new();
+    for sp in state.service_ports(name) {
+        let eps = endpoints.get(&sp.name).map(Vec::as_slice).unwrap_or(&[]);
+        out.extend(frontends_of(sp, eps, nodeport));
+    }
+    out
+}
+
 impl UserspaceProxy {
     /// Starts the relay in the calling thread's namespace.
     pub fn start(opts: &RelayOptions) -> Result<UserspaceProxy, RelayError> {
         tracing::info!("userspace mode: services are relayed in user space");
         Ok(UserspaceProxy {
             relay: Relay::start(opts)?,
+            nodeport: None,
         })
     }
 
@@ -104,8 +122,16 @@ impl UserspaceProxy {
         changed: &BTreeSet<NamespacedName>,
         nodeport: &NodePortAddresses,
     ) -> Result<SyncReport, SyncError> {
-        self.apply_listeners(state, nodeport);
-        if engine.needs_full_sync() {
+        let full = engine.needs_full_sync();
+        if full || self.nodeport.as_ref() != Some(nodeport) {
+            self.apply_listeners(state, nodeport);
+            self.nodeport = Some(nodeport.clone());
+        } else {
+            for name in changed {
+                self.apply_service_listeners(state, name, nodeport);
+            }
+        }
+        if full {
             let mut pieces = BTreeMap::new();
             for name in state.service_names() {
                 for sp in state.service_ports(&name) {
@@ -129,16 +155,27 @@ impl UserspaceProxy {
         engine.sync_partial(updates)
     }
 
+    /// Every listener follows the model (a full sync, or new NodePort addresses).
     fn apply_listeners(&mut self, state: &ClusterState, nodeport: &NodePortAddresses) {
         let mut frontends = Vec::new();
         for name in state.service_names() {
-            let endpoints = state.service_endpoints(&name);
-            for sp in state.service_ports(&name) {
-                let eps = endpoints.get(&sp.name).map(Vec::as_slice).unwrap_or(&[]);
-                frontends.extend(frontends_of(sp, eps, nodeport));
-            }
+            frontends.extend(service_frontends(state, &name, nodeport));
         }
         for e in self.relay.apply(&frontends) {
+            tracing::warn!("not relayed: {e}");
+        }
+    }
+
+    /// One changed service's listeners follow the model (none when it was deleted); the others are not
+    /// looked at.
+    fn apply_service_listeners(
+        &mut self,
+        state: &ClusterState,
+        name: &NamespacedName,
+        nodeport: &NodePortAddresses,
+    ) {
+        let frontends = service_frontends(state, name, nodeport);
+        for e in self.relay.apply_service(&name.to_string(), &frontends) {
             tracing::warn!("not relayed: {e}");
         }
     }
