@@ -817,7 +817,8 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     // The kernel holds one redirect rule per hook and one map element per frontend, no chain per service.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).expect("ip nftkube");
     let text = nftkube::nft::text::render_table(&t);
-    assert_eq!(t.chains.len(), 3, "{text}");
+    // nat prerouting and output, filter input, forward and output, and the reject chain.
+    assert_eq!(t.chains.len(), 6, "{text}");
     assert!(
         text.contains("redirect to :ip daddr . meta l4proto . th dport map @relay-ports"),
         "{text}"
@@ -887,6 +888,67 @@ fn userspace_node_ports_listen_on_the_nodeport_addresses_only() {
         .unwrap()
         .expect("/proxyMode");
     assert_eq!((status, mode.as_str()), (200, "userspace"));
+}
+
+/// A service with a TCP and a UDP port and no endpoints.
+const EMPTY_SERVICE: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: demo}
+spec:
+  clusterIP: 10.96.0.40
+  ports:
+  - {name: tcp, port: 80, protocol: TCP}
+  - {name: udp, port: 53, protocol: UDP}
+"#;
+
+#[test]
+fn userspace_services_without_endpoints_are_rejected_tcp_by_reset_udp_by_icmp() {
+    let sb = sandbox("nk-rle", 1);
+    let m = Manifests::examples();
+    m.write("empty.yaml", EMPTY_SERVICE);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    wait_until(SYNC, || served(sb.client(), addr(ECHO_V4, 80), T)).expect("ClusterIP never served");
+    let tcp = addr("10.96.0.40", 80);
+    let udp = addr("10.96.0.40", 53);
+    // From the node itself the rejected datagram never leaves: its send fails at once (EPERM).
+    let udp_refusals = [
+        (sb.client(), vec![io::ErrorKind::ConnectionRefused]),
+        (
+            sb.node(),
+            vec![
+                io::ErrorKind::ConnectionRefused,
+                io::ErrorKind::PermissionDenied,
+            ],
+        ),
+    ];
+    for (from, udp_expected) in udp_refusals {
+        let connected = from
+            .run(move || TcpStream::connect_timeout(&tcp, T).map(drop))
+            .unwrap();
+        let refused = connected.as_ref().map_err(io::Error::kind);
+        assert_eq!(
+            refused,
+            Err(io::ErrorKind::ConnectionRefused),
+            "TCP to {tcp}"
+        );
+        // ICMP port unreachable: a connected UDP socket's next receive reports it.
+        let answered = from
+            .run(move || -> io::Result<usize> {
+                let s = UdpSocket::bind("0.0.0.0:0")?;
+                s.connect(udp)?;
+                s.set_read_timeout(Some(T))?;
+                s.send(b"hi")?;
+                s.recv(&mut [0u8; 64])
+            })
+            .unwrap();
+        let refused = answered.as_ref().map_err(io::Error::kind);
+        assert!(
+            refused.is_err_and(|k| udp_expected.contains(&k)),
+            "UDP to {udp}: {answered:?}"
+        );
+    }
 }
 
 /// The relay port a `relay-ports` element maps `key` (as nft lists it, "addr . tcp . port : ") to.

@@ -6,7 +6,7 @@
 
 use super::{Frontend, Relay, RelayError, RelayOptions};
 use nftkube_model::{
-    ClusterState, IpFamily, NamespacedName, NodePortAddresses, Protocol, ServicePort,
+    ClusterState, Endpoint, IpFamily, NamespacedName, NodePortAddresses, Protocol, ServicePort,
 };
 use nftkube_nft::Backend;
 use nftkube_render::{self as render, usable_endpoints, Piece};
@@ -54,7 +54,7 @@ fn node_port_ips(nodeport: &NodePortAddresses, f: IpFamily) -> Vec<IpAddr> {
 /// ephemeral port, and its NodePort on each NodePort address.
 fn frontends_of(
     svc: &ServicePort,
-    endpoints: &[nftkube_model::Endpoint],
+    endpoints: &[Endpoint],
     nodeport: &NodePortAddresses,
 ) -> Vec<Frontend> {
     if svc.protocol == Protocol::Sctp {
@@ -134,8 +134,9 @@ impl UserspaceProxy {
         if full {
             let mut pieces = BTreeMap::new();
             for name in state.service_names() {
+                let endpoints = state.service_endpoints(&name);
                 for sp in state.service_ports(&name) {
-                    pieces.insert(sp.name.clone(), self.pieces(sp));
+                    pieces.insert(sp.name.clone(), self.pieces(sp, endpoints.get(&sp.name)));
                 }
             }
             return engine.sync_full(render::userspace::skeleton(), pieces);
@@ -143,8 +144,9 @@ impl UserspaceProxy {
         let mut updates = Vec::new();
         for name in changed {
             let current = state.service_ports(name);
+            let endpoints = state.service_endpoints(name);
             for sp in &current {
-                updates.push((sp.name.clone(), self.pieces(sp)));
+                updates.push((sp.name.clone(), self.pieces(sp, endpoints.get(&sp.name))));
             }
             for old in engine.committed_ports(name) {
                 if !current.iter().any(|sp| sp.name == old) {
@@ -180,11 +182,16 @@ impl UserspaceProxy {
         }
     }
 
-    /// The redirect elements of a service port, to its listener of each family if it has one, and that
-    /// listener's port among those that answer redirected traffic only.
-    fn pieces(&self, sp: &ServicePort) -> Vec<Piece> {
+    /// The nf_tables elements of a service port, per family: with endpoints, redirects to its listener and
+    /// that listener's port among those that answer redirected traffic only; without, rejects.
+    fn pieces(&self, sp: &ServicePort, endpoints: Option<&Vec<Endpoint>>) -> Vec<Piece> {
+        let endpoints = endpoints.map(Vec::as_slice).unwrap_or(&[]);
         let mut out = Vec::new();
         for f in [IpFamily::V4, IpFamily::V6] {
+            if usable_endpoints(endpoints, f).is_empty() {
+                out.extend(render::userspace::no_endpoint_pieces(sp, f));
+                continue;
+            }
             let name = sp.name.to_string();
             if let Some(local) = self.relay.local_addr(&name, sp.protocol, any(f, 0)) {
                 out.extend(render::userspace::relay_pieces(sp, f, local.port()));

@@ -72,6 +72,8 @@ pub(crate) const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 pub(crate) const MAP_RELAY_PORTS: &str = "relay-ports";
 /// Userspace mode: the relay's redirect targets (`proto . port`), which answer redirected traffic only.
 pub(crate) const SET_RELAY_LISTENERS: &str = "relay-listeners";
+/// Userspace mode: frontends (`addr . proto . port`) of service ports without endpoints, rejected in filter.
+pub(crate) const SET_RELAY_NO_ENDPOINTS: &str = "relay-no-endpoints";
 
 /// External and LoadBalancer frontends of services without endpoints (`addr . proto . port`): rejected in
 /// filter. A plain set, so that a service losing its last endpoint adds no verdict element.
@@ -100,7 +102,7 @@ pub(crate) const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 14] = [
+const PIECE_SETS: [&str; 15] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -115,6 +117,7 @@ const PIECE_SETS: [&str; 14] = [
     MAP_AFFINITY_NODEPORTS,
     MAP_RELAY_PORTS,
     SET_RELAY_LISTENERS,
+    SET_RELAY_NO_ENDPOINTS,
 ];
 
 impl PieceSet {
