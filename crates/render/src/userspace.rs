@@ -3,7 +3,8 @@
 //! listening port for each frontend, and one rule per hook redirects there: no rule or chain per service.
 //! The relay's listeners for those redirects bind every address on ephemeral ports; one input rule drops what
 //! reaches them without having been redirected (`ct status dnat` unset), so a ClusterIP-only service is never
-//! reachable at `node:port` from outside, nor from the node itself.
+//! reachable at `node:port` from outside, nor from the node itself. A service port without endpoints has no
+//! redirect: its addresses are in `relay-no-endpoints`, rejected in filter input, forward and output.
 
 use super::claims::{FrontendKind, Precedence};
 use super::common::*;
