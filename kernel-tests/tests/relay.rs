@@ -1155,7 +1155,7 @@ fn udp_flood(sb: &sandbox::Sandbox, dst: SocketAddr, n: usize) {
 fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_timeout() {
     let sb = sandbox("nk-rlf", 1);
     let _lines = line_server(&sb, 1, 9005);
-    let udp_timeout = Duration::from_millis(700);
+    let udp_timeout = Duration::from_millis(1500);
     let flooded = |max_per_service| {
         let opts = RelayOptions {
             max_connections: 4,
@@ -1179,7 +1179,8 @@ fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_tim
         );
         apply(&mut relay, &[dns, web]);
         udp_flood(&sb, node_from_pod0(7030), 30);
-        wait_until(T, || relay.live_connections() >= 2).expect("flood flows opened");
+        // Each flood flow takes a place until the service's share (or the relay) is full.
+        wait_until(T, || relay.live_connections() == max_per_service).expect("flood flows opened");
         relay
     };
     let web = node_from_pod0(7031);
@@ -1195,10 +1196,7 @@ fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_tim
     assert!(refused(&sb, web));
     let freed = wait_until(udp_timeout * 3, || relay.live_connections() == 0)
         .expect("the flood's flows outlived the udp timeout");
-    assert!(
-        freed <= udp_timeout + Duration::from_millis(500),
-        "{freed:?}"
-    );
+    assert!(freed <= udp_timeout + Duration::from_secs(1), "{freed:?}");
     assert_eq!(Line::open(sb.client(), web).ask().unwrap(), "pod1");
 }
 
