@@ -904,7 +904,7 @@ spec:
 
 #[test]
 fn userspace_services_without_endpoints_are_rejected_tcp_by_reset_udp_by_icmp() {
-    let sb = sandbox("nk-rle", 1);
+    let sb = sandbox("nk-rl0", 1);
     let m = Manifests::examples();
     m.write("empty.yaml", EMPTY_SERVICE);
     let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
@@ -1063,7 +1063,7 @@ fn at_the_connection_limit_a_new_client_is_reset_at_once_and_served_once_one_clo
 
 #[test]
 fn a_limit_smaller_than_the_number_of_listeners_still_lets_each_accept() {
-    let sb = sandbox("nk-rll", 1);
+    let sb = sandbox("nk-rlp", 1);
     let _lines = line_server(&sb, 1, 9004);
     let opts = RelayOptions {
         max_connections: 2,
@@ -1153,7 +1153,7 @@ fn udp_flood(sb: &sandbox::Sandbox, dst: SocketAddr, n: usize) {
 
 #[test]
 fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_timeout() {
-    let sb = sandbox("nk-rlf", 1);
+    let sb = sandbox("nk-rlq", 1);
     let _lines = line_server(&sb, 1, 9005);
     let udp_timeout = Duration::from_millis(1500);
     let flooded = |max_per_service| {
