@@ -208,6 +208,10 @@ fn start_agent(node: &NetNs, dir: &Path) -> Child {
     let log = std::fs::File::create(dir.join("agent.log")).unwrap();
     command_in(node, nftkube_bin())
         .args(["--log-level", "warn", "proxy", "--proxy-mode", "userspace"])
+        // One client pod holds IDLE_CONNECTIONS to one service: above the per-client and per-service defaults.
+        .args(["--relay-max-connections-per-source=20000"])
+        .args(["--relay-max-connections-per-service=20000"])
+        .args(["--relay-max-connections=20000"])
         .arg("--manifests")
         .arg(&manifests)
         .args(["--hostname-override", "node-1", "--healthz-bind-address="])

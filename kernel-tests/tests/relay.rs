@@ -817,12 +817,26 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     // The kernel holds one redirect rule per hook and one map element per frontend, no chain per service.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).expect("ip nftkube");
     let text = nftkube::nft::text::render_table(&t);
-    assert_eq!(t.chains.len(), 2, "{text}");
+    // nat prerouting and output, filter input, forward and output, and the reject chain.
+    assert_eq!(t.chains.len(), 6, "{text}");
     assert!(
         text.contains("redirect to :ip daddr . meta l4proto . th dport map @relay-ports"),
         "{text}"
     );
-    assert!(text.contains("10.96.0.10 . tcp . 80 : "), "{text}");
+    // The relay's port for the ClusterIP answers only redirected connections: not from outside, not from a
+    // pod dialling the node's address, while the ClusterIP still works.
+    let relay_port = relay_port_of(&text, "10.96.0.10 . tcp . 80 : ");
+    let direct_ext = SocketAddr::from((sandbox::node_ip_v4(), relay_port));
+    let direct_pod = node_from_pod0(relay_port);
+    assert!(
+        !served(sb.ext(), direct_ext, Duration::from_millis(500)),
+        "relay port {relay_port} reachable from outside"
+    );
+    assert!(
+        !served(sb.client(), direct_pod, Duration::from_millis(500)),
+        "relay port {relay_port} reachable from a pod"
+    );
+    assert!(served(sb.client(), echo, T), "ClusterIP from a pod");
 
     // A service deleted: its frontend stops answering (the redirect element goes, the listener closes).
     m.write(
@@ -838,6 +852,118 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     })
     .expect("the NodePort of a deleted service is still served");
     assert!(served(sb.client(), echo, T));
+}
+
+#[test]
+fn userspace_node_ports_listen_on_the_nodeport_addresses_only() {
+    let sb = sandbox("nk-rln", 3);
+    let m = Manifests::examples();
+    m.write("nodeports.yaml", NODE_PORTS);
+    let only_node_ip = format!("{}/32", sandbox::node_ip_v4());
+    let agent = Agent::start(
+        sb.node(),
+        &m.dir,
+        &[
+            "--proxy-mode",
+            "userspace",
+            "--nodeport-addresses",
+            &only_node_ip,
+        ],
+    );
+    agent.wait_syncs(1, SYNC);
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30080));
+    wait_until(SYNC, || served(sb.ext(), node_port, T))
+        .expect("NodePort on the node IP never served");
+    // The node's address on the pods' side is not a NodePort address: nothing answers there.
+    let other = node_from_pod0(30080);
+    assert!(!served(sb.client(), other, T), "NodePort served on {other}");
+    assert!(
+        served(sb.client(), addr(ECHO_V4, 80), T),
+        "ClusterIP from a pod"
+    );
+    // The admin server says which proxy runs.
+    let (status, _, mode) = sb
+        .node()
+        .run(|| nftkube::admin::http::get(addr("127.0.0.1", 10249), "/proxyMode", T))
+        .unwrap()
+        .expect("/proxyMode");
+    assert_eq!((status, mode.as_str()), (200, "userspace"));
+}
+
+/// A service with a TCP and a UDP port and no endpoints.
+const EMPTY_SERVICE: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: demo}
+spec:
+  clusterIP: 10.96.0.40
+  ports:
+  - {name: tcp, port: 80, protocol: TCP}
+  - {name: udp, port: 53, protocol: UDP}
+"#;
+
+#[test]
+fn userspace_services_without_endpoints_are_rejected_tcp_by_reset_udp_by_icmp() {
+    let sb = sandbox("nk-rl0", 1);
+    let m = Manifests::examples();
+    m.write("empty.yaml", EMPTY_SERVICE);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    wait_until(SYNC, || served(sb.client(), addr(ECHO_V4, 80), T)).expect("ClusterIP never served");
+    let tcp = addr("10.96.0.40", 80);
+    let udp = addr("10.96.0.40", 53);
+    // From the node itself the rejected datagram never leaves: its send fails at once (EPERM).
+    let udp_refusals = [
+        (sb.client(), vec![io::ErrorKind::ConnectionRefused]),
+        (
+            sb.node(),
+            vec![
+                io::ErrorKind::ConnectionRefused,
+                io::ErrorKind::PermissionDenied,
+            ],
+        ),
+    ];
+    for (from, udp_expected) in udp_refusals {
+        let connected = from
+            .run(move || TcpStream::connect_timeout(&tcp, T).map(drop))
+            .unwrap();
+        let refused = connected.as_ref().map_err(io::Error::kind);
+        assert_eq!(
+            refused,
+            Err(io::ErrorKind::ConnectionRefused),
+            "TCP to {tcp}"
+        );
+        // ICMP port unreachable: a connected UDP socket's next receive reports it.
+        let answered = from
+            .run(move || -> io::Result<usize> {
+                let s = UdpSocket::bind("0.0.0.0:0")?;
+                s.connect(udp)?;
+                s.set_read_timeout(Some(T))?;
+                s.send(b"hi")?;
+                s.recv(&mut [0u8; 64])
+            })
+            .unwrap();
+        let refused = answered.as_ref().map_err(io::Error::kind);
+        assert!(
+            refused.is_err_and(|k| udp_expected.contains(&k)),
+            "UDP to {udp}: {answered:?}"
+        );
+    }
+}
+
+/// The relay port a `relay-ports` element maps `key` (as nft lists it, "addr . tcp . port : ") to.
+fn relay_port_of(listing: &str, key: &str) -> u16 {
+    let at = listing
+        .find(key)
+        .unwrap_or_else(|| panic!("{key} not in {listing}"))
+        + key.len();
+    let digits: String = listing[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no port after {key} in {listing}"))
 }
 
 #[test]
@@ -899,7 +1025,7 @@ fn udp_flows_keep_their_endpoint_until_idle_unless_it_is_removed() {
 }
 
 #[test]
-fn the_connection_limit_holds_new_clients_in_the_backlog_until_one_closes() {
+fn at_the_connection_limit_a_new_client_is_reset_at_once_and_served_once_one_closes() {
     let sb = sandbox("nk-rlk", 1);
     let _lines = line_server(&sb, 1, 9003);
     let opts = RelayOptions {
@@ -920,26 +1046,197 @@ fn the_connection_limit_holds_new_clients_in_the_backlog_until_one_closes() {
     let mut second = Line::open(sb.client(), dst);
     assert_eq!(first.ask().unwrap(), "pod1");
     assert_eq!(second.ask().unwrap(), "pod1");
-    // The third connects (the kernel's backlog completes the handshake) but is not relayed yet.
-    let mut third = Line::open(sb.client(), dst);
-    third
-        .s
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .unwrap();
-    let waiting = third.ask();
+    // The third is accepted and reset: the client learns at once, nothing waits in a backlog.
     assert!(
-        waiting.is_err(),
-        "a third connection was relayed over a limit of 2: {waiting:?}"
+        refused(&sb, dst),
+        "a third connection was relayed over a limit of 2"
     );
     assert_eq!(relay.live_connections(), 2);
-    // One closes: the waiting one is accepted and its earlier line answered.
+    assert_eq!(relay.stats().refused_total_limit.load(Ordering::Relaxed), 1);
+    // One closes: the next client is served.
     drop(first);
-    third.s.set_read_timeout(Some(T)).unwrap();
-    let mut buf = [0u8; 64];
-    let n = third
-        .s
-        .read(&mut buf)
-        .expect("the waiting connection relayed after a slot freed");
-    assert_eq!(String::from_utf8_lossy(&buf[..n]).trim(), "pod1");
+    wait_until(T, || relay.live_connections() == 1).expect("the closed connection's place back");
+    let mut fourth = Line::open(sb.client(), dst);
+    assert_eq!(fourth.ask().unwrap(), "pod1");
     assert_eq!(second.ask().unwrap(), "pod1");
+}
+
+#[test]
+fn a_limit_smaller_than_the_number_of_listeners_still_lets_each_accept() {
+    let sb = sandbox("nk-rlp", 1);
+    let _lines = line_server(&sb, 1, 9004);
+    let opts = RelayOptions {
+        max_connections: 2,
+        ..RelayOptions::default()
+    };
+    let mut relay = relay_in(sb.node(), opts);
+    let ports = 7020..7026u16;
+    let frontends: Vec<_> = ports
+        .clone()
+        .map(|p| {
+            tcp_frontend(
+                &format!("default/svc{p}"),
+                SocketAddr::from(([0, 0, 0, 0], p)),
+                vec![backend(1, 9004)],
+            )
+        })
+        .collect();
+    apply(&mut relay, &frontends);
+    // Six listeners, two places, no traffic before: each service answers its client in turn.
+    for p in ports {
+        let mut line = Line::open(sb.client(), node_from_pod0(p));
+        assert_eq!(line.ask().unwrap(), "pod1", "listener on port {p}");
+    }
+}
+
+#[test]
+fn applying_one_service_touches_its_listeners_only() {
+    let sb = sandbox("nk-rls", 1);
+    let _lines = line_server(&sb, 1, 9007);
+    let mut relay = relay_in(sb.node(), RelayOptions::default());
+    let fe = |name: &str, port: u16| {
+        tcp_frontend(
+            name,
+            SocketAddr::from(([0, 0, 0, 0], port)),
+            vec![backend(1, 9007)],
+        )
+    };
+    // "default/web2" extends "default/web" as a string: it is another service all the same.
+    apply(
+        &mut relay,
+        &[
+            fe("default/web:http", 7040),
+            fe("default/web (NodePort)", 7041),
+            fe("default/web2:http", 7042),
+        ],
+    );
+    let mut kept = Line::open(sb.client(), node_from_pod0(7042));
+    assert_eq!(kept.ask().unwrap(), "pod1");
+    // default/web changes: one listener goes, one comes; default/web2 and its connection are untouched.
+    let errors = relay.apply_service("default/web", &[fe("default/web:http", 7043)]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(relay.listeners(), 2);
+    assert!(refused(&sb, node_from_pod0(7040)));
+    assert!(refused(&sb, node_from_pod0(7041)));
+    assert_eq!(
+        Line::open(sb.client(), node_from_pod0(7043)).ask().unwrap(),
+        "pod1"
+    );
+    assert_eq!(kept.ask().unwrap(), "pod1");
+    // A deleted service: all of its listeners go.
+    assert!(relay.apply_service("default/web", &[]).is_empty());
+    assert_eq!(relay.listeners(), 1);
+    assert_eq!(kept.ask().unwrap(), "pod1");
+}
+
+/// Whether a connection from the client pod to `dst` is reset, at connect (the reset can arrive before
+/// `connect` returns) or at its first request, instead of answered.
+fn refused(sb: &sandbox::Sandbox, dst: SocketAddr) -> bool {
+    sb.client()
+        .run(move || Line::open_here(dst).and_then(|mut l| l.ask()))
+        .unwrap()
+        .is_err()
+}
+
+/// `n` datagrams to `dst`, each from a fresh source port (a new flow each), from the client pod.
+fn udp_flood(sb: &sandbox::Sandbox, dst: SocketAddr, n: usize) {
+    sb.client()
+        .run(move || -> io::Result<()> {
+            for _ in 0..n {
+                UdpSocket::bind("0.0.0.0:0")?.send_to(b"flood", dst)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_timeout() {
+    let sb = sandbox("nk-rlq", 1);
+    let _lines = line_server(&sb, 1, 9005);
+    let udp_timeout = Duration::from_millis(1500);
+    let flooded = |max_per_service| {
+        let opts = RelayOptions {
+            max_connections: 4,
+            max_connections_per_service: max_per_service,
+            udp_idle_timeout: udp_timeout,
+            ..RelayOptions::default()
+        };
+        let mut relay = relay_in(sb.node(), opts);
+        let dns = Frontend {
+            service: "default/dns".into(),
+            protocol: Protocol::Udp,
+            listen: "0.0.0.0:7030".parse().unwrap(),
+            endpoints: vec![backend(1, BACKEND_UDP_PORT)],
+            // Hours of affinity must not keep flows (and their places) alive: only the balancer keeps it.
+            affinity: Some(Duration::from_secs(3 * 3600)),
+        };
+        let web = tcp_frontend(
+            "default/web",
+            "0.0.0.0:7031".parse().unwrap(),
+            vec![backend(1, 9005)],
+        );
+        apply(&mut relay, &[dns, web]);
+        udp_flood(&sb, node_from_pod0(7030), 30);
+        // Each flood flow takes a place until the service's share (or the relay) is full.
+        wait_until(T, || relay.live_connections() == max_per_service).expect("flood flows opened");
+        relay
+    };
+    let web = node_from_pod0(7031);
+    // A per-service limit below the total: the flood takes its service's share, the other is served at once.
+    let relay = flooded(2);
+    assert_eq!(relay.live_connections(), 2);
+    assert_eq!(Line::open(sb.client(), web).ask().unwrap(), "pod1");
+    drop(relay);
+    // No per-service limit: the flood takes every place, and the other service is refused only until the
+    // flows idle out.
+    let relay = flooded(4);
+    assert_eq!(relay.live_connections(), 4);
+    assert!(refused(&sb, web));
+    let freed = wait_until(udp_timeout * 3, || relay.live_connections() == 0)
+        .expect("the flood's flows outlived the udp timeout");
+    assert!(freed <= udp_timeout + Duration::from_secs(1), "{freed:?}");
+    assert_eq!(Line::open(sb.client(), web).ask().unwrap(), "pod1");
+}
+
+#[test]
+fn an_idle_tcp_connection_is_closed_after_its_timeout_and_a_talking_one_is_not() {
+    let sb = sandbox("nk-rli", 1);
+    let _lines = line_server(&sb, 1, 9006);
+    let idle_timeout = Duration::from_secs(1);
+    let opts = RelayOptions {
+        tcp_idle_timeout: idle_timeout,
+        ..RelayOptions::default()
+    };
+    let mut relay = relay_in(sb.node(), opts);
+    apply(
+        &mut relay,
+        &[tcp_frontend(
+            "default/idle",
+            "0.0.0.0:7032".parse().unwrap(),
+            vec![backend(1, 9006)],
+        )],
+    );
+    let dst = node_from_pod0(7032);
+    let mut idle = Line::open(sb.client(), dst);
+    let mut talking = Line::open(sb.client(), dst);
+    assert_eq!(idle.ask().unwrap(), "pod1");
+    // The talking one speaks every 300 ms for three timeouts.
+    let start = Instant::now();
+    while start.elapsed() < idle_timeout * 3 {
+        assert_eq!(
+            talking.ask().unwrap(),
+            "pod1",
+            "after {:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // The idle one was reset: the client reads an error (or end of stream), not a hang.
+    let mut buf = [0u8; 16];
+    let read = idle.s.read(&mut buf);
+    assert!(matches!(read, Err(_) | Ok(0)), "{read:?}");
+    assert_eq!(relay.stats().closed_idle.load(Ordering::Relaxed), 1);
+    assert_eq!(relay.live_connections(), 1);
 }

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub(crate) mod kube_proxy;
+mod relay;
 pub(crate) mod trace;
 
 #[cfg(test)]
@@ -220,13 +221,9 @@ pub(crate) struct ProxyArgs {
     /// generation id says nothing changed since our last sync ("0": at every check).
     #[arg(long, default_value = "10m", value_parser = config::parse_duration_flag)]
     pub full_read_period: Duration,
-    /// The relay (localhost NodePorts, userspace mode): a UDP flow idle this long is closed (services with
-    /// ClientIP affinity use their timeout): "250ms", or seconds.
-    #[arg(long, default_value = "250ms", value_parser = config::parse_duration_flag)]
-    pub udp_timeout: Duration,
-    /// The relay: TCP connections plus UDP flows at most; more wait in the listen backlog.
-    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub relay_max_connections: u64,
+    #[command(flatten)]
+    /// The relay's limits and timeouts.
+    pub relay: relay::RelayArgs,
     #[command(flatten)]
     /// The rest of kube-proxy's flags.
     pub kube_proxy: kube_proxy::KubeProxyArgs,
@@ -327,10 +324,7 @@ impl ProxyArgs {
         opts.max_transaction_elements =
             usize::try_from(self.max_transaction_elements).unwrap_or(usize::MAX);
         opts.full_read_period = self.full_read_period;
-        opts.relay.udp_idle_timeout = self.udp_timeout;
-        opts.relay.max_connections = usize::try_from(self.relay_max_connections)
-            .unwrap_or(usize::MAX)
-            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        self.relay.apply(&mut opts.relay);
         Ok((opts, startup))
     }
 }

@@ -106,7 +106,7 @@ fn serve_metrics(life: Duration) -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     listener.set_nonblocking(true).unwrap();
-    let handler = metrics_handler(metrics_registry(Arc::default()));
+    let handler = metrics_handler(metrics_registry(Arc::default()), "nftables");
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

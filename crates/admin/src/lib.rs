@@ -78,12 +78,13 @@ type Listener = (
 
 impl Admin {
     /// Binds the healthz and metrics addresses now (in the caller's network namespace) and serves them
-    /// from a thread of their own.
+    /// from a thread of their own. `/proxyMode` answers `proxy_mode` ("nftables", "userspace").
     pub fn start(
         opts: &AdminOptions,
         health: Arc<ProxyHealth>,
         conntrack: Arc<conntrack::Metrics>,
         notices: Notices,
+        proxy_mode: &'static str,
     ) -> anyhow::Result<Admin> {
         let h = health.clone();
         let healthz: Handler = Arc::new(move |req: &Request| match req.path.as_str() {
@@ -91,7 +92,7 @@ impl Admin {
             "/livez" => h.livez(),
             _ => Response::text(404, "404 page not found\n"),
         });
-        let metrics_handler = metrics_handler(metrics_registry(conntrack));
+        let metrics_handler = metrics_handler(metrics_registry(conntrack), proxy_mode);
         let mut listeners: Vec<Listener> = Vec::new();
         for (what, kind, addr, handler) in [
             ("healthz", http::ServerKind::Healthz, opts.healthz, healthz),
@@ -215,7 +216,7 @@ async fn serve_or_retry(
 
 /// The metrics server's answers: `/metrics` in the format the scraper's `Accept` header asks for (the
 /// classic text format unless it names OpenMetrics), kube-proxy's `/healthz` and `/proxyMode` of that port.
-fn metrics_handler(registry: Registry) -> Handler {
+fn metrics_handler(registry: Registry, proxy_mode: &'static str) -> Handler {
     Arc::new(move |req: &Request| match req.path.as_str() {
         "/metrics" => {
             let format = metrics::Format::negotiate(req.accept.as_deref());
@@ -226,7 +227,7 @@ fn metrics_handler(registry: Registry) -> Handler {
             )
         }
         "/healthz" => Response::text(200, "ok"),
-        "/proxyMode" => Response::text(200, "nftables"),
+        "/proxyMode" => Response::text(200, proxy_mode),
         _ => Response::text(404, "404 page not found\n"),
     })
 }

@@ -215,6 +215,11 @@ pub fn run_proxy(opts: &ProxyOptions, inbox: Inbox) -> anyhow::Result<()> {
             health.clone(),
             conntrack.metrics(),
             notices.clone(),
+            if opts.userspace {
+                "userspace"
+            } else {
+                "nftables"
+            },
         )?),
         None => None,
     };

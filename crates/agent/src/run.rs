@@ -339,7 +339,12 @@ impl ProxyLoop<'_> {
             }
         }
         let synced = match &mut self.relay.userspace {
-            Some(u) => u.sync(&mut self.engine, &self.state, &changes.changed_services),
+            Some(u) => u.sync(
+                &mut self.engine,
+                &self.state,
+                &changes.changed_services,
+                &self.cfg.nodeport_addresses,
+            ),
             None => sync_once(
                 &mut self.engine,
                 &self.state,

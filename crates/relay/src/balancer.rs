@@ -5,6 +5,11 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
+/// Pins one balancer holds at most. Clients come from addresses a hostile sender can choose (UDP sources are
+/// not verified), so the map must not grow with them: beyond this the least recently used pins go, and
+/// their clients are balanced afresh when they return (affinity lost, nothing else).
+pub(crate) const MAX_PINS: usize = 16_384;
+
 /// Round robin with optional ClientIP affinity.
 #[derive(Debug)]
 pub struct Balancer {
@@ -17,6 +22,7 @@ pub struct Balancer {
     /// Entries at the last sweep of expired ones: the next sweep waits until the map doubled, so sweeping
     /// costs amortised O(1) per connection.
     swept_at: usize,
+    max_pins: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -28,12 +34,18 @@ struct Pin {
 impl Balancer {
     /// A balancer with no endpoints; `affinity_ttl`: ClientIP affinity for that long.
     pub fn new(affinity_ttl: Option<Duration>) -> Balancer {
+        Balancer::with_max_pins(affinity_ttl, MAX_PINS)
+    }
+
+    /// As [`Balancer::new`], holding at most `max_pins` (at least 1) pins.
+    pub fn with_max_pins(affinity_ttl: Option<Duration>, max_pins: usize) -> Balancer {
         Balancer {
             endpoints: Vec::new(),
             next: 0,
             affinity_ttl,
             pinned: HashMap::new(),
             swept_at: 0,
+            max_pins: max_pins.max(1),
         }
     }
 
@@ -78,6 +90,9 @@ impl Balancer {
             }
         }
         let endpoint = self.round_robin();
+        if !self.pinned.contains_key(&client) && self.pinned.len() >= self.max_pins {
+            self.make_room(ttl, now);
+        }
         self.pinned.insert(
             client,
             Pin {
@@ -102,6 +117,24 @@ impl Balancer {
         }
         self.pinned
             .retain(|_, p| now.saturating_duration_since(p.last_used) < ttl);
+        self.swept_at = self.pinned.len();
+    }
+
+    /// At the pin limit: drops the expired pins, and if that is not enough, the least recently used eighth
+    /// (O(pins) once per eighth of the limit inserted: amortised O(1) per new client).
+    fn make_room(&mut self, ttl: Duration, now: Instant) {
+        self.pinned
+            .retain(|_, p| now.saturating_duration_since(p.last_used) < ttl);
+        if self.pinned.len() < self.max_pins {
+            return;
+        }
+        let evict = (self.max_pins / 8).max(1);
+        let mut by_age: Vec<(Instant, IpAddr)> =
+            self.pinned.iter().map(|(c, p)| (p.last_used, *c)).collect();
+        by_age.select_nth_unstable(evict - 1);
+        for (_, client) in &by_age[..evict] {
+            self.pinned.remove(client);
+        }
         self.swept_at = self.pinned.len();
     }
 
@@ -198,6 +231,25 @@ mod tests {
         assert_eq!(b.pinned_clients(), 0);
         assert_eq!(b.pick(client(1), false, now), Some(ep(2)));
         assert_eq!(b.pick(client(1), false, now), Some(ep(1)));
+    }
+
+    #[test]
+    fn pins_are_bounded_and_the_least_recently_used_go_first() {
+        let mut b = Balancer::with_max_pins(Some(Duration::from_secs(3600)), 16);
+        b.set_endpoints(vec![ep(1), ep(2)]);
+        let t0 = Instant::now();
+        // Client 1 first, and it keeps coming back between the others.
+        assert_eq!(b.pick(client(1), false, t0), Some(ep(1)));
+        for i in 2..=200u8 {
+            let t = t0 + Duration::from_millis(u64::from(i));
+            b.pick(client(i), false, t);
+            assert!(b.pinned_clients() <= 16, "{}", b.pinned_clients());
+            assert_eq!(
+                b.pick(client(1), false, t),
+                Some(ep(1)),
+                "client 1 lost its pin at {i}"
+            );
+        }
     }
 
     #[test]

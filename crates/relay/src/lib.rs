@@ -8,7 +8,9 @@
 //! place without touching connections to endpoints that remain.
 
 mod balancer;
+mod capacity;
 mod frontends;
+mod idle;
 mod localhost;
 mod service;
 mod socket;
@@ -24,6 +26,7 @@ pub use service::Stats;
 pub use tcp::DIAL_TIMEOUTS;
 pub use userspace::UserspaceProxy;
 
+use capacity::Capacity;
 use nftkube_model::Protocol;
 use service::{Limits, Service};
 use std::collections::BTreeMap;
@@ -31,17 +34,30 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
 use tokio::task::AbortHandle;
+
+/// The default TCP idle timeout: kube-proxy's default for established TCP connections in conntrack
+/// (`--conntrack-tcp-timeout-established`), so an idle connection lives as long through the relay as through
+/// the kernel's DNAT path.
+pub const TCP_IDLE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// How a relay behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelayOptions {
-    /// Relayed TCP connections plus UDP flows at most; beyond it new connections wait in the backlog.
+    /// Relayed TCP connections plus UDP flows at most; beyond it a new connection is reset (a new UDP
+    /// flow's datagram dropped).
     pub max_connections: usize,
-    /// A UDP flow without a datagram either way for this long is closed (kube-proxy's `--udp-timeout`),
-    /// unless its service has ClientIP affinity, whose timeout it then takes.
+    /// Relayed TCP connections plus UDP flows of one service port (listener) at most, so that a flood to one
+    /// service leaves room for the others.
+    pub max_connections_per_service: usize,
+    /// Relayed TCP connections plus UDP flows from one client address at most (loopback clients, the node
+    /// itself, excepted).
+    pub max_connections_per_source: usize,
+    /// A UDP flow without a datagram either way for this long is closed (kube-proxy's `--udp-timeout`).
+    /// ClientIP affinity outlives it: the balancer keeps the client's endpoint for the affinity timeout.
     pub udp_idle_timeout: Duration,
+    /// A TCP connection that moved no byte either way for this long is closed (both sides reset).
+    pub tcp_idle_timeout: Duration,
     /// One dial attempt per timeout, each to the next endpoint.
     pub dial_timeouts: Vec<Duration>,
     /// The runtime's worker threads.
@@ -52,7 +68,10 @@ impl Default for RelayOptions {
     fn default() -> Self {
         RelayOptions {
             max_connections: 10_000,
+            max_connections_per_service: 5_000,
+            max_connections_per_source: 1_000,
             udp_idle_timeout: Duration::from_millis(250),
+            tcp_idle_timeout: TCP_IDLE_TIMEOUT,
             dial_timeouts: DIAL_TIMEOUTS.to_vec(),
             worker_threads: 2,
         }
@@ -108,6 +127,12 @@ pub enum RelayError {
 /// A listener is identified by its service, protocol and requested address (many ask for port 0).
 type Key = (String, Protocol, SocketAddr);
 
+/// Whether a listener named `name` belongs to `service` (see [`Relay::apply_service`]).
+fn owned_by(name: &str, service: &str) -> bool {
+    name.strip_prefix(service)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(':') || rest.starts_with(' '))
+}
+
 struct Active {
     frontend: Frontend,
     service: Arc<Service>,
@@ -147,7 +172,12 @@ impl Relay {
             .build()
             .map_err(RelayError::Runtime)?;
         let limits = Arc::new(Limits {
-            connections: Arc::new(Semaphore::new(opts.max_connections)),
+            capacity: Arc::new(Capacity::new(
+                opts.max_connections,
+                opts.max_connections_per_service,
+                opts.max_connections_per_source,
+            )),
+            tcp_idle_timeout: opts.tcp_idle_timeout,
             dial_timeouts: opts.dial_timeouts.clone(),
             stats: Stats::default(),
         });
@@ -162,18 +192,44 @@ impl Relay {
     /// Makes the listeners exactly `frontends`. A listener that cannot be opened is reported and left out;
     /// every other one is served.
     pub fn apply(&mut self, frontends: &[Frontend]) -> Vec<RelayError> {
+        let scope: Vec<Key> = self.active.keys().cloned().collect();
+        self.reconcile(scope, frontends)
+    }
+
+    /// Makes the listeners of one service (`namespace/name`) exactly `frontends`, leaving every other
+    /// service's alone: O(its listeners), so a sync costs O(changed services). A listener belongs to the
+    /// service when its name is the service's, or the service's followed by `:` (a port) or a space (a
+    /// NodePort listener's suffix); Kubernetes names hold neither.
+    pub fn apply_service(&mut self, service: &str, frontends: &[Frontend]) -> Vec<RelayError> {
+        let from: Key = (
+            service.to_owned(),
+            Protocol::Tcp,
+            SocketAddr::from(([0; 4], 0)),
+        );
+        let scope: Vec<Key> = self
+            .active
+            .range(from..)
+            .map(|(k, _)| k)
+            .take_while(|k| k.0.starts_with(service))
+            .filter(|k| owned_by(&k.0, service))
+            .cloned()
+            .collect();
+        self.reconcile(scope, frontends)
+    }
+
+    /// Closes the listeners of `scope` that `frontends` does not name, updates those it names differently,
+    /// and opens the new ones.
+    fn reconcile(&mut self, scope: Vec<Key>, frontends: &[Frontend]) -> Vec<RelayError> {
         let wanted: BTreeMap<Key, &Frontend> = frontends
             .iter()
             .map(|f| ((f.service.clone(), f.protocol, f.listen), f))
             .collect();
-        self.active.retain(|key, a| {
-            let keep = wanted.contains_key(key);
-            if !keep {
+        for key in scope.into_iter().filter(|k| !wanted.contains_key(k)) {
+            if let Some(a) = self.active.remove(&key) {
                 a.service.update(Vec::new(), None);
                 a.task.abort();
             }
-            keep
-        });
+        }
         let mut errors = Vec::new();
         for (key, f) in wanted {
             match self.active.get_mut(&key) {
@@ -208,7 +264,7 @@ impl Relay {
             source,
         };
         let (protocol, listen, svc) = (f.protocol, f.listen, service.clone());
-        let idle = f.affinity.unwrap_or(self.udp_idle_timeout);
+        let idle = self.udp_idle_timeout;
         let started = self.runtime.block_on(self.runtime.spawn(async move {
             match protocol {
                 Protocol::Tcp => {
@@ -281,6 +337,26 @@ impl Drop for Relay {
     fn drop(&mut self) {
         for a in self.active.values() {
             a.task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owned_by;
+
+    #[test]
+    fn a_listener_belongs_to_its_service_and_to_no_service_whose_name_it_extends() {
+        for name in [
+            "ns/web",
+            "ns/web:http",
+            "ns/web:http (NodePort)",
+            "ns/web (NodePort)",
+        ] {
+            assert!(owned_by(name, "ns/web"), "{name}");
+        }
+        for name in ["ns/web2", "ns/web2:http", "ns/we", "ns2/web:http"] {
+            assert!(!owned_by(name, "ns/web"), "{name}");
         }
     }
 }

@@ -2,18 +2,21 @@
 //! connections (so an endpoint that leaves takes its connections with it) and the relay-wide limits.
 
 use super::balancer::Balancer;
+use super::capacity::{Admission, Capacity, Refusal};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::oneshot;
 
 /// Limits shared by every listener of a relay.
 #[derive(Debug)]
 pub(crate) struct Limits {
-    /// One permit per relayed TCP connection or UDP flow.
-    pub(crate) connections: Arc<Semaphore>,
+    /// Places for relayed TCP connections and UDP flows: in total, per service port, per client.
+    pub(crate) capacity: Arc<Capacity>,
+    /// A relayed TCP connection that moved no byte either way for this long is closed.
+    pub(crate) tcp_idle_timeout: Duration,
     /// Dial timeouts, one per attempt (each attempt tries the next endpoint).
     pub(crate) dial_timeouts: Vec<Duration>,
     /// Counters for logs and tests.
@@ -31,6 +34,14 @@ pub struct Stats {
     pub(crate) fd_exhausted: AtomicU64,
     /// Connections closed because their endpoint left the service.
     pub closed_by_endpoint_removal: AtomicU64,
+    /// Connections (reset) or UDP flows (datagram dropped) refused at `--relay-max-connections`.
+    pub refused_total_limit: AtomicU64,
+    /// Connections or flows refused at the per-service-port limit.
+    pub refused_service_limit: AtomicU64,
+    /// Connections or flows refused at the per-client-address limit.
+    pub refused_source_limit: AtomicU64,
+    /// TCP connections closed after the idle timeout.
+    pub closed_idle: AtomicU64,
 }
 
 impl Stats {
@@ -48,6 +59,8 @@ pub(crate) struct Service {
     pub(crate) limits: Arc<Limits>,
     balancer: Mutex<Balancer>,
     live: Mutex<Live>,
+    /// Places this service port holds under [`Limits::capacity`].
+    admitted: Arc<AtomicUsize>,
     /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
     generation: AtomicU64,
 }
@@ -89,12 +102,27 @@ impl Service {
             limits,
             balancer: Mutex::new(balancer),
             live: Mutex::new(Live::default()),
+            admitted: Arc::default(),
             generation: AtomicU64::new(0),
         })
     }
 
     fn live(&self) -> MutexGuard<'_, Live> {
         lock(&self.live)
+    }
+
+    /// A place for a new connection or flow from `client`; a refusal is counted by its reason.
+    pub(crate) fn admit(&self, client: IpAddr) -> Result<Admission, Refusal> {
+        let admitted = self.limits.capacity.admit(&self.admitted, client);
+        if let Err(refusal) = admitted {
+            let stats = &self.limits.stats;
+            Stats::bump(match refusal {
+                Refusal::Total => &stats.refused_total_limit,
+                Refusal::Service => &stats.refused_service_limit,
+                Refusal::Source => &stats.refused_source_limit,
+            });
+        }
+        admitted
     }
 
     /// The endpoint for a new connection from `client` (see [`Balancer::pick`]).

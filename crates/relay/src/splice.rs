@@ -6,6 +6,7 @@
 //! shared pool. A pipe holds at most 64 KiB (the kernel's default pipe size), which bounds the bytes buffered
 //! per direction.
 
+use super::idle::Activity;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
@@ -75,8 +76,8 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
 
 /// Copies `from` → `to` until `from` reaches end of stream (everything before its FIN delivered); then shuts
 /// down `to`'s sending side (half-close propagated). An error ends the direction (the caller tears the
-/// connection down).
-pub(crate) async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<()> {
+/// connection down). Every move of bytes (and the FIN) marks `activity`.
+pub(crate) async fn pump(from: &TcpStream, to: &TcpStream, activity: &Activity) -> io::Result<()> {
     let mut spliceable = true;
     loop {
         from.readable().await?;
@@ -92,6 +93,9 @@ pub(crate) async fn pump(from: &TcpStream, to: &TcpStream) -> io::Result<()> {
         } else {
             copy_once(from, to).await?
         };
+        if moved.is_some() {
+            activity.touch();
+        }
         if moved == Some(0) {
             shutdown_write(to);
             return Ok(());

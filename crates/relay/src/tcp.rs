@@ -1,12 +1,12 @@
 //! The TCP side of the relay: a listener per service port, a task per connection that dials an endpoint
 //! (retrying the next one with growing timeouts) and splices bytes both ways, half-close included.
 
+use super::idle::Activity;
 use super::service::{Service, Stats};
 use super::splice::{pump, reset_on_close};
-use futures::future::{self, Either};
+use futures::future;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,23 +33,16 @@ fn memory_short(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOBUFS | libc::ENOMEM))
 }
 
-/// Accepts connections until the task is aborted. At the connection limit it stops accepting (clients
-/// wait in the kernel's backlog); without file descriptors it backs off, logs, and tries again.
+/// Accepts connections until the task is aborted, always: a connection is admitted after `accept()`, and one
+/// over a limit is reset at once (the client learns right away instead of waiting in a backlog that would
+/// also hold clients of other limits). Without file descriptors it backs off, logs, and tries again.
 pub(crate) async fn serve(listener: TcpListener, svc: Arc<Service>) {
     let mut backoff = FD_BACKOFF_MIN;
     loop {
-        let Ok(permit) = svc.limits.connections.clone().acquire_owned().await else {
-            return; // the semaphore is never closed; nothing left to do if it were
-        };
         match listener.accept().await {
             Ok((client, peer)) => {
                 backoff = FD_BACKOFF_MIN;
-                Stats::bump(&svc.limits.stats.accepted);
-                let svc = svc.clone();
-                tokio::spawn(async move {
-                    relay_connection(client, peer, &svc).await;
-                    drop(permit);
-                });
+                admit(client, peer, &svc);
             }
             Err(e) if fd_exhausted(&e) || memory_short(&e) => {
                 if fd_exhausted(&e) {
@@ -58,12 +51,29 @@ pub(crate) async fn serve(listener: TcpListener, svc: Arc<Service>) {
                 if backoff == FD_BACKOFF_MIN {
                     tracing::warn!(service = %svc.name, error = %e, "out of file descriptors or socket memory accepting connections: backing off (up to 1 s between tries) until some close");
                 }
-                drop(permit);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(FD_BACKOFF_MAX);
             }
             // A client that reset before we accepted it, and the like: nothing to do with the next one.
             Err(e) => tracing::debug!(service = %svc.name, error = %e, "accept failed"),
+        }
+    }
+}
+
+/// Relays an accepted connection on a task of its own if a limit lets it in; resets it otherwise.
+fn admit(client: TcpStream, peer: SocketAddr, svc: &Arc<Service>) {
+    match svc.admit(peer.ip()) {
+        Ok(admission) => {
+            Stats::bump(&svc.limits.stats.accepted);
+            let svc = svc.clone();
+            tokio::spawn(async move {
+                relay_connection(client, peer, &svc).await;
+                drop(admission);
+            });
+        }
+        Err(refusal) => {
+            tracing::debug!(service = %svc.name, %peer, reason = refusal.reason(), "connection refused: reset");
+            reset_on_close(&client);
         }
     }
 }
@@ -78,15 +88,16 @@ async fn relay_connection(client: TcpStream, peer: SocketAddr, svc: &Arc<Service
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
     let (_registration, removed) = svc.register(endpoint);
-    let outcome = {
-        let both_ways = pin!(future::try_join(
-            pump(&client, &upstream),
-            pump(&upstream, &client)
-        ));
-        match future::select(both_ways, removed).await {
-            Either::Left((Ok(_), _)) => Ok(()), // both sides sent FIN: close normally
-            Either::Left((Err(e), _)) => Err(format!("connection broken: {e}")),
-            Either::Right(_) => Err("endpoint removed".to_string()),
+    let activity = Activity::new();
+    let outcome = tokio::select! {
+        r = future::try_join(pump(&client, &upstream, &activity), pump(&upstream, &client, &activity)) => match r {
+            Ok(_) => Ok(()), // both sides sent FIN: close normally
+            Err(e) => Err(format!("connection broken: {e}")),
+        },
+        _ = removed => Err("endpoint removed".to_string()),
+        () = activity.idle_for(svc.limits.tcp_idle_timeout) => {
+            Stats::bump(&svc.limits.stats.closed_idle);
+            Err("idle timeout".to_string())
         }
     };
     if let Err(why) = outcome {

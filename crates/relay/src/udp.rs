@@ -5,6 +5,7 @@
 //! reply is read into a buffer of exactly its length. After an endpoint change new clients are balanced over
 //! the new endpoints; a live flow keeps its endpoint until it idles out, unless that endpoint was removed.
 
+use super::capacity::Admission;
 use super::service::{Registration, Service, Stats};
 use super::socket::{next_datagram_len, recv_with_destination, send_from, udp_connected};
 use super::tcp::fd_exhausted;
@@ -18,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
-use tokio::sync::OwnedSemaphorePermit;
 
 /// Largest UDP payload (IPv6 jumbograms aside): what one read must hold so no datagram arrives cut.
 pub(crate) const MAX_DATAGRAM: usize = 65_536;
@@ -108,9 +108,12 @@ fn open_flow(
     idle_timeout: Duration,
     epoch: Instant,
 ) -> Option<Arc<Flow>> {
-    let Ok(permit) = svc.limits.connections.clone().try_acquire_owned() else {
-        tracing::debug!(service = %svc.name, %client, "connection limit reached: udp datagram dropped");
-        return None;
+    let admission = match svc.admit(client.ip()) {
+        Ok(a) => a,
+        Err(refusal) => {
+            tracing::debug!(service = %svc.name, %client, reason = refusal.reason(), "udp flow refused: datagram dropped");
+            return None;
+        }
     };
     // Read before the pick: an update between the two makes the flow check its endpoint again.
     let generation = svc.generation();
@@ -145,7 +148,7 @@ fn open_flow(
         epoch,
     };
     tokio::spawn(async move {
-        let _hold: (Registration, OwnedSemaphorePermit) = (registration, permit);
+        let _hold: (Registration, Admission) = (registration, admission);
         let carry = std::pin::pin!(replies.carry());
         if let Either::Right(_) = future::select(carry, removed).await {
             tracing::debug!(%client, %endpoint, "endpoint removed: udp flow closed");

@@ -310,7 +310,7 @@ fn add_cluster_ips_check(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
     }
 }
 
-fn add_reject(t: &mut TableState, f: IpFamily) {
+pub(crate) fn add_reject(t: &mut TableState, f: IpFamily) {
     let unreach = match f {
         IpFamily::V4 => RejectKind::IcmpUnreach(ICMP_PORT_UNREACH),
         IpFamily::V6 => RejectKind::IcmpUnreach(ICMPV6_PORT_UNREACH),

@@ -70,6 +70,10 @@ pub(crate) const CHAIN_NODEPORTS_CHECK: &str = "nodeports-check";
 
 /// Userspace mode: `addr . proto . port : relay port`, what `redirect to :` looks up.
 pub(crate) const MAP_RELAY_PORTS: &str = "relay-ports";
+/// Userspace mode: the relay's redirect targets (`proto . port`), which answer redirected traffic only.
+pub(crate) const SET_RELAY_LISTENERS: &str = "relay-listeners";
+/// Userspace mode: frontends (`addr . proto . port`) of service ports without endpoints, rejected in filter.
+pub(crate) const SET_RELAY_NO_ENDPOINTS: &str = "relay-no-endpoints";
 
 /// External and LoadBalancer frontends of services without endpoints (`addr . proto . port`): rejected in
 /// filter. A plain set, so that a service losing its last endpoint adds no verdict element.
@@ -98,7 +102,7 @@ pub(crate) const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 13] = [
+const PIECE_SETS: [&str; 15] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -112,6 +116,8 @@ const PIECE_SETS: [&str; 13] = [
     MAP_AFFINITY_SERVICES,
     MAP_AFFINITY_NODEPORTS,
     MAP_RELAY_PORTS,
+    SET_RELAY_LISTENERS,
+    SET_RELAY_NO_ENDPOINTS,
 ];
 
 impl PieceSet {
