@@ -5,7 +5,7 @@ mod cli;
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
-use cli::{Cli, Command};
+use cli::{Cli, Command, Tool};
 use nftkube::config;
 use std::io::Write;
 use std::process::ExitCode;
@@ -293,7 +293,7 @@ fn main() -> ExitCode {
     let proxy = matches.subcommand_matches("proxy");
     match cli.command {
         Command::Proxy(args) => run_proxy(&args, proxy, log_level.as_deref(), verbosity),
-        command => {
+        Command::Tool(command) => {
             let logging = config::Logging {
                 verbosity: verbosity.unwrap_or(0),
                 json: false,
@@ -345,10 +345,9 @@ fn run_proxy(
 }
 
 /// The other commands than `proxy`.
-fn run_tool(command: Command) -> ExitCode {
+fn run_tool(command: Tool) -> ExitCode {
     let result = match command {
-        Command::Proxy(_) => return usage_error("the proxy is run by run_proxy"),
-        Command::Plan(args) => {
+        Tool::Plan(args) => {
             let cfg = match args.render.render_config() {
                 Ok(cfg) => cfg,
                 Err(e) => return usage_error(&e.to_string()),
@@ -364,9 +363,9 @@ fn run_tool(command: Command) -> ExitCode {
                     .context("writing the plan")
             })
         }
-        Command::Trace(args) => return run_trace(&args),
-        Command::Cleanup(args) if args.kube_proxy => cleanup_kube_proxy(),
-        Command::Cleanup(args) => {
+        Tool::Trace(args) => return run_trace(&args),
+        Tool::Cleanup(args) if args.kube_proxy => cleanup_kube_proxy(),
+        Tool::Cleanup(args) => {
             let removed = if args.traces {
                 nftkube::agent::cleanup_abandoned_traces()
             } else {
@@ -374,8 +373,8 @@ fn run_tool(command: Command) -> ExitCode {
             };
             removed.map(|n| say!("removed {n} table(s)"))
         }
-        Command::Portmap => return ExitCode::from(nftkube::portmap::main()),
-        Command::Version => {
+        Tool::Portmap => return ExitCode::from(nftkube::portmap::main()),
+        Tool::Version => {
             let _ = writeln!(std::io::stdout(), "nftkube {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }

@@ -48,6 +48,14 @@ pub(crate) enum Command {
     /// Keep the kernel in sync with the Services and EndpointSlices (Kubernetes API or manifests) until SIGTERM.
     #[command(args_override_self = true)]
     Proxy(ProxyArgs),
+    #[command(flatten)]
+    /// The tools around the agent.
+    Tool(Tool),
+}
+
+#[derive(Debug, Subcommand)]
+/// The commands that are not the agent: each runs once and ends.
+pub(crate) enum Tool {
     /// Print, without root and without touching the kernel, the ruleset `proxy` would program.
     Plan(PlanArgs),
     /// Explain where a packet goes through the programmed state (the kernel's, or the plan of --manifests):
