@@ -161,3 +161,87 @@ fn sctp_cluster_ip_and_node_port_carry_associations() {
     }
     drop(agent);
 }
+
+/// Userspace mode does not relay SCTP: the service port's addresses are rejected, and the agent says so. The
+/// ruleset part needs no SCTP in the kernel (a set element naming protocol 132).
+#[test]
+fn userspace_mode_rejects_sctp_service_ports_and_says_why() {
+    let sb = sandbox("nk-sctpu", 1);
+    let m = Manifests::examples();
+    m.write("sctp.yaml", MANIFEST);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).expect("ip nftkube");
+    let text = nftkube::nft::text::render_table(&t);
+    let rejected = text
+        .split("set relay-no-endpoints")
+        .nth(1)
+        .and_then(|s| s.split('}').next())
+        .unwrap_or_else(|| panic!("no relay-no-endpoints set:\n{text}"));
+    assert!(
+        rejected.contains(&format!("{CLUSTER_IP} . sctp . {PORT}")),
+        "{text}"
+    );
+    assert!(!text.contains("sctp . 9000 :"), "an SCTP redirect:\n{text}");
+    let log = agent.log();
+    assert!(
+        log.contains("userspace mode does not relay SCTP") && log.contains("demo/assoc"),
+        "{log}"
+    );
+}
+
+/// IP_RECVERR: an ICMP error fails the socket at once (SCTP otherwise keeps it as a soft error and retries
+/// until its timeout).
+fn ask_for_icmp_errors(s: &Socket) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let on: libc::c_int = 1;
+    // SAFETY: a valid socket descriptor, and a pointer to a c_int of the size passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_RECVERR,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// An SCTP association to such a service is refused at once (ICMP port unreachable, which SCTP reports as
+/// ECONNREFUSED on a socket asking for ICMP errors), not left to time out.
+#[test]
+#[ignore = "needs a kernel with SCTP: the VM matrix runs it (--include-ignored)"]
+fn userspace_mode_refuses_sctp_associations() {
+    let sb = sandbox("nk-sctpr", 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let servers: Vec<_> = (1..=2).map(|i| serve(&sb, i, stop.clone())).collect();
+    let m = Manifests::examples();
+    m.write("sctp.yaml", MANIFEST);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    let to = addr(CLUSTER_IP, PORT);
+    let refused = sb
+        .client()
+        .run(move || -> io::Result<io::Result<()>> {
+            let s = sctp_socket()?;
+            ask_for_icmp_errors(&s)?;
+            Ok(s.connect_timeout(&SockAddr::from(to), T * 3))
+        })
+        .unwrap()
+        .unwrap();
+    let e = refused.expect_err("an SCTP association through userspace mode");
+    assert_eq!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused,
+        "{e}; log:\n{}",
+        agent.log()
+    );
+    stop.store(true, Ordering::Relaxed);
+    for s in servers {
+        s.join().unwrap();
+    }
+}

@@ -131,6 +131,8 @@ pub static PENDING_CHANGES: GaugeU64 = GaugeU64::gauge();
 pub static REFUSED_CLAIMS: GaugeU64 = GaugeU64::gauge();
 /// Service ports the kernel refuses, left out of it while every other one is programmed.
 pub static QUARANTINED_PORTS: GaugeU64 = GaugeU64::gauge();
+/// SCTP service ports refused in userspace mode (the relay carries TCP and UDP).
+pub static USERSPACE_SCTP_REFUSED: GaugeU64 = GaugeU64::gauge();
 /// Endpoints left out of a frontend past the cap of one count, each time their service port is rendered.
 pub static ENDPOINTS_OVER_CAP: CounterU64 = CounterU64::counter();
 /// Service ports the kernel refused, each time it did.
@@ -305,6 +307,11 @@ pub fn registry() -> Registry {
             "nftkube_refused_frontend_claims",
             "Service ports whose address and port another service port of higher precedence holds",
             &REFUSED_CLAIMS,
+        ),
+        (
+            "nftkube_userspace_refused_sctp_service_ports",
+            "SCTP service ports refused in userspace mode: the relay carries TCP and UDP, their frontends are rejected",
+            &USERSPACE_SCTP_REFUSED,
         ),
     ] {
         add(&mut r, name, help, g.metric());

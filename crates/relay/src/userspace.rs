@@ -7,6 +7,7 @@
 use super::{Frontend, Relay, RelayError, RelayOptions};
 use nftkube_model::{
     ClusterState, Endpoint, IpFamily, NamespacedName, NodePortAddresses, Protocol, ServicePort,
+    ServicePortName,
 };
 use nftkube_nft::Backend;
 use nftkube_render::{self as render, usable_endpoints, Piece};
@@ -21,6 +22,9 @@ pub struct UserspaceProxy {
     relay: Relay,
     /// The NodePort addresses the listeners were last made for: a change rebuilds every listener.
     nodeport: Option<NodePortAddresses>,
+    /// SCTP service ports, refused: the relay carries TCP and UDP (their frontends are rejected, so a client
+    /// is told at once rather than left waiting).
+    sctp_refused: BTreeSet<ServicePortName>,
 }
 
 fn any(f: IpFamily, port: u16) -> SocketAddr {
@@ -110,6 +114,7 @@ impl UserspaceProxy {
         Ok(UserspaceProxy {
             relay: Relay::start(opts)?,
             nodeport: None,
+            sctp_refused: BTreeSet::new(),
         })
     }
 
@@ -131,6 +136,11 @@ impl UserspaceProxy {
                 self.apply_service_listeners(state, name, nodeport);
             }
         }
+        let looked_at: Vec<NamespacedName> = match full {
+            true => state.service_names().into_iter().collect(),
+            false => changed.iter().cloned().collect(),
+        };
+        self.note_sctp(state, &looked_at, full);
         if full {
             let mut pieces = BTreeMap::new();
             for name in state.service_names() {
@@ -182,9 +192,38 @@ impl UserspaceProxy {
         }
     }
 
+    /// Follows the SCTP service ports of `services` (every service on a full sync): each newly refused one is
+    /// logged, and the count is a metric.
+    fn note_sctp(&mut self, state: &ClusterState, services: &[NamespacedName], full: bool) {
+        if full {
+            self.sctp_refused.clear();
+        } else {
+            self.sctp_refused
+                .retain(|port| !services.contains(&port.service));
+        }
+        for name in services {
+            for sp in state.service_ports(name) {
+                if sp.protocol == Protocol::Sctp && self.sctp_refused.insert(sp.name.clone()) {
+                    tracing::warn!(
+                        service_port = %sp.name,
+                        "userspace mode does not relay SCTP: the service port's addresses are rejected"
+                    );
+                }
+            }
+        }
+        nftkube_metrics::USERSPACE_SCTP_REFUSED.set(self.sctp_refused.len() as u64);
+    }
+
     /// The nf_tables elements of a service port, per family: with endpoints, redirects to its listener and
-    /// that listener's port among those that answer redirected traffic only; without, rejects.
+    /// that listener's port among those that answer redirected traffic only; without, or for SCTP (which the
+    /// relay does not carry), rejects.
     fn pieces(&self, sp: &ServicePort, endpoints: Option<&Vec<Endpoint>>) -> Vec<Piece> {
+        if sp.protocol == Protocol::Sctp {
+            return [IpFamily::V4, IpFamily::V6]
+                .into_iter()
+                .flat_map(|f| render::userspace::no_endpoint_pieces(sp, f))
+                .collect();
+        }
         let endpoints = endpoints.map(Vec::as_slice).unwrap_or(&[]);
         let mut out = Vec::new();
         for f in [IpFamily::V4, IpFamily::V6] {

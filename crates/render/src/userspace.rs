@@ -137,14 +137,18 @@ pub fn frontend_ips(svc: &ServicePort, f: IpFamily) -> Vec<IpAddr> {
     ips
 }
 
-/// One service port's `relay-ports` elements: each frontend address of family `f` to `relay_port`.
+/// One service port's `relay-ports` elements: each frontend address of family `f` to `relay_port`. None for
+/// SCTP, which the relay does not carry.
 pub fn relay_pieces(svc: &ServicePort, f: IpFamily, relay_port: u16) -> Vec<Piece> {
+    if svc.protocol == Protocol::Sctp {
+        return Vec::new();
+    }
     let value = ElementValue::Data(relay_port.to_be_bytes().to_vec().into());
     frontend_pieces(svc, f, MAP_RELAY_PORTS, Some(value))
 }
 
-/// One service port's `relay-no-endpoints` elements, for a port without endpoints of family `f`: each
-/// frontend address, rejected instead of redirected.
+/// One service port's `relay-no-endpoints` elements, for a port without endpoints of family `f`, or an SCTP
+/// port (the relay carries TCP and UDP): each frontend address, rejected instead of redirected.
 pub fn no_endpoint_pieces(svc: &ServicePort, f: IpFamily) -> Vec<Piece> {
     frontend_pieces(svc, f, SET_RELAY_NO_ENDPOINTS, None)
 }
@@ -156,9 +160,6 @@ fn frontend_pieces(
     set: &str,
     value: Option<ElementValue>,
 ) -> Vec<Piece> {
-    if svc.protocol == Protocol::Sctp {
-        return Vec::new();
-    }
     let set = PieceSet::named(set);
     frontend_ips(svc, f)
         .iter()
@@ -232,8 +233,14 @@ mod tests {
             panic!("{rejected:?}")
         };
         assert!(element.value.is_none());
+        // SCTP is never redirected (the relay carries TCP and UDP): its frontends are rejected instead.
         sp.protocol = Protocol::Sctp;
         assert!(relay_pieces(&sp, IpFamily::V4, 40000).is_empty());
-        assert!(no_endpoint_pieces(&sp, IpFamily::V4).is_empty());
+        let rejected = no_endpoint_pieces(&sp, IpFamily::V4);
+        assert_eq!(rejected.len(), 2);
+        let Piece::Element { element, .. } = &rejected[0] else {
+            panic!("{rejected:?}")
+        };
+        assert_eq!(element.key[4], 132, "the key names SCTP: {:?}", element.key);
     }
 }
