@@ -597,9 +597,10 @@ fn cleanup_traces_removes_abandoned_trace_tables_only() {
     assert!(!has_table(ns, &alive), "{alive} left after SIGINT");
 }
 
-/// `nftkube-portmap` (the CNI plugin, as shipped) ADD for pod1 as the container, with `mappings`; the previous result is
-/// written by hand (pod1's address on its eth0), as a bridge plugin would have returned it.
-fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
+/// `nftkube-portmap` (the CNI plugin, as shipped) `command` (ADD, DEL) for pod1 as the container, with `mappings`;
+/// the previous result is written by hand (pod1's address on its eth0), as a bridge plugin would have returned
+/// it.
+fn portmap(sb: &kernel_tests::sandbox::Sandbox, command: &str, mappings: Value) {
     use std::io::Write as _;
     let pod = sb.pod(1);
     let conf = serde_json::json!({
@@ -614,7 +615,7 @@ fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
         }
     });
     let mut child = command_in(sb.node(), portmap_bin())
-        .env("CNI_COMMAND", "ADD")
+        .env("CNI_COMMAND", command)
         .env("CNI_CONTAINERID", "trace-container")
         .env("CNI_NETNS", pod.path())
         .env("CNI_IFNAME", "eth0")
@@ -633,7 +634,7 @@ fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
-        "portmap ADD failed: {}{}",
+        "portmap {command} failed: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -644,10 +645,8 @@ fn portmap_add(sb: &kernel_tests::sandbox::Sandbox, mappings: Value) {
 fn a_portmap_mapping_is_traced_through_the_plugins_table() {
     let sb = sandbox("nk-tp", 1);
     let host_port = 30080;
-    portmap_add(
-        &sb,
-        serde_json::json!([{"hostPort": host_port, "containerPort": BACKEND_TCP_PORT, "protocol": "tcp"}]),
-    );
+    let mappings = serde_json::json!([{"hostPort": host_port, "containerPort": BACKEND_TCP_PORT, "protocol": "tcp"}]);
+    portmap(&sb, "ADD", mappings.clone());
     let dst = std::net::SocketAddr::new(sandbox::node_ip_v4().into(), host_port);
     // Real packets from outside: answered by pod1, which sees the client's own address.
     let answer = sandbox::tcp_request(sb.ext(), dst, T).expect("the host port answers");
@@ -700,6 +699,8 @@ fn a_portmap_mapping_is_traced_through_the_plugins_table() {
         o["detail"].as_str().unwrap().contains("delivered locally"),
         "{json:#}"
     );
+    // As a runtime would: the container's DEL, which also forgets the plugin's record of it.
+    portmap(&sb, "DEL", mappings);
 }
 
 /// `nftkube trace` of a packet from pod0 (arriving on pod0's link) to `dst`.

@@ -12,6 +12,7 @@ use nftkube_nft::ir::{Element, Family};
 use nftkube_nft::netlink::NftSocket;
 use nftkube_nft::tx::Transaction;
 use std::collections::BTreeSet;
+use std::path::Path;
 
 /// What an invocation prints on stdout and whether it succeeded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,6 +302,16 @@ pub(crate) fn restore() -> Result<usize, Vec<String>> {
     let mut failed = Vec::new();
     let mut restored = 0;
     for r in records.list(None).map_err(|e| vec![e.msg])? {
+        if container_gone(&r.config) {
+            // Its DEL never came (or the namespace that recorded it died, and this one took its number):
+            // restoring it would map ports to an address another container may hold now.
+            if let Some(network) = r.path.parent().and_then(|d| d.file_name()?.to_str()) {
+                if let Err(e) = records.remove(network, &r.attachment) {
+                    failed.push(format!("{}: {} {}", r.path.display(), e.msg, e.details));
+                }
+            }
+            continue;
+        }
         match netconf::parse(&r.config).and_then(|conf| add(&mut sock, &conf, &r.attachment)) {
             Ok(_) => restored += 1,
             Err(e) => failed.push(format!("{}: {} {}", r.path.display(), e.msg, e.details)),
@@ -311,6 +322,23 @@ pub(crate) fn restore() -> Result<usize, Vec<String>> {
     } else {
         Err(failed)
     }
+}
+
+/// Whether a recorded ADD's container is gone: its previous result names the container's network
+/// namespace (`interfaces[].sandbox`, as runtimes and interface plugins fill it in) and none of those paths
+/// exists any more. A record that names none is kept: nothing says it is stale.
+fn container_gone(config: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(config) else {
+        return false;
+    };
+    let sandboxes: Vec<&str> = v["prevResult"]["interfaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i["sandbox"].as_str())
+        .filter(|s| !s.is_empty())
+        .collect();
+    !sandboxes.is_empty() && sandboxes.iter().all(|s| !Path::new(s).exists())
 }
 
 /// STATUS: whether nf_tables answers here and this process may change it.
@@ -403,6 +431,23 @@ mod tests {
     use super::*;
     use nftkube_nft::fake::FakeKernel;
     use serde_json::json;
+
+    /// A record is stale when the container's network namespace its previous result names is gone; one that
+    /// names none, or names one that exists, is restored.
+    #[test]
+    fn a_record_whose_container_namespace_is_gone_is_not_restored() {
+        let with = |sandbox: &str| {
+            json!({"prevResult": {"interfaces": [{"name": "cni0"}, {"name": "eth0", "sandbox": sandbox}]}})
+                .to_string()
+                .into_bytes()
+        };
+        assert!(container_gone(&with("/nonexistent/netns/pod-1")));
+        assert!(!container_gone(&with("/proc/self/ns/net")));
+        assert!(!container_gone(
+            br#"{"prevResult": {"interfaces": [{"name": "eth0"}]}}"#
+        ));
+        assert!(!container_gone(b"not json"));
+    }
 
     /// A TCP mapping of host port 8080 to `ip` (snat off: no /proc/sys write in a unit test).
     fn conf(ip: &str) -> NetConf {
