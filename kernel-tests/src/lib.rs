@@ -692,3 +692,14 @@ pub fn hello_listener(
         }
     });
 }
+
+/// The names of `family`'s tables in `ns`, read over nf_tables netlink (no oracle needed).
+pub fn table_names(ns: &NetNs, family: Family) -> Vec<String> {
+    ns.run(|| {
+        NftSocket::open()
+            .expect("nf_tables socket")
+            .list_tables(family)
+            .expect("listing tables")
+    })
+    .expect("entering the namespace")
+}

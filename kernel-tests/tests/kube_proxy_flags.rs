@@ -171,17 +171,6 @@ fn a_changed_config_file_ends_the_agent_and_json_logging_comes_from_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The tables of the IPv4 family in `ns`.
-fn ip_tables(ns: &NetNs) -> Vec<String> {
-    ns.run(|| {
-        nftkube::nft::netlink::NftSocket::open()
-            .unwrap()
-            .list_tables(Family::Ip)
-            .unwrap()
-    })
-    .unwrap()
-}
-
 /// `nftkube proxy --cleanup`, as kube-proxy's: what every mode left (nftkube's tables and kube-proxy's),
 /// and nothing else, then exit.
 #[test]
@@ -208,6 +197,6 @@ fn proxy_cleanup_removes_every_proxys_tables_and_nothing_else() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(ip_tables(node), ["someone-else"]);
+    assert_eq!(table_names(node, Family::Ip), ["someone-else"]);
     assert!(dump_table(node, Family::Ip6).is_none());
 }

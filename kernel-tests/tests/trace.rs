@@ -313,28 +313,16 @@ fn start_live(
 /// The trace table of process `pid` in `ns` (family ip): `nftkube-trace-PID-START-RANDOM`.
 fn trace_table_of(ns: &nftkube_sandbox::netns::NetNs, pid: u32) -> Option<String> {
     let prefix = format!("{}{pid}-", nftkube::render::names::TRACE_TABLE_PREFIX);
-    ns.run(move || {
-        nftkube::nft::netlink::NftSocket::open()
-            .expect("nf_tables socket")
-            .list_tables(nftkube::nft::ir::Family::Ip)
-            .expect("listing tables")
-            .into_iter()
-            .find(|n| n.starts_with(&prefix))
-    })
-    .expect("entering the namespace")
+    table_names(ns, nftkube::nft::ir::Family::Ip)
+        .into_iter()
+        .find(|n| n.starts_with(&prefix))
 }
 
 /// Whether table `name` exists in `ns` (family ip).
 fn has_table(ns: &nftkube_sandbox::netns::NetNs, name: &str) -> bool {
-    let name = name.to_string();
-    ns.run(move || {
-        nftkube::nft::netlink::NftSocket::open()
-            .expect("nf_tables socket")
-            .list_tables(nftkube::nft::ir::Family::Ip)
-            .expect("listing tables")
-            .contains(&name)
-    })
-    .expect("entering the namespace")
+    table_names(ns, nftkube::nft::ir::Family::Ip)
+        .iter()
+        .any(|n| n == name)
 }
 
 /// The rules of table `ip nftkube` an offline outcome says matched, in order.
