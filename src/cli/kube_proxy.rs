@@ -110,36 +110,16 @@ pub(crate) struct WithoutEffect {
     log_text_info_buffer_size: Option<String>,
 }
 
-/// The ids (clap's, the field names) of [`WithoutEffect`]'s flags.
-const WITHOUT_EFFECT: &[&str] = &[
-    "write_config_to",
-    "kube_api_content_type",
-    "kube_api_burst",
-    "kube_api_qps",
-    "config_sync_period",
-    "profiling",
-    "show_hidden_metrics_for_version",
-    "iptables_localhost_nodeports",
-    "ipvs_scheduler",
-    "ipvs_exclude_cidrs",
-    "ipvs_strict_arp",
-    "ipvs_tcp_timeout",
-    "ipvs_tcpfin_timeout",
-    "ipvs_udp_timeout",
-    "vmodule",
-    "log_flush_frequency",
-    "log_json_split_stream",
-    "log_json_info_buffer_size",
-    "log_text_split_stream",
-    "log_text_info_buffer_size",
-];
-
-/// The flags without effect that the command line gave, as `--name`.
+/// The flags without effect that the command line gave, as `--name`: [`WithoutEffect`]'s own arguments, read
+/// from its clap definition, so that the list is the struct.
 pub(crate) fn given_without_effect(matches: &ArgMatches) -> Vec<String> {
-    WITHOUT_EFFECT
-        .iter()
-        .filter(|id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
-        .map(|id| format!("--{}", id.replace('_', "-")))
+    WithoutEffect::augment_args(clap::Command::new("without-effect"))
+        .get_arguments()
+        .filter(|arg| {
+            matches.value_source(arg.get_id().as_str())
+                == Some(clap::parser::ValueSource::CommandLine)
+        })
+        .filter_map(|arg| arg.get_long().map(|long| format!("--{long}")))
         .collect()
 }
 
