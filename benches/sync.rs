@@ -109,6 +109,11 @@ fn main() {
         );
 
         push("nftkube service added, median (ms)", col, ms(cold.added));
+        push(
+            "nftkube service removed, median (ms)",
+            col,
+            ms(cold.removed),
+        );
 
         let refused = nftkube_cold_with_one_refused(&model);
         push(
@@ -358,6 +363,7 @@ struct Cold {
     grow: Duration,
     grow_bytes: usize,
     added: Duration,
+    removed: Duration,
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -440,24 +446,27 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
             grows.push(t);
             grow_bytes = grow_bytes.max(r.bytes);
         }
-        // A service added and removed again: its dispatch element is a verdict, so adding it makes the kernel
-        // re-validate the table.
+        // A service added and removed again, each timed (render included). Were its dispatch element a
+        // verdict, either would make the kernel re-validate the table: O(services).
         let extra = service(services.len());
-        let mut adds = Vec::new();
+        let (mut adds, mut removes) = (Vec::new(), Vec::new());
         for _ in 0..11 {
+            let start = Instant::now();
             let pieces =
                 render::service_pieces(&extra, Some(&endpoints_of(last_i + 1, ENDPOINTS)), &cfg);
-            let start = Instant::now();
             engine
                 .sync_partial(vec![(extra.name.clone(), pieces)])
                 .unwrap();
             adds.push(start.elapsed());
+            let start = Instant::now();
             engine
                 .sync_partial(vec![(extra.name.clone(), Vec::new())])
                 .unwrap();
+            removes.push(start.elapsed());
         }
         Cold {
             added: median(adds),
+            removed: median(removes),
             full,
             full_commit: r.commit_time,
             full_bytes: r.bytes,

@@ -56,7 +56,7 @@ fn a_chunked_first_sync_never_fails_a_connection_to_a_service_that_exists() {
         s.dump_set(
             nftkube::nft::ir::Family::Ip,
             "nftkube",
-            nftkube::render::names::MAP_SERVICE_IPS,
+            nftkube::render::names::SET_LB_IPS,
         )
         .unwrap()
         .len()

@@ -292,7 +292,10 @@ fn node_ports_are_served_on_the_chosen_node_addresses_only() {
     assert!(r.is_err(), "{r:?}");
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
     let text = nftkube::nft::text::render_table(&t);
-    assert!(text.contains("fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports"), "{text}");
+    assert!(
+        text.contains("fib daddr type local ip daddr != 127.0.0.0/8 goto nodeports"),
+        "{text}"
+    );
 }
 
 /// The node's second uplink, to ext as the first, on 192.168.201.0/24 and fd00:201::/64.

@@ -36,7 +36,7 @@ fn deleted_or_flushed_tables_are_repaired_within_a_second() {
 
     for (what, cmd) in [
         ("table deleted", "delete table ip nftkube"),
-        ("dispatch map flushed", "flush map ip nftkube service-ips"),
+        ("dispatch set flushed", "flush set ip nftkube lb-ips"),
         ("chain flushed", "flush chain ip nftkube services"),
     ] {
         let status = command_in(sb.node(), "nft").arg(cmd).status().unwrap();
@@ -148,8 +148,8 @@ fn a_rejected_batch_leaves_the_old_rules_carrying_traffic() {
                 Family::Ip,
                 "nftkube",
                 Op::DeleteElements {
-                    set: "service-ips".into(),
-                    elements: engine_elements(&mut engine, "service-ips"),
+                    set: "lb-ips".into(),
+                    elements: engine_elements(&mut engine, "lb-ips"),
                 },
             );
             tx.push(

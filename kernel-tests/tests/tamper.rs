@@ -212,7 +212,7 @@ fn a_deleted_rule_of_ours_is_restored() {
         let listing = list_chain_with_handles(sb, "services");
         let line = listing
             .lines()
-            .find(|l| l.contains("vmap @service-ips"))
+            .find(|l| l.contains("@lb-ips goto lb"))
             .unwrap_or_else(|| panic!("no dispatch rule in:\n{listing}"));
         let handle = line
             .rsplit("# handle ")
@@ -247,21 +247,22 @@ fn after_a_large_commit_the_monitor_listens_again() {
         "nk-tlarge",
         "dispatch element deleted after a large commit",
         &[("large.yaml", large_manifest())],
-        |_| "delete element ip nftkube service-ips { 10.96.0.10 . tcp . 80 }".into(),
+        |_| "delete element ip nftkube lb-ips { 10.96.0.10 . tcp . 80 }".into(),
     );
 }
 
 #[test]
 fn a_deleted_element_is_restored() {
     tamper_and_check_repair("nk-tdel", "dispatch element deleted", |_| {
-        "delete element ip nftkube service-ips { 10.96.0.10 . tcp . 80 }".into()
+        "delete element ip nftkube lb-ips { 10.96.0.10 . tcp . 80 }".into()
     });
 }
 
+/// A frontend moved from its dispatch set to a foreign verdict: both are repaired.
 #[test]
 fn a_changed_element_verdict_is_restored() {
     tamper_and_check_repair("nk-tverd", "dispatch element verdict changed", |_| {
-        "delete element ip nftkube service-ips { 10.96.0.10 . tcp . 80 }\n\
+        "delete element ip nftkube lb-ips { 10.96.0.10 . tcp . 80 }\n\
          add element ip nftkube service-ips { 10.96.0.10 . tcp . 80 : drop }\n"
             .into()
     });

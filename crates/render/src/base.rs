@@ -1,7 +1,7 @@
 //! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
 //! rejection, kubelet's guard) and the sets and maps the services fill.
 
-use super::chains::pick_chain_state;
+use super::chains::{dispatch_set, lb_chain_state, lb_name, pick_chain_state, Counts, LbKind};
 use super::common::*;
 use super::names::*;
 use super::{RenderConfig, SLOT_SPACE};
@@ -19,7 +19,7 @@ pub(super) fn table(f: IpFamily, cfg: &RenderConfig) -> TableState {
     add_hooks(&mut t, f);
     t.add_chain(Chain::regular(CHAIN_AFFINITY_RECORD)).rules = affinity_record_rules(f);
     t.add_chain(Chain::regular(CHAIN_FIREWALL)).rules = firewall_rules(f, cfg);
-    add_dispatch(&mut t, f, nodeport_match);
+    add_dispatch(&mut t, f, nodeport_match, cfg);
     t.add_chain(Chain::regular(CHAIN_MASQUERADING)).rules = masquerading_rules(f, cfg);
     add_cluster_ips_check(&mut t, f, cfg);
     add_reject(&mut t, f);
@@ -39,6 +39,28 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         offset: 0,
     };
     t.add_set(plain_set(SET_CLUSTER_IPS, vec![a], vec![]));
+    let frontend_key = vec![a, DataType::InetProto, DataType::InetService];
+    let port_key = vec![DataType::InetProto, DataType::InetService];
+    for kind in LbKind::ALL {
+        let key = if kind.is_node_port() {
+            &port_key
+        } else {
+            &frontend_key
+        };
+        for affinity in [false, true] {
+            t.add_set(plain_set(dispatch_set(kind, affinity), key.clone(), vec![]));
+        }
+    }
+    t.add_set(plain_set(
+        SET_OTHER_SERVICE_IPS,
+        frontend_key.clone(),
+        vec![],
+    ));
+    t.add_set(plain_set(
+        SET_OTHER_SERVICE_NODEPORTS,
+        port_key.clone(),
+        vec![],
+    ));
     t.add_set(plain_set(
         MAP_SERVICE_IPS,
         vec![a, DataType::InetProto, DataType::InetService],
@@ -51,13 +73,16 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         vec![daddr_of, TypeofExpr::ThDport],
     ));
     t.add_set(plain_set(SET_HAIRPIN, vec![a, a], vec![]));
-    let frontend_key = vec![a, DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
         SET_NO_ENDPOINT_SERVICES,
         frontend_key.clone(),
         vec![],
     ));
-    t.add_set(plain_set(SET_NO_LOCAL_ENDPOINTS, frontend_key, vec![]));
+    t.add_set(plain_set(
+        SET_NO_LOCAL_ENDPOINTS,
+        frontend_key.clone(),
+        vec![],
+    ));
     t.add_set(Set {
         // Each element carries its service's own timeout (set by the rule); this is only the default.
         timeout_ms: Some(crate::MAX_AFFINITY_SECONDS as u64 * 1000),
@@ -74,7 +99,6 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         vec![a, DataType::InetProto, DataType::InetService],
         vec![DataType::Verdict],
     ));
-    let port_key = vec![DataType::InetProto, DataType::InetService];
     t.add_set(plain_set(
         MAP_SERVICE_NODEPORTS,
         port_key.clone(),
@@ -232,17 +256,64 @@ fn firewall_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
     firewall
 }
 
-/// `services`: the dispatch by frontend, then by NodePort; the NodePort check on input; the `pick` chains.
-fn add_dispatch(t: &mut TableState, f: IpFamily, nodeport_match: Option<RuleBuilder>) {
-    let mut services = vec![RuleBuilder::new()
-        .vmap(&[daddr(f), Field::L4Proto, Field::ThDport], MAP_SERVICE_IPS)
-        .build()];
+/// `services`: the dispatch by frontend, then by NodePort; the NodePort check on input; the shared `lb*` and
+/// `pick` chains.
+///
+/// A frontend is dispatched by membership: `lb-ips` (ClusterIPs, the most frequent) goes to `lb`; every other
+/// frontend is in `other-service-ips` too, whose chain tries the rarer kinds' sets and last the verdict map of
+/// the frontends with a chain of their own. Sets, not one verdict map, because a verdict element added or
+/// removed makes the kernel re-validate the whole table (O(services)); a set element is data.
+fn add_dispatch(
+    t: &mut TableState,
+    f: IpFamily,
+    nodeport_match: Option<RuleBuilder>,
+    cfg: &RenderConfig,
+) {
+    let family = nft_family(f);
+    for kind in LbKind::ALL {
+        for affinity in [false, true] {
+            let lb = lb_chain_state(family, kind, Counts::Shared, affinity, cfg);
+            t.add_chain(lb.chain.clone()).rules = lb.rules;
+        }
+    }
+    let frontend = [daddr(f), Field::L4Proto, Field::ThDport];
+    let port = [Field::L4Proto, Field::ThDport];
+    let mut services = vec![
+        dispatch_rule(&frontend, LbKind::Cluster, false),
+        RuleBuilder::new()
+            .in_set(&frontend, SET_OTHER_SERVICE_IPS, false)
+            .verdict(Verdict::Goto(CHAIN_SERVICES_OTHER.into()))
+            .build(),
+    ];
+    let rarer = [
+        (LbKind::External, false),
+        (LbKind::LocalExternal, false),
+        (LbKind::Cluster, true),
+        (LbKind::External, true),
+        (LbKind::LocalExternal, true),
+    ];
+    t.add_chain(Chain::regular(CHAIN_SERVICES_OTHER)).rules =
+        other_dispatch(&frontend, &rarer, MAP_SERVICE_IPS);
     if let Some(m) = &nodeport_match {
         services.push(
             m.clone()
-                .vmap(&[Field::L4Proto, Field::ThDport], MAP_SERVICE_NODEPORTS)
+                .verdict(Verdict::Goto(CHAIN_NODEPORTS.into()))
                 .build(),
         );
+        t.add_chain(Chain::regular(CHAIN_NODEPORTS)).rules = vec![
+            dispatch_rule(&port, LbKind::NodePort, false),
+            RuleBuilder::new()
+                .in_set(&port, SET_OTHER_SERVICE_NODEPORTS, false)
+                .verdict(Verdict::Goto(CHAIN_NODEPORTS_OTHER.into()))
+                .build(),
+        ];
+        let rarer = [
+            (LbKind::LocalNodePort, false),
+            (LbKind::NodePort, true),
+            (LbKind::LocalNodePort, true),
+        ];
+        t.add_chain(Chain::regular(CHAIN_NODEPORTS_OTHER)).rules =
+            other_dispatch(&port, &rarer, MAP_SERVICE_NODEPORTS);
         // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
         // rejected on input.
         t.chain_mut(CHAIN_FILTER_INPUT)
@@ -250,11 +321,7 @@ fn add_dispatch(t: &mut TableState, f: IpFamily, nodeport_match: Option<RuleBuil
             .insert(1, jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
-            .in_set(
-                &[Field::L4Proto, Field::ThDport],
-                SET_NO_ENDPOINT_NODEPORTS,
-                false,
-            )
+            .in_set(&port, SET_NO_ENDPOINT_NODEPORTS, false)
             .verdict(Verdict::Goto(CHAIN_REJECT.into()))
             .build()];
     }
@@ -265,6 +332,26 @@ fn add_dispatch(t: &mut TableState, f: IpFamily, nodeport_match: Option<RuleBuil
             t.add_chain(pick.chain.clone()).rules = pick.rules;
         }
     }
+}
+
+/// `key @<kind's set> goto <kind's shared chain>`.
+fn dispatch_rule(key: &[Field], kind: LbKind, affinity: bool) -> Rule {
+    RuleBuilder::new()
+        .in_set(key, dispatch_set(kind, affinity), false)
+        .verdict(Verdict::Goto(
+            lb_name(kind, Counts::Shared, affinity).into(),
+        ))
+        .build()
+}
+
+/// The rarer kinds' dispatch rules, then the verdict map of the frontends with a chain of their own.
+fn other_dispatch(key: &[Field], kinds: &[(LbKind, bool)], exceptions: &str) -> Vec<Rule> {
+    let mut rules: Vec<Rule> = kinds
+        .iter()
+        .map(|&(kind, affinity)| dispatch_rule(key, kind, affinity))
+        .collect();
+    rules.push(RuleBuilder::new().vmap(key, exceptions).build());
+    rules
 }
 
 fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {

@@ -33,7 +33,16 @@ pub enum LbKind {
 }
 
 impl LbKind {
-    fn is_node_port(self) -> bool {
+    /// Every kind, in the order the dispatch tries their sets (most frequent first).
+    pub(crate) const ALL: [LbKind; 5] = [
+        LbKind::Cluster,
+        LbKind::External,
+        LbKind::LocalExternal,
+        LbKind::NodePort,
+        LbKind::LocalNodePort,
+    ];
+
+    pub(crate) fn is_node_port(self) -> bool {
         matches!(self, LbKind::NodePort | LbKind::LocalNodePort)
     }
 
@@ -99,7 +108,26 @@ pub fn region(count: u32, local: bool) -> u32 {
 /// reads the declaration to type the slot (a 32-bit integer); the slots themselves go up to `u32::MAX`.
 pub const SLOT_SPACE: u32 = 1 << 17;
 
-fn lb_name(kind: LbKind, counts: Counts, affinity: bool) -> String {
+/// The set whose members the dispatch sends to the shared chain of `kind` (`lb`, `lb-ext`, …, with or without
+/// affinity): a frontend enters and leaves it as data, so adding or removing a service never makes the kernel
+/// re-validate the table.
+pub(crate) fn dispatch_set(kind: LbKind, affinity: bool) -> &'static str {
+    match (kind, affinity) {
+        (LbKind::Cluster, false) => SET_LB_IPS,
+        (LbKind::External, false) => SET_LB_EXT_IPS,
+        (LbKind::LocalExternal, false) => SET_LB_ETP_IPS,
+        (LbKind::Cluster, true) => SET_LB_AFF_IPS,
+        (LbKind::External, true) => SET_LB_EXT_AFF_IPS,
+        (LbKind::LocalExternal, true) => SET_LB_ETP_AFF_IPS,
+        (LbKind::NodePort, false) => SET_LB_NP_PORTS,
+        (LbKind::LocalNodePort, false) => SET_LB_NP_ETP_PORTS,
+        (LbKind::NodePort, true) => SET_LB_NP_AFF_PORTS,
+        (LbKind::LocalNodePort, true) => SET_LB_NP_ETP_AFF_PORTS,
+    }
+}
+
+/// The name of the chain of `kind` with these counts.
+pub(crate) fn lb_name(kind: LbKind, counts: Counts, affinity: bool) -> String {
     let base = match kind {
         LbKind::Cluster => "",
         LbKind::External => "ext",

@@ -32,8 +32,41 @@ pub(crate) const CHAIN_FIREWALL: &str = "firewall";
 
 /// Every ClusterIP: whatever reaches one un-NATed is rejected.
 pub const SET_CLUSTER_IPS: &str = "cluster-ips";
-/// The dispatch verdict map: `addr . proto . port : goto lb*` (ClusterIPs, external and LoadBalancer IPs).
+/// The dispatch's exceptions: `addr . proto . port : goto <chain>` for frontends whose chain is their own (more
+/// than `SHARED_COUNTS` endpoints, or loadBalancerSourceRanges). Every other frontend is dispatched by
+/// membership of one of the `*_DISPATCH` sets, which is data (see `DISPATCH_SETS`).
 pub const MAP_SERVICE_IPS: &str = "service-ips";
+/// ClusterIPs (shared counts, no affinity), the most frequent frontends: `addr . proto . port`, to `lb`.
+pub const SET_LB_IPS: &str = "lb-ips";
+/// External and LoadBalancer IPs (externalTrafficPolicy Cluster): to `lb-ext`.
+pub(crate) const SET_LB_EXT_IPS: &str = "lb-ext-ips";
+/// External and LoadBalancer IPs (externalTrafficPolicy Local): to `lb-etp`.
+pub(crate) const SET_LB_ETP_IPS: &str = "lb-etp-ips";
+/// ClusterIPs with ClientIP affinity: to `lb-aff`.
+pub(crate) const SET_LB_AFF_IPS: &str = "lb-aff-ips";
+/// External and LoadBalancer IPs with ClientIP affinity: to `lb-ext-aff`.
+pub(crate) const SET_LB_EXT_AFF_IPS: &str = "lb-ext-aff-ips";
+/// externalTrafficPolicy Local with ClientIP affinity: to `lb-etp-aff`.
+pub(crate) const SET_LB_ETP_AFF_IPS: &str = "lb-etp-aff-ips";
+/// Every frontend but those of `lb-ips`: one lookup keeps a packet that is no service's from trying each
+/// of the rarer kinds.
+pub(crate) const SET_OTHER_SERVICE_IPS: &str = "other-service-ips";
+/// NodePorts (externalTrafficPolicy Cluster, no affinity): `proto . port`, to `lb-np`.
+pub(crate) const SET_LB_NP_PORTS: &str = "lb-np-ports";
+/// NodePorts, externalTrafficPolicy Local: to `lb-np-etp`.
+pub(crate) const SET_LB_NP_ETP_PORTS: &str = "lb-np-etp-ports";
+/// NodePorts with ClientIP affinity: to `lb-np-aff`.
+pub(crate) const SET_LB_NP_AFF_PORTS: &str = "lb-np-aff-ports";
+/// NodePorts, externalTrafficPolicy Local, with ClientIP affinity: to `lb-np-etp-aff`.
+pub(crate) const SET_LB_NP_ETP_AFF_PORTS: &str = "lb-np-etp-aff-ports";
+/// Every NodePort but those of `lb-np-ports`.
+pub(crate) const SET_OTHER_SERVICE_NODEPORTS: &str = "other-service-nodeports";
+/// The dispatch of the frontends other than `lb-ips`' (rarer kinds and the exceptions).
+pub(crate) const CHAIN_SERVICES_OTHER: &str = "services-other";
+/// The NodePort dispatch, on the addresses NodePorts are served on.
+pub(crate) const CHAIN_NODEPORTS: &str = "nodeports";
+/// The dispatch of the NodePorts other than `lb-np-ports`'.
+pub(crate) const CHAIN_NODEPORTS_OTHER: &str = "nodeports-other";
 /// Endpoint slots of frontends: `addr . proto . port . slot : endpoint addr . port`.
 pub const MAP_SERVICE_ENDPOINTS: &str = "service-endpoints";
 /// `endpoint . endpoint`: an endpoint reaching itself through its service is masqueraded.
@@ -48,17 +81,34 @@ pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
 pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
 /// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
 pub(crate) const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
-/// The NodePort dispatch: `proto . port : goto lb-np*`.
+/// The NodePort dispatch's exceptions: `proto . port : goto <chain>` (more than `SHARED_COUNTS` endpoints).
 pub(crate) const MAP_SERVICE_NODEPORTS: &str = "service-nodeports";
-/// The verdict maps, which send packets to a service's chains: a partial sync withdraws their elements first
-/// and publishes them last, so no chunk of it leaves one pointing at a service half written (a full sync
-/// orders by the sets' declarations, `Set::is_verdict_map`; a unit test keeps the two in step).
-pub const DISPATCH_MAPS: [&str; 4] = [
+/// The sets and verdict maps that send packets to a service's endpoints: a sync withdraws their elements
+/// first and publishes them last, so no chunk of it leaves one pointing at a service half written. Every
+/// verdict map is one (a unit test checks it on every skeleton).
+pub const DISPATCH_SETS: [&str; 16] = [
     MAP_SERVICE_IPS,
     MAP_SERVICE_NODEPORTS,
     MAP_AFFINITY_SERVICES,
     MAP_AFFINITY_NODEPORTS,
+    SET_LB_IPS,
+    SET_LB_EXT_IPS,
+    SET_LB_ETP_IPS,
+    SET_LB_AFF_IPS,
+    SET_LB_EXT_AFF_IPS,
+    SET_LB_ETP_AFF_IPS,
+    SET_OTHER_SERVICE_IPS,
+    SET_LB_NP_PORTS,
+    SET_LB_NP_ETP_PORTS,
+    SET_LB_NP_AFF_PORTS,
+    SET_LB_NP_ETP_AFF_PORTS,
+    SET_OTHER_SERVICE_NODEPORTS,
 ];
+
+/// Whether elements of `set` are dispatch (see `DISPATCH_SETS`).
+pub fn is_dispatch_set(set: &str) -> bool {
+    DISPATCH_SETS.contains(&set)
+}
 /// Endpoint slots of NodePorts: `proto . port . slot : endpoint addr . port`.
 pub const MAP_NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
 /// NodePorts of services without endpoints (`proto . port`): rejected on input.
@@ -102,7 +152,7 @@ pub(crate) const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 15] = [
+const PIECE_SETS: [&str; 27] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -118,6 +168,18 @@ const PIECE_SETS: [&str; 15] = [
     MAP_RELAY_PORTS,
     SET_RELAY_LISTENERS,
     SET_RELAY_NO_ENDPOINTS,
+    SET_LB_IPS,
+    SET_LB_EXT_IPS,
+    SET_LB_ETP_IPS,
+    SET_LB_AFF_IPS,
+    SET_LB_EXT_AFF_IPS,
+    SET_LB_ETP_AFF_IPS,
+    SET_OTHER_SERVICE_IPS,
+    SET_LB_NP_PORTS,
+    SET_LB_NP_ETP_PORTS,
+    SET_LB_NP_AFF_PORTS,
+    SET_LB_NP_ETP_AFF_PORTS,
+    SET_OTHER_SERVICE_NODEPORTS,
 ];
 
 impl PieceSet {
@@ -144,6 +206,11 @@ impl PieceSet {
             SET_NO_ENDPOINT_NODEPORTS,
             SET_NO_LOCAL_NODEPORTS,
             MAP_AFFINITY_NODEPORTS,
+            SET_LB_NP_PORTS,
+            SET_LB_NP_ETP_PORTS,
+            SET_LB_NP_AFF_PORTS,
+            SET_LB_NP_ETP_AFF_PORTS,
+            SET_OTHER_SERVICE_NODEPORTS,
         ]
         .contains(&self.name())
     }
@@ -255,7 +322,7 @@ mod tests {
     }
 
     #[test]
-    fn the_dispatch_maps_are_every_verdict_map_of_every_skeleton() {
+    fn every_verdict_map_of_every_skeleton_is_a_dispatch_set() {
         let cfg = RenderConfig {
             nodeport_addresses: nftkube_model::NodePortAddresses::AllLocal,
             ..RenderConfig::default()
@@ -267,6 +334,16 @@ mod tests {
             .filter(|s| s.set.is_verdict_map())
             .map(|s| s.set.name.as_str())
             .collect();
-        assert_eq!(verdict_maps, DISPATCH_MAPS.into_iter().collect());
+        assert!(
+            verdict_maps.iter().all(|m| is_dispatch_set(m)),
+            "{verdict_maps:?}"
+        );
+        let skeleton_sets: BTreeSet<&str> = tables
+            .iter()
+            .flat_map(|t| t.sets.keys().map(|k| k.as_str()))
+            .collect();
+        for set in DISPATCH_SETS {
+            assert!(skeleton_sets.contains(set), "{set} is in no skeleton");
+        }
     }
 }

@@ -4,10 +4,12 @@
 //!
 //! The shape is chosen so that the kernel loads it in linear time and so that services come and go, and
 //! endpoints change, by **set elements only** (docs/kernel-facts.md, "Why set elements only", shape D):
-//! - `services` (reached from nat prerouting and output) looks up `daddr . l4proto . dport` in the verdict
-//!   map `service-ips`, whose element for a service port says `goto lb…`, the chain of its kind (ClusterIP,
-//!   external, NodePort, externalTrafficPolicy Local; with or without affinity): one lookup per new
-//!   connection whatever the number of services.
+//! - `services` (reached from nat prerouting and output) looks up `daddr . l4proto . dport` in plain sets,
+//!   one per shared `lb…` chain (ClusterIP, external, NodePort, externalTrafficPolicy Local; with or without
+//!   affinity), and goes to the chain of the set that holds it: one lookup for a ClusterIP, a few for the
+//!   rarer kinds, whatever the number of services. Membership is data, so a service added or removed never
+//!   makes the kernel re-validate the table; only frontends with a chain of their own (more than 32
+//!   endpoints, loadBalancerSourceRanges) are verdict elements of `service-ips`.
 //! - `lb…` marks for masquerade when the source is outside the cluster CIDR (or always, with
 //!   masquerade-all) and jumps to `pick`, which holds one rule per endpoint count n:
 //!   `dnat to daddr . l4proto . dport . numgen random mod n offset region(n)` looked up in
@@ -153,6 +155,13 @@ fn cap_endpoints(svc: &ServicePort, f: IpFamily, eps: &mut Vec<Endpoint>) {
     eps.truncate(MAX_ENDPOINTS);
 }
 
+/// Where a frontend's packets go: the chain that chooses its endpoint and, for a shared chain, the set that
+/// dispatches to it (see `chains::dispatch_set`).
+struct Lb {
+    chain: String,
+    set: Option<&'static str>,
+}
+
 /// The pieces of one service port in one family, section by section.
 struct FamilyPieces<'a> {
     svc: &'a ServicePort,
@@ -269,22 +278,51 @@ impl FamilyPieces<'_> {
         }
     }
 
-    /// The `lb*` chain of `kind` for these counts (shared with every frontend alike), as a piece.
-    fn lb(&mut self, kind: LbKind, all: usize, local: usize) -> String {
+    /// Where frontends of `kind` with these counts are dispatched: the shared chain of the kind (a skeleton
+    /// chain, reached through its dispatch set), or a chain of their own count, as a piece.
+    fn lb(&mut self, kind: LbKind, all: usize, local: usize) -> Lb {
         let affinity = self.svc.session_affinity_timeout.is_some();
-        let chain = super::lb_chain(
-            self.family,
-            kind,
-            Counts::of(all, local),
-            affinity,
-            self.cfg,
-        );
+        let counts = Counts::of(all, local);
+        if counts == Counts::Shared {
+            return Lb {
+                chain: lb_name(kind, counts, affinity),
+                set: Some(dispatch_set(kind, affinity)),
+            };
+        }
+        let chain = super::lb_chain(self.family, kind, counts, affinity, self.cfg);
         let target = chain.chain.name.clone();
         self.pieces.push(Piece::Chain {
             family: self.family,
             chain,
         });
-        target
+        Lb {
+            chain: target,
+            set: None,
+        }
+    }
+
+    /// The frontend `key` is dispatched to `lb`, or through `firewall` first. Only the exceptions (a chain of
+    /// its own) are verdict elements; see `base::add_dispatch`.
+    fn dispatch(&mut self, key: &[Vec<u8>], lb: &Lb, firewall: Option<&str>, node_port: bool) {
+        let (exceptions, other, first) = match node_port {
+            false => (MAP_SERVICE_IPS, SET_OTHER_SERVICE_IPS, SET_LB_IPS),
+            true => (
+                MAP_SERVICE_NODEPORTS,
+                SET_OTHER_SERVICE_NODEPORTS,
+                SET_LB_NP_PORTS,
+            ),
+        };
+        match (firewall, lb.set) {
+            (None, Some(set)) => {
+                self.member(set, key);
+                if set == first {
+                    return; // tried before `other`
+                }
+            }
+            (Some(chain), _) => self.goto(exceptions, key, chain),
+            (None, None) => self.goto(exceptions, key, &lb.chain),
+        }
+        self.member(other, key);
     }
 
     fn frontend(&self, ip: &IpAddr) -> Vec<Vec<u8>> {
@@ -306,11 +344,11 @@ impl FamilyPieces<'_> {
         self.precedence = Precedence::of(self.svc, FrontendKind::ClusterIp);
         let itp_local = self.svc.internal_traffic_policy == TrafficPolicy::Local;
         let internal = if itp_local { self.local } else { self.all };
-        let target = self.lb(LbKind::Cluster, internal.len(), 0);
+        let lb = self.lb(LbKind::Cluster, internal.len(), 0);
         for ip in cluster {
             let key = self.frontend(ip);
             self.slots(MAP_SERVICE_ENDPOINTS, &key, internal, false);
-            self.goto(MAP_SERVICE_IPS, &key, &target);
+            self.dispatch(&key, &lb, None, false);
             if self.none_local(itp_local) {
                 self.member(SET_NO_LOCAL_ENDPOINTS, &key);
             }
@@ -331,8 +369,8 @@ impl FamilyPieces<'_> {
         } else {
             LbKind::External
         };
-        let target = self.lb(kind, self.all.len(), self.local.len());
-        let firewall = self.firewall(&target);
+        let lb = self.lb(kind, self.all.len(), self.local.len());
+        let firewall = self.firewall(&lb.chain);
         for ip in external {
             self.precedence = Precedence::of_address(self.svc, ip);
             let key = self.frontend(ip);
@@ -340,11 +378,11 @@ impl FamilyPieces<'_> {
             if self.etp_local() {
                 self.slots(MAP_SERVICE_ENDPOINTS, &key, self.local, true);
             }
-            let to = match &firewall {
-                Some(fw) if self.svc.load_balancer_ips.contains(ip) => fw,
-                _ => &target,
+            let through = match &firewall {
+                Some(fw) if self.svc.load_balancer_ips.contains(ip) => Some(fw.as_str()),
+                _ => None,
             };
-            self.goto(MAP_SERVICE_IPS, &key, to);
+            self.dispatch(&key, &lb, through, false);
             if self.all.is_empty() {
                 self.member(SET_NO_ENDPOINT_SERVICES, &key);
             } else if self.none_local(self.etp_local()) {
@@ -388,14 +426,14 @@ impl FamilyPieces<'_> {
         } else {
             LbKind::NodePort
         };
-        let target = self.lb(kind, self.all.len(), self.local.len());
+        let lb = self.lb(kind, self.all.len(), self.local.len());
         self.precedence = Precedence::of(self.svc, FrontendKind::NodePort);
         let key = vec![vec![self.svc.protocol.number()], np.to_be_bytes().to_vec()];
         self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.all, false);
         if self.etp_local() {
             self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.local, true);
         }
-        self.goto(MAP_SERVICE_NODEPORTS, &key, &target);
+        self.dispatch(&key, &lb, None, true);
         if self.all.is_empty() {
             self.member(SET_NO_ENDPOINT_NODEPORTS, &key);
         } else if self.none_local(self.etp_local()) {
@@ -437,6 +475,16 @@ mod tests {
     use super::super::render;
     use super::*;
     use nftkube_model::*;
+
+    /// The dispatch sets (and exception maps) holding the TCP frontend `ip . tcp . port`.
+    fn dispatch_of(t: &TableState, ip: &str, port: u16) -> Vec<&'static str> {
+        let ip: IpAddr = ip.parse().unwrap();
+        let key = concat_key(&[ip_bytes(&ip), vec![6], port.to_be_bytes().to_vec()]);
+        DISPATCH_SETS
+            .into_iter()
+            .filter(|s| t.sets[*s].elements.iter().any(|e| *e.key == *key))
+            .collect()
+    }
 
     fn svc(name: &str, ip: &str, port: u16, proto: Protocol) -> (ServicePortName, ServicePort) {
         let spn = ServicePortName {
@@ -500,11 +548,7 @@ mod tests {
         let tables = render(&services, &eps, &RenderConfig::default());
         let v4 = &tables[0];
         let text = nftkube_nft::text::render_table(v4);
-        assert!(
-            text.contains("10.96.0.1 . tcp . 80 : goto lb\n")
-                || text.contains("10.96.0.1 . tcp . 80 : goto lb "),
-            "{text}"
-        );
+        assert_eq!(dispatch_of(v4, "10.96.0.1", 80), [SET_LB_IPS]);
         let third = region(3, false) + 2;
         assert!(
             text.contains(&format!("10.96.0.1 . tcp . 80 . {third} : 10.0.0.3 . 8080")),
@@ -516,11 +560,15 @@ mod tests {
         );
         assert_eq!(v4.sets[MAP_SERVICE_ENDPOINTS].elements.len(), 3);
         assert_eq!(v4.sets[SET_HAIRPIN].elements.len(), 3);
-        // One chain of the ClusterIP kind; no chain per count, none per service.
-        let lb: Vec<_> = v4.chains.keys().filter(|c| c.starts_with("lb")).collect();
-        assert_eq!(lb, ["lb"]);
+        // The skeleton's shared chains only; no chain per count, none per service, no verdict element.
+        let skeleton = &crate::skeleton(&RenderConfig::default())[0];
+        assert_eq!(
+            v4.chains.keys().collect::<Vec<_>>(),
+            skeleton.chains.keys().collect::<Vec<_>>()
+        );
+        assert!(v4.sets[MAP_SERVICE_IPS].elements.is_empty());
         // The v6 table exists but holds no service.
-        assert!(tables[1].sets[MAP_SERVICE_IPS].elements.is_empty());
+        assert!(tables[1].sets[SET_LB_IPS].elements.is_empty());
     }
 
     #[test]
@@ -531,7 +579,7 @@ mod tests {
         let t = &render(&services, &eps, &RenderConfig::default())[0];
         // Dispatched like any ClusterIP (so that its first endpoint adds elements only), but no rule of
         // `pick` finds a slot: NAT leaves the packet alone and filter rejects it by its ClusterIP.
-        assert_eq!(t.sets[MAP_SERVICE_IPS].elements.len(), 1);
+        assert_eq!(t.sets[SET_LB_IPS].elements.len(), 1);
         assert!(t.sets[MAP_SERVICE_ENDPOINTS].elements.is_empty());
         assert!(t.sets[SET_NO_LOCAL_ENDPOINTS].elements.is_empty());
         assert_eq!(t.sets[SET_CLUSTER_IPS].elements.len(), 1);
@@ -703,13 +751,14 @@ mod tests {
             serve_external_ips: false,
             ..RenderConfig::default()
         };
-        let text = nftkube_nft::text::render_table(&render(&services, &eps, &cfg)[0]);
+        let t = &render(&services, &eps, &cfg)[0];
+        let text = nftkube_nft::text::render_table(t);
         assert!(!text.contains("192.168.250.10"), "{text}");
-        assert!(
-            text.contains("192.168.250.20 . tcp . 80 : goto lb-ext"),
-            "{text}"
+        assert_eq!(
+            dispatch_of(t, "192.168.250.20", 80),
+            [SET_LB_EXT_IPS, SET_OTHER_SERVICE_IPS]
         );
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
+        assert_eq!(dispatch_of(t, "10.96.0.1", 80), [SET_LB_IPS]);
     }
 
     #[test]
@@ -729,10 +778,10 @@ mod tests {
         .into();
         let t = &render(&services, &eps, &RenderConfig::default())[0];
         let text = nftkube_nft::text::render_table(t);
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
-        assert!(
-            text.contains("192.168.250.10 . tcp . 80 : goto lb-ext"),
-            "{text}"
+        assert_eq!(dispatch_of(t, "10.96.0.1", 80), [SET_LB_IPS]);
+        assert_eq!(
+            dispatch_of(t, "192.168.250.10", 80),
+            [SET_LB_EXT_IPS, SET_OTHER_SERVICE_IPS]
         );
         let second = region(2, false) + 1;
         assert!(
@@ -757,7 +806,9 @@ mod tests {
             text.contains("@no-endpoint-services goto reject-chain"),
             "{text}"
         );
-        assert_eq!(t.sets[MAP_SERVICE_IPS].elements.len(), 3);
+        // Still dispatched, so that a first endpoint adds elements only.
+        assert_eq!(t.sets[SET_LB_IPS].elements.len(), 1);
+        assert_eq!(t.sets[SET_LB_EXT_IPS].elements.len(), 2);
     }
 
     /// Hairpin elements for the endpoints that can reach themselves through this node's rules: its own and
@@ -820,18 +871,19 @@ mod tests {
             ..RenderConfig::default()
         };
         let eps: EndpointsMap = [(spn.clone(), vec![local.clone(), remote.clone()])].into();
-        let text = nftkube_nft::text::render_table(&render(&services, &eps, &cfg)[0]);
+        let t = &render(&services, &eps, &cfg)[0];
+        let text = nftkube_nft::text::render_table(t);
         // ClusterIP: only the local endpoint (internalTrafficPolicy Local).
-        assert!(text.contains("10.96.0.1 . tcp . 80 : goto lb,"), "{text}");
+        assert_eq!(dispatch_of(t, "10.96.0.1", 80), [SET_LB_IPS]);
         let only = region(1, false);
         assert!(
             text.contains(&format!("10.96.0.1 . tcp . 80 . {only} : 10.0.0.1 . 8080")),
             "{text}"
         );
         // External: both endpoints for the short-circuit, the local one in the local slots.
-        assert!(
-            text.contains("192.168.250.10 . tcp . 80 : goto lb-etp"),
-            "{text}"
+        assert_eq!(
+            dispatch_of(t, "192.168.250.10", 80),
+            [SET_LB_ETP_IPS, SET_OTHER_SERVICE_IPS]
         );
         let local_slot = region(1, true);
         assert_eq!(local_slot, 0x8001_0000);

@@ -5,6 +5,7 @@
 use super::chunk::Plan;
 use nftkube_nft::ir::*;
 use nftkube_nft::tx::Op;
+use nftkube_render::names::is_dispatch_set;
 use nftkube_render::{Desired, DesiredSet};
 
 /// Appends to `tx` the changes from `old` (None: the table does not exist) to `new`. Returns the stale
@@ -64,7 +65,7 @@ pub(crate) fn diff_table<'a>(
     }
     let replaced = replace_or_update_base_chains(tx, fam, name, old, &new);
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
-    // Dispatch (verdict maps) is withdrawn first and published last, so that even when a big transaction is
+    // Dispatch (`DISPATCH_SETS`) is withdrawn first and published last, so that even when a big transaction is
     // committed in chunks no packet reaches a service whose other elements are not all in place.
     let mut order: Vec<(&str, &DesiredSet<'a>)> = new
         .sets
@@ -74,7 +75,7 @@ pub(crate) fn diff_table<'a>(
         .filter(|(_, s)| !s.set.dynamic)
         .map(|(n, s)| (*n, s))
         .collect();
-    order.sort_by_key(|(n, s)| (!s.set.is_verdict_map(), *n));
+    order.sort_by_key(|(n, _)| (!is_dispatch_set(n), *n));
     for (n, s) in &order {
         let Some(o) = old.sets.get(*n) else { continue };
         let gone: Vec<&Element> = o.elements.iter().filter(|e| !s.contains(e)).collect();
@@ -225,7 +226,7 @@ fn create_table<'a>(tx: &mut Plan<'a>, t: Desired<'a>) {
     }
     // Dispatch elements last (see diff_table).
     let mut sets: Vec<DesiredSet> = t.sets.into_values().collect();
-    sets.sort_by_key(|s| (s.set.is_verdict_map(), s.set.name.clone()));
+    sets.sort_by_key(|s| (is_dispatch_set(&s.set.name), s.set.name.clone()));
     for s in sets {
         let set = s.set;
         tx.add_elements(fam, name, &set.name, s.into_elements());

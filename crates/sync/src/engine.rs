@@ -13,7 +13,7 @@ use nftkube_nft::netlink::{CommitError, DumpError};
 use nftkube_nft::tx::{Op, Transaction};
 use nftkube_nft::Backend;
 use nftkube_render::names::{
-    DISPATCH_MAPS, MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
+    DISPATCH_SETS, MAP_AFFINITY, MAP_NODEPORT_ENDPOINTS, MAP_SERVICE_ENDPOINTS, TABLE,
 };
 use nftkube_render::{Desired, Piece};
 use std::collections::{BTreeMap, BTreeSet};
@@ -516,7 +516,7 @@ impl<B: Backend> SyncEngine<B> {
         }
         // Dispatch goes first and comes last, so no packet is sent to a service whose endpoints are
         // half-written (the batch is atomic anyway; this keeps chunked commits safe too).
-        let dispatch_first = |k: &(Family, &'static str)| (!DISPATCH_MAPS.contains(&k.1), *k);
+        let dispatch_first = |k: &(Family, &'static str)| (!DISPATCH_SETS.contains(&k.1), *k);
         let mut removed: Vec<_> = delta.elements_removed.iter().collect();
         removed.sort_by_key(|(k, _)| dispatch_first(k));
         for ((family, set), elements) in removed {
@@ -948,8 +948,8 @@ mod tests {
             "slots out, slots in, its hairpin element: {r:?}"
         );
 
-        // b gains ClientIP affinity: `lb-aff` and `affinity-60` come; without it again, they are released
-        // (still in the kernel, nothing points at them) ...
+        // b gains ClientIP affinity: `affinity-60` comes (`lb-aff` is the skeleton's); without it again, it
+        // is released (still in the kernel, nothing points at it) ...
         let mut with_affinity = port("b", "10.96.0.2", Protocol::Udp);
         with_affinity.session_affinity_timeout = Some(60);
         w.set(with_affinity, eps(&["10.0.0.4", "10.0.0.5"]));
@@ -961,16 +961,18 @@ mod tests {
         );
         w.partial(&mut e, &[&b]);
         kernel_matches(&e.backend, &w, &e.unused_chains);
-        assert!(e.unused_chains.contains(&(Family::Ip, "lb-aff".into())));
+        assert!(e
+            .unused_chains
+            .contains(&(Family::Ip, "affinity-60".into())));
         assert!(e.backend.tables[&(Family::Ip, "nftkube".into())]
             .chains
-            .contains_key("lb-aff"));
+            .contains_key("affinity-60"));
 
         // ... and the next sync deletes the released chains, even when it changes nothing else.
         w.partial(&mut e, &[]);
         assert!(!e.backend.tables[&(Family::Ip, "nftkube".into())]
             .chains
-            .contains_key("lb-aff"));
+            .contains_key("affinity-60"));
         kernel_matches(&e.backend, &w, &e.unused_chains);
 
         // A service removed: its elements go; shared ones stay while another service needs them.
@@ -1165,7 +1167,12 @@ mod tests {
             w.remove(&v);
             w.partial(&mut e, &[&v]);
             kernel_matches(&e.backend, &w, &e.unused_chains);
-            assert!(kernel_text(&e).contains("10.96.0.1 . tcp . 443 : goto lb-ext"));
+            let attacker_holds = e.backend.tables[&(Family::Ip, "nftkube".into())].sets
+                ["lb-ext-ips"]
+                .elements
+                .iter()
+                .any(|el| el.key[..4] == [10, 96, 0, 1]);
+            assert!(attacker_holds, "{}", kernel_text(&e));
             w.set(victim(), victim_eps());
             w.partial(&mut e, &[&v]);
             check(&e, &w, "victim created again");
@@ -1344,12 +1351,21 @@ mod tests {
                 _ => None,
             })
             .collect();
-        for dispatch in DISPATCH_MAPS {
+        // Its ClusterIP, NodePort and affinity records, each through its dispatch set.
+        let dispatch = [
+            "lb-aff-ips",
+            "other-service-ips",
+            "lb-np-aff-ports",
+            "other-service-nodeports",
+            "affinity-services",
+            "affinity-nodeports",
+        ];
+        for dispatch in dispatch {
             assert!(sets.contains(&dispatch), "{dispatch} missing: {sets:?}");
         }
         let slots = [MAP_SERVICE_ENDPOINTS, MAP_NODEPORT_ENDPOINTS];
         let last_slot = sets.iter().rposition(|s| slots.contains(s));
-        let first_dispatch = sets.iter().position(|s| DISPATCH_MAPS.contains(s));
+        let first_dispatch = sets.iter().position(|s| DISPATCH_SETS.contains(s));
         assert!(first_dispatch > last_slot, "{sets:?}");
     }
 
@@ -1476,7 +1492,7 @@ mod tests {
             .get_mut(&(Family::Ip, "nftkube".into()))
             .unwrap();
         t.chains.get_mut("services").unwrap().rules.clear();
-        t.sets.get_mut("service-ips").unwrap().elements.clear();
+        t.sets.get_mut("lb-ips").unwrap().elements.clear();
         let r = w.full(&mut e);
         assert!(r.full && r.changes > 0);
         kernel_matches(&e.backend, &w, &e.unused_chains);
@@ -1513,12 +1529,11 @@ mod tests {
             ("rules reordered", |t| {
                 t.chain_mut("firewall").rules.reverse()
             }),
-            ("element verdict changed", |t| {
-                let s = t.set_mut("service-ips");
-                let e = s.elements.pop_first().unwrap();
-                s.elements.insert(Element {
+            ("element verdict added", |t| {
+                let key = t.set_mut("lb-ips").elements.pop_first().unwrap().key;
+                t.set_mut("service-ips").elements.insert(Element {
+                    key,
                     value: Some(ElementValue::Verdict(Verdict::Drop)),
-                    ..e
                 });
             }),
             ("foreign element", |t| {
