@@ -1,7 +1,9 @@
 //! The objects every table has whatever the services: hooks, the fixed chains (dispatch, masquerading,
 //! rejection, kubelet's guard) and the sets and maps the services fill.
 
-use super::chains::{dispatch_set, lb_chain_state, lb_name, pick_chain_state, Counts, LbKind};
+use super::chains::{
+    dispatch_set, lb_chain_state, lb_name, pick_chain_states, pick_over_set, Counts, LbKind,
+};
 use super::common::*;
 use super::names::*;
 use super::{RenderConfig, SLOT_SPACE};
@@ -61,6 +63,15 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         port_key.clone(),
         vec![],
     ));
+    for node_port in [false, true] {
+        let key = if node_port { &port_key } else { &frontend_key };
+        for local in [false, true] {
+            for group in 0..PICK_OVER_SETS[0].len() {
+                let name = pick_over_set(node_port, local, group);
+                t.add_set(plain_set(name, key.clone(), vec![]));
+            }
+        }
+    }
     t.add_set(plain_set(
         MAP_SERVICE_IPS,
         vec![a, DataType::InetProto, DataType::InetService],
@@ -328,8 +339,9 @@ fn add_dispatch(
     t.add_chain(Chain::regular(CHAIN_SERVICES)).rules = services;
     for node_port in [false, true] {
         for local in [false, true] {
-            let pick = pick_chain_state(f, node_port, local);
-            t.add_chain(pick.chain.clone()).rules = pick.rules;
+            for pick in pick_chain_states(f, node_port, local) {
+                t.add_chain(pick.chain.clone()).rules = pick.rules;
+            }
         }
     }
 }

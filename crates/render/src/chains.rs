@@ -176,9 +176,29 @@ pub(crate) fn pick_chain_name(node_port: bool, local: bool) -> &'static str {
     }
 }
 
-/// A shared `pick` chain of the skeleton: for each count n ≤ `SHARED_COUNTS`, the uniform choice among the
-/// slots of region n.
-pub fn pick_chain_state(f: IpFamily, node_port: bool, local: bool) -> ChainState {
+/// Counts one `pick` chain tries before it sends frontends with more endpoints on to the next chain.
+pub const PICK_GROUP: u32 = 8;
+
+/// The `pick` chain of the counts from `first` (1, 9, 17, 25) of a variant: `pick`, then `pick-9-16`, ….
+fn pick_group_chain(node_port: bool, local: bool, first: u32) -> String {
+    let base = pick_chain_name(node_port, local);
+    match first {
+        1 => base.into(),
+        _ => format!("{base}-{first}-{}", first + PICK_GROUP - 1),
+    }
+}
+
+/// The set of frontends with more than `(group + 1) * PICK_GROUP` endpoints, for a variant.
+pub(crate) fn pick_over_set(node_port: bool, local: bool, group: usize) -> &'static str {
+    PICK_OVER_SETS[usize::from(node_port) * 2 + usize::from(local)][group]
+}
+
+/// The shared `pick` chains of the skeleton, for one variant (`pick`, `pick-local`, `pick-np`,
+/// `pick-np-local`): for each count n ≤ `SHARED_COUNTS`, the uniform choice among the slots of region n, eight
+/// counts per chain. Each chain first sends the frontends with more endpoints (members of its `-over-<n>`
+/// set) to the next one, so a new connection walks at most 3 set lookups and 8 count rules (33 rules when
+/// one chain held every count: +5.6 µs for 32 endpoints), at the price of one lookup below 9.
+pub fn pick_chain_states(f: IpFamily, node_port: bool, local: bool) -> Vec<ChainState> {
     let kind = if node_port {
         LbKind::NodePort
     } else {
@@ -186,16 +206,31 @@ pub fn pick_chain_state(f: IpFamily, node_port: bool, local: bool) -> ChainState
     };
     let (key, map) = endpoint_key(kind, f);
     let family = nft_family(f);
-    ChainState {
-        chain: Chain::regular(pick_chain_name(node_port, local)),
-        rules: (1..=SHARED_COUNTS)
-            .map(|n| {
+    let groups = (SHARED_COUNTS / PICK_GROUP) as usize;
+    (0..groups)
+        .map(|group| {
+            let first = group as u32 * PICK_GROUP + 1;
+            let mut rules = Vec::new();
+            if group + 1 < groups {
+                let next = pick_group_chain(node_port, local, first + PICK_GROUP);
+                rules.push(
+                    RuleBuilder::new()
+                        .in_set(&key, pick_over_set(node_port, local, group), false)
+                        .verdict(Verdict::Goto(next.into()))
+                        .build(),
+                );
+            }
+            rules.extend((first..first + PICK_GROUP).map(|n| {
                 RuleBuilder::new()
                     .dnat_map_offset(&key, n, region(n, local), map, family)
                     .build()
-            })
-            .collect(),
-    }
+            }));
+            ChainState {
+                chain: Chain::regular(&pick_group_chain(node_port, local, first)),
+                rules,
+            }
+        })
+        .collect()
 }
 
 /// The choice of an endpoint after `start`: a jump to the shared `pick` chain, or with an own count the

@@ -11,8 +11,8 @@ mod services;
 pub mod userspace;
 
 pub use chains::{
-    affinity_chain_state, lb_chain_state, pick_chain_state, region, Counts, LbKind, LOCAL_REGIONS,
-    MAX_ENDPOINTS, SHARED_COUNTS, SLOT_SPACE,
+    affinity_chain_state, lb_chain_state, pick_chain_states, region, Counts, LbKind, LOCAL_REGIONS,
+    MAX_ENDPOINTS, PICK_GROUP, SHARED_COUNTS, SLOT_SPACE,
 };
 pub use desired::{Desired, DesiredSet};
 pub use services::usable_endpoints;

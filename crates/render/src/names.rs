@@ -146,13 +146,31 @@ pub(crate) const CHAIN_PICK_NODEPORT: &str = "pick-np";
 /// The choice among a NodePort's node-local endpoints.
 pub(crate) const CHAIN_PICK_NODEPORT_LOCAL: &str = "pick-np-local";
 
+/// `pick…-over-<n>`: the frontends (NodePorts) with more than n endpoints, n = 8, 16, 24, that a `pick` chain
+/// sends on to the chain of the next eight counts (see `chains::pick_chain_states`). One row per `pick`
+/// chain: `pick`, `pick-local`, `pick-np`, `pick-np-local`.
+pub(crate) const PICK_OVER_SETS: [[&str; 3]; 4] = [
+    ["pick-over-8", "pick-over-16", "pick-over-24"],
+    [
+        "pick-local-over-8",
+        "pick-local-over-16",
+        "pick-local-over-24",
+    ],
+    ["pick-np-over-8", "pick-np-over-16", "pick-np-over-24"],
+    [
+        "pick-np-local-over-8",
+        "pick-np-local-over-16",
+        "pick-np-local-over-24",
+    ],
+];
+
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
 /// services), where a 16-byte `&str` cost ~10 MB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 27] = [
+const PIECE_SETS: [&str; 39] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -180,6 +198,18 @@ const PIECE_SETS: [&str; 27] = [
     SET_LB_NP_AFF_PORTS,
     SET_LB_NP_ETP_AFF_PORTS,
     SET_OTHER_SERVICE_NODEPORTS,
+    PICK_OVER_SETS[0][0],
+    PICK_OVER_SETS[0][1],
+    PICK_OVER_SETS[0][2],
+    PICK_OVER_SETS[1][0],
+    PICK_OVER_SETS[1][1],
+    PICK_OVER_SETS[1][2],
+    PICK_OVER_SETS[2][0],
+    PICK_OVER_SETS[2][1],
+    PICK_OVER_SETS[2][2],
+    PICK_OVER_SETS[3][0],
+    PICK_OVER_SETS[3][1],
+    PICK_OVER_SETS[3][2],
 ];
 
 impl PieceSet {
@@ -213,6 +243,10 @@ impl PieceSet {
             SET_OTHER_SERVICE_NODEPORTS,
         ]
         .contains(&self.name())
+            || PICK_OVER_SETS[2..]
+                .iter()
+                .flatten()
+                .any(|s| *s == self.name())
     }
 
     /// Whether the set's keys end with an endpoint slot (4 bytes) after the frontend they belong to.

@@ -245,8 +245,19 @@ impl FamilyPieces<'_> {
     }
 
     /// Endpoint k of `eps` at slot k of its count's region, under the frontend (or port) `key` (see
-    /// `chains::Counts`).
-    fn slots(&mut self, set: &'static str, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
+    /// `chains::Counts`); with a shared `lb*` chain (`lb.set`), the frontend's way through the `pick` chains.
+    fn slots(&mut self, lb: &Lb, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
+        let node_port = lb.chain.starts_with("lb-np");
+        let set = match node_port {
+            true => MAP_NODEPORT_ENDPOINTS,
+            false => MAP_SERVICE_ENDPOINTS,
+        };
+        if lb.set.is_some() {
+            // More than 8 endpoints: one `-over-` set per chain of eight counts passed.
+            for group in 0..(eps.len().saturating_sub(1) / PICK_GROUP as usize) {
+                self.member(pick_over_set(node_port, local, group), key);
+            }
+        }
         let first = region(eps.len() as u32, local);
         // `concat_key(key . slot)` and `concat_key(ip . port)`, built in two buffers reused for every
         // endpoint: a million endpoints made ten million small allocations here.
@@ -347,7 +358,7 @@ impl FamilyPieces<'_> {
         let lb = self.lb(LbKind::Cluster, internal.len(), 0);
         for ip in cluster {
             let key = self.frontend(ip);
-            self.slots(MAP_SERVICE_ENDPOINTS, &key, internal, false);
+            self.slots(&lb, &key, internal, false);
             self.dispatch(&key, &lb, None, false);
             if self.none_local(itp_local) {
                 self.member(SET_NO_LOCAL_ENDPOINTS, &key);
@@ -374,9 +385,9 @@ impl FamilyPieces<'_> {
         for ip in external {
             self.precedence = Precedence::of_address(self.svc, ip);
             let key = self.frontend(ip);
-            self.slots(MAP_SERVICE_ENDPOINTS, &key, self.all, false);
+            self.slots(&lb, &key, self.all, false);
             if self.etp_local() {
-                self.slots(MAP_SERVICE_ENDPOINTS, &key, self.local, true);
+                self.slots(&lb, &key, self.local, true);
             }
             let through = match &firewall {
                 Some(fw) if self.svc.load_balancer_ips.contains(ip) => Some(fw.as_str()),
@@ -429,9 +440,9 @@ impl FamilyPieces<'_> {
         let lb = self.lb(kind, self.all.len(), self.local.len());
         self.precedence = Precedence::of(self.svc, FrontendKind::NodePort);
         let key = vec![vec![self.svc.protocol.number()], np.to_be_bytes().to_vec()];
-        self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.all, false);
+        self.slots(&lb, &key, self.all, false);
         if self.etp_local() {
-            self.slots(MAP_NODEPORT_ENDPOINTS, &key, self.local, true);
+            self.slots(&lb, &key, self.local, true);
         }
         self.dispatch(&key, &lb, None, true);
         if self.all.is_empty() {
@@ -603,7 +614,7 @@ mod tests {
             e.node_name = Some(node.into());
             e
         };
-        let data_sets = [
+        let mut data_sets = vec![
             MAP_SERVICE_ENDPOINTS,
             MAP_NODEPORT_ENDPOINTS,
             SET_HAIRPIN,
@@ -612,6 +623,7 @@ mod tests {
             SET_NO_LOCAL_ENDPOINTS,
             SET_NO_LOCAL_NODEPORTS,
         ];
+        data_sets.extend(PICK_OVER_SETS.iter().flatten());
         for (etp, itp) in [
             (TrafficPolicy::Cluster, TrafficPolicy::Cluster),
             (TrafficPolicy::Local, TrafficPolicy::Local),
@@ -624,18 +636,73 @@ mod tests {
                     .map(|i| endpoint(i, if i <= local { "n1" } else { "n2" }))
                     .collect();
                 let mut t = render(&services, &[(spn.clone(), eps)].into(), &cfg).remove(0);
-                for set in data_sets {
-                    t.sets.get_mut(set).unwrap().elements.clear();
+                for set in &data_sets {
+                    t.sets.get_mut(*set).unwrap().elements.clear();
                 }
                 t
             };
             let first = structure(0, 0);
-            for (n, local) in [(1, 0), (1, 1), (3, 1), (7, 7), (32, 2), (2, 0), (0, 0)] {
+            for (n, local) in [
+                (1, 0),
+                (1, 1),
+                (3, 1),
+                (7, 7),
+                (9, 9),
+                (32, 2),
+                (2, 0),
+                (0, 0),
+            ] {
                 assert_eq!(
                     structure(n, local),
                     first,
                     "{n} endpoints, {local} local, {etp:?}"
                 );
+            }
+        }
+    }
+
+    /// A frontend with n endpoints is in the `-over-` sets of the `pick` chains it passes, and only the rule
+    /// of count n in the chain it ends in finds its slots.
+    #[test]
+    fn frontends_past_eight_endpoints_skip_the_pick_chains_of_fewer() {
+        let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
+        let services: ServiceMap = [(spn.clone(), sp)].into();
+        for (n, over) in [
+            (1, 0),
+            (8, 0),
+            (9, 1),
+            (16, 1),
+            (17, 2),
+            (25, 3),
+            (32, 3),
+            (33, 0),
+        ] {
+            let eps: Vec<_> = (1..=n)
+                .map(|i| ep(&format!("10.0.1.{i}"), 80, true))
+                .collect();
+            let t = &render(
+                &services,
+                &[(spn.clone(), eps)].into(),
+                &RenderConfig::default(),
+            )[0];
+            let holds = |set: &str| !t.sets[set].elements.is_empty();
+            let passed: Vec<bool> = PICK_OVER_SETS[0].iter().map(|s| holds(s)).collect();
+            let expected: Vec<bool> = (0..3).map(|g| g < over).collect();
+            assert_eq!(passed, expected, "{n} endpoints");
+            assert!(PICK_OVER_SETS[1..].iter().flatten().all(|s| !holds(s)));
+            if n <= 32 {
+                let chain = match over {
+                    0 => "pick".to_string(),
+                    g => format!("pick-{}-{}", 8 * g + 1, 8 * g + 8),
+                };
+                let mod_n = format!("numgen random mod {n} offset");
+                let text = nftkube_nft::text::render_table(t);
+                let in_chain = text
+                    .split(&format!("chain {chain} {{"))
+                    .nth(1)
+                    .and_then(|rest| rest.split("\n\t}").next())
+                    .unwrap_or_else(|| panic!("no chain {chain}:\n{text}"));
+                assert!(in_chain.contains(&mod_n), "{n} endpoints: {in_chain}");
             }
         }
     }
