@@ -201,7 +201,7 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        jump(CHAIN_CLUSTER_IPS_CHECK),
+        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
         record_affinity(),
     ];
     t.add_chain(Chain::base(
@@ -212,7 +212,7 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        jump(CHAIN_CLUSTER_IPS_CHECK),
+        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
         record_affinity(),
     ];
     t.add_chain(Chain::base(
@@ -223,16 +223,26 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        no_endpoint_reject(f),
+        no_endpoint_reject(RuleBuilder::new().ct_has(CtKey::State, CT_STATE_NEW), f),
         record_affinity(),
     ];
+}
+
+/// `ct state new jump <chain>`: the checks after NAT concern the first packet of a connection only (one that
+/// is rejected is never confirmed, so its next packet is new again), as in kube-proxy; later packets, most of
+/// them, skip them.
+fn new_connections_jump(chain: &str) -> Rule {
+    RuleBuilder::new()
+        .ct_has(CtKey::State, CT_STATE_NEW)
+        .verdict(Verdict::Jump(chain.into()))
+        .build()
 }
 
 /// `... @no-endpoint-services goto reject-chain`: a frontend of a service without endpoints is not NATed, so
 /// its packet still carries the frontend after NAT. On input too: an external or LoadBalancer IP assigned to
 /// this node is rejected like one routed through it, as kube-proxy's `service-endpoints-check` does.
-fn no_endpoint_reject(f: IpFamily) -> Rule {
-    RuleBuilder::new()
+fn no_endpoint_reject(start: RuleBuilder, f: IpFamily) -> Rule {
+    start
         .in_set(
             &[daddr(f), Field::L4Proto, Field::ThDport],
             SET_NO_ENDPOINT_SERVICES,
@@ -329,7 +339,7 @@ fn add_dispatch(
         // rejected on input.
         t.chain_mut(CHAIN_FILTER_INPUT)
             .rules
-            .insert(1, jump(CHAIN_NODEPORTS_CHECK));
+            .insert(1, new_connections_jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
             .in_set(&port, SET_NO_ENDPOINT_NODEPORTS, false)
@@ -389,7 +399,7 @@ fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
 /// After NAT: frontends without endpoints, and whatever still goes to a ClusterIP, are rejected.
 fn add_cluster_ips_check(t: &mut TableState, f: IpFamily, cfg: &RenderConfig) {
     t.add_chain(Chain::regular(CHAIN_CLUSTER_IPS_CHECK)).rules = vec![
-        no_endpoint_reject(f),
+        no_endpoint_reject(RuleBuilder::new(), f),
         RuleBuilder::new()
             .in_set(&[daddr(f)], SET_CLUSTER_IPS, false)
             .verdict(Verdict::Goto(CHAIN_REJECT.into()))
