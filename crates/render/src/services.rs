@@ -11,7 +11,8 @@
 //!   makes the kernel re-validate the table; only frontends with a chain of their own (more than 32
 //!   endpoints, loadBalancerSourceRanges) are verdict elements of `service-ips`.
 //! - `lb…` marks for masquerade when the source is outside the cluster CIDR (or always, with
-//!   masquerade-all) and jumps to `pick`, which holds one rule per endpoint count n:
+//!   masquerade-all) and jumps to `pick`, whose chains hold one rule per endpoint count n, eight each
+//!   (frontends with more endpoints are sent on through the `pick-over-*` sets):
 //!   `dnat to daddr . l4proto . dport . numgen random mod n offset region(n)` looked up in
 //!   `service-endpoints`. A frontend with n endpoints keeps endpoint k at slot `region(n) + k`, so only the
 //!   rule of its own count finds an element, and each endpoint is chosen with probability exactly 1/n. An
@@ -160,6 +161,8 @@ fn cap_endpoints(svc: &ServicePort, f: IpFamily, eps: &mut Vec<Endpoint>) {
 struct Lb {
     chain: String,
     set: Option<&'static str>,
+    /// A NodePort's: keyed by protocol and port alone.
+    node_port: bool,
 }
 
 /// The pieces of one service port in one family, section by section.
@@ -247,7 +250,7 @@ impl FamilyPieces<'_> {
     /// Endpoint k of `eps` at slot k of its count's region, under the frontend (or port) `key` (see
     /// `chains::Counts`); with a shared `lb*` chain (`lb.set`), the frontend's way through the `pick` chains.
     fn slots(&mut self, lb: &Lb, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
-        let node_port = lb.chain.starts_with("lb-np");
+        let node_port = lb.node_port;
         let set = match node_port {
             true => MAP_NODEPORT_ENDPOINTS,
             false => MAP_SERVICE_ENDPOINTS,
@@ -298,6 +301,7 @@ impl FamilyPieces<'_> {
             return Lb {
                 chain: lb_name(kind, counts, affinity),
                 set: Some(dispatch_set(kind, affinity)),
+                node_port: kind.is_node_port(),
             };
         }
         let chain = super::lb_chain(self.family, kind, counts, affinity, self.cfg);
@@ -309,13 +313,14 @@ impl FamilyPieces<'_> {
         Lb {
             chain: target,
             set: None,
+            node_port: kind.is_node_port(),
         }
     }
 
     /// The frontend `key` is dispatched to `lb`, or through `firewall` first. Only the exceptions (a chain of
     /// its own) are verdict elements; see `base::add_dispatch`.
-    fn dispatch(&mut self, key: &[Vec<u8>], lb: &Lb, firewall: Option<&str>, node_port: bool) {
-        let (exceptions, other, first) = match node_port {
+    fn dispatch(&mut self, key: &[Vec<u8>], lb: &Lb, firewall: Option<&str>) {
+        let (exceptions, other, first) = match lb.node_port {
             false => (MAP_SERVICE_IPS, SET_OTHER_SERVICE_IPS, SET_LB_IPS),
             true => (
                 MAP_SERVICE_NODEPORTS,
@@ -359,7 +364,7 @@ impl FamilyPieces<'_> {
         for ip in cluster {
             let key = self.frontend(ip);
             self.slots(&lb, &key, internal, false);
-            self.dispatch(&key, &lb, None, false);
+            self.dispatch(&key, &lb, None);
             if self.none_local(itp_local) {
                 self.member(SET_NO_LOCAL_ENDPOINTS, &key);
             }
@@ -393,7 +398,7 @@ impl FamilyPieces<'_> {
                 Some(fw) if self.svc.load_balancer_ips.contains(ip) => Some(fw.as_str()),
                 _ => None,
             };
-            self.dispatch(&key, &lb, through, false);
+            self.dispatch(&key, &lb, through);
             if self.all.is_empty() {
                 self.member(SET_NO_ENDPOINT_SERVICES, &key);
             } else if self.none_local(self.etp_local()) {
@@ -444,7 +449,7 @@ impl FamilyPieces<'_> {
         if self.etp_local() {
             self.slots(&lb, &key, self.local, true);
         }
-        self.dispatch(&key, &lb, None, true);
+        self.dispatch(&key, &lb, None);
         if self.all.is_empty() {
             self.member(SET_NO_ENDPOINT_NODEPORTS, &key);
         } else if self.none_local(self.etp_local()) {
