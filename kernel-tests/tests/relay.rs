@@ -29,6 +29,7 @@ fn tcp_frontend(name: &str, listen: SocketAddr, endpoints: Vec<SocketAddr>) -> F
         listen,
         endpoints,
         affinity: None,
+        inside: None,
     }
 }
 
@@ -326,6 +327,7 @@ fn udp_datagrams_of_64_kib_arrive_intact_and_replies_come_from_the_address_used(
         listen: listen.parse().unwrap(),
         endpoints: vec![ep],
         affinity: None,
+        inside: None,
     };
     apply(
         &mut relay,
@@ -814,7 +816,7 @@ fn userspace_mode_relays_cluster_ips_and_node_ports_through_one_redirect_map() {
     let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30080));
     assert!(served(sb.ext(), node_port, T), "NodePort from outside");
 
-    // The kernel holds one redirect rule per hook and one map element per frontend, no chain per service.
+    // The kernel holds one redirect map and one element per frontend, no chain per service.
     let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).expect("ip nftkube");
     let text = nftkube::nft::text::render_table(&t);
     // nat prerouting and output, filter input, forward and output, and the reject chain.
@@ -981,6 +983,7 @@ fn udp_flows_keep_their_endpoint_until_idle_unless_it_is_removed() {
         listen,
         endpoints: pods.iter().map(|&i| backend(i, BACKEND_UDP_PORT)).collect(),
         affinity: None,
+        inside: None,
     };
     apply(&mut relay, &[frontend(&[1])]);
     let dst = node_from_pod0(7012);
@@ -1171,6 +1174,7 @@ fn a_flood_of_udp_sources_to_one_service_never_blocks_another_beyond_the_udp_tim
             endpoints: vec![backend(1, BACKEND_UDP_PORT)],
             // Hours of affinity must not keep flows (and their places) alive: only the balancer keeps it.
             affinity: Some(Duration::from_secs(3 * 3600)),
+            inside: None,
         };
         let web = tcp_frontend(
             "default/web",
@@ -1239,4 +1243,210 @@ fn an_idle_tcp_connection_is_closed_after_its_timeout_and_a_talking_one_is_not()
     assert!(matches!(read, Err(_) | Ok(0)), "{read:?}");
     assert_eq!(relay.stats().closed_idle.load(Ordering::Relaxed), 1);
     assert_eq!(relay.live_connections(), 1);
+}
+
+/// Traffic policies in userspace mode. `itp`: internalTrafficPolicy Local; `etp`: externalTrafficPolicy
+/// Local on a LoadBalancer; `elsewhere`: both Local, its only endpoint on another node. The agent is
+/// `node-1`; pod1 is on it, pod2 on `node-2`.
+const POLICIES: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: itp, namespace: demo}
+spec:
+  clusterIP: 10.96.0.70
+  internalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: itp-1, namespace: demo, labels: {kubernetes.io/service-name: itp}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], nodeName: node-1}
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: etp, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.71
+  externalIPs: ["192.168.250.71"]
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30120}]
+status:
+  loadBalancer:
+    ingress: [{ip: 192.168.250.70}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: etp-1, namespace: demo, labels: {kubernetes.io/service-name: etp}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.1.2"], nodeName: node-1}
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: elsewhere, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.72
+  externalIPs: ["192.168.250.72"]
+  internalTrafficPolicy: Local
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30121}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: elsewhere-1, namespace: demo, labels: {kubernetes.io/service-name: elsewhere}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["10.244.2.2"], nodeName: node-2}
+"#;
+
+/// The backends that answered `n` requests to `dst` from `from`, sorted and deduplicated; panics on a failure.
+fn backends_reached(from: &NetNs, dst: SocketAddr, n: usize) -> Vec<usize> {
+    let mut pods: Vec<usize> = tcp_requests(from, dst, n, T)
+        .iter()
+        .map(|a| pod_of(a).unwrap_or_else(|| panic!("{dst}: {a:?}")))
+        .collect();
+    pods.sort();
+    pods.dedup();
+    pods
+}
+
+/// A TCP connection to `dst` gets no answer at all (dropped, as kube-proxy drops), rather than a reset.
+fn dropped(from: &NetNs, dst: SocketAddr) -> bool {
+    let outcome = from
+        .run(move || TcpStream::connect_timeout(&dst, Duration::from_millis(700)).map(drop))
+        .unwrap();
+    matches!(&outcome, Err(e) if e.kind() == io::ErrorKind::TimedOut)
+}
+
+#[test]
+fn userspace_mode_honours_internal_and_external_traffic_policies() {
+    let sb = sandbox("nk-rlp", 2);
+    route_from_outside(&sb, std::net::Ipv4Addr::new(192, 168, 250, 0), 24);
+    let m = Manifests::examples();
+    m.write("policies.yaml", POLICIES);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    let itp = addr("10.96.0.70", 80);
+    wait_until(SYNC, || served(sb.client(), itp, T))
+        .unwrap_or_else(|_| panic!("never served; log:\n{}", agent.log()));
+
+    // internalTrafficPolicy Local: this node's endpoint only, from a pod and from the node.
+    assert_eq!(backends_reached(sb.client(), itp, 12), [1]);
+    assert_eq!(backends_reached(sb.node(), itp, 6), [1]);
+
+    // externalTrafficPolicy Local: from outside, this node's endpoint only, on every external frontend...
+    let lb = addr("192.168.250.70", 80);
+    let external = addr("192.168.250.71", 80);
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30120));
+    for dst in [lb, external, node_port] {
+        assert_eq!(
+            backends_reached(sb.ext(), dst, 8),
+            [1],
+            "{dst} from outside"
+        );
+    }
+    // ...while the node's pods and the node itself reach every endpoint, as kube-proxy short-circuits them.
+    for dst in [lb, external, node_port] {
+        assert_eq!(
+            backends_reached(sb.client(), dst, 12),
+            [1, 2],
+            "{dst} from a pod"
+        );
+    }
+    assert_eq!(
+        backends_reached(sb.node(), external, 12),
+        [1, 2],
+        "from the node"
+    );
+    // The ClusterIP follows internalTrafficPolicy (Cluster here): every endpoint.
+    assert_eq!(
+        backends_reached(sb.ext(), addr("10.96.0.71", 80), 12),
+        [1, 2]
+    );
+
+    // No local endpoint: the ClusterIP (internal policy) is dropped for everyone; the external IP and the
+    // NodePort are dropped from outside and still reach the remote endpoint from a pod.
+    let elsewhere = addr("10.96.0.72", 80);
+    assert!(dropped(sb.client(), elsewhere), "ClusterIP from a pod");
+    assert!(dropped(sb.ext(), elsewhere), "ClusterIP from outside");
+    let external = addr("192.168.250.72", 80);
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30121));
+    assert!(dropped(sb.ext(), external), "external IP from outside");
+    assert!(dropped(sb.ext(), node_port), "NodePort from outside");
+    assert_eq!(backends_reached(sb.client(), external, 4), [2]);
+    assert_eq!(backends_reached(sb.client(), node_port, 4), [2]);
+    assert_listable(sb.node());
+}
+
+fn guarded(ranges: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: guarded, namespace: demo}}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.73
+  externalIPs: ["192.168.250.74"]
+  loadBalancerSourceRanges: [{ranges}]
+  ports: [{{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30122}}]
+status:
+  loadBalancer:
+    ingress: [{{ip: 192.168.250.73}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: guarded-1, namespace: demo, labels: {{kubernetes.io/service-name: guarded}}}}
+addressType: IPv4
+ports: [{{name: tcp, port: 8080, protocol: TCP}}]
+endpoints:
+- {{addresses: ["10.244.1.2"]}}
+"#
+    )
+}
+
+#[test]
+fn userspace_mode_drops_load_balancer_traffic_from_outside_its_source_ranges() {
+    let sb = sandbox("nk-rlf", 1);
+    route_from_outside(&sb, std::net::Ipv4Addr::new(192, 168, 250, 0), 24);
+    let lb = addr("192.168.250.73", 80);
+    let external = addr("192.168.250.74", 80);
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30122));
+    let m = Manifests::examples();
+    // Only the outside client's address is allowed.
+    m.write("guarded.yaml", &guarded("192.168.200.2/32"));
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    wait_until(SYNC, || served(sb.ext(), lb, T))
+        .unwrap_or_else(|_| panic!("allowed source never served; log:\n{}", agent.log()));
+    assert!(
+        dropped(sb.client(), lb),
+        "a pod outside the ranges reached the LoadBalancer IP"
+    );
+    // Same service, not filtered: its external IP and NodePort.
+    assert!(served(sb.client(), external, T));
+    assert!(served(sb.client(), node_port, T));
+    assert!(served(sb.ext(), node_port, T));
+    assert_listable(sb.node());
+
+    // The ranges change: now pods are allowed and the outside client is not.
+    m.write("guarded.yaml", &guarded("10.244.0.0/16"));
+    wait_until(SYNC, || served(sb.client(), lb, T))
+        .unwrap_or_else(|_| panic!("new range never applied; log:\n{}", agent.log()));
+    assert!(dropped(sb.ext(), lb));
+    assert!(served(sb.ext(), external, T));
+    // The old firewall chain is gone once nothing points at it.
+    wait_until(SYNC, || {
+        let t = dump_table(sb.node(), nftkube::nft::ir::Family::Ip).unwrap();
+        t.chains.keys().filter(|c| c.starts_with("fw-")).count() == 1
+    })
+    .unwrap_or_else(|_| panic!("stale firewall chain left behind"));
 }

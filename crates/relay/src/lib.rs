@@ -91,6 +91,44 @@ pub struct Frontend {
     pub endpoints: Vec<SocketAddr>,
     /// ClientIP affinity timeout.
     pub affinity: Option<Duration>,
+    /// Under externalTrafficPolicy Local: the clients the policy does not hold to `endpoints` (this
+    /// node's pods and the node itself), and the endpoints they reach instead.
+    pub inside: Option<Inside>,
+}
+
+/// The clients of an externalTrafficPolicy Local frontend that reach every endpoint (kube-proxy sends
+/// traffic from this node's pods and from the node itself to the cluster-wide endpoints), and those
+/// endpoints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inside {
+    /// The cluster-wide endpoints.
+    pub endpoints: Vec<SocketAddr>,
+    /// Who counts as inside.
+    pub clients: Insiders,
+}
+
+/// This node's pods (by address: the cluster CIDRs of a CIDR detector) and the node itself (its addresses
+/// and loopback).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Insiders {
+    /// The pod ranges of `--detect-local-mode` ClusterCIDR or NodeCIDR (none with an interface detector,
+    /// which a relayed connection cannot be told by).
+    pub pod_cidrs: Vec<nftkube_model::Cidr>,
+    /// The node's addresses.
+    pub node_ips: Vec<std::net::IpAddr>,
+}
+
+impl Insiders {
+    /// Whether `client` is this node or one of its pods.
+    pub(crate) fn contain(&self, client: std::net::IpAddr) -> bool {
+        let client = match client {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, Into::into),
+            v4 => v4,
+        };
+        client.is_loopback()
+            || self.node_ips.contains(&client)
+            || self.pod_cidrs.iter().any(|c| c.contains(&client))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -226,7 +264,7 @@ impl Relay {
             .collect();
         for key in scope.into_iter().filter(|k| !wanted.contains_key(k)) {
             if let Some(a) = self.active.remove(&key) {
-                a.service.update(Vec::new(), None);
+                a.service.update(Vec::new(), None, None);
                 a.task.abort();
             }
         }
@@ -235,7 +273,8 @@ impl Relay {
             match self.active.get_mut(&key) {
                 Some(a) if a.frontend == *f => {}
                 Some(a) => {
-                    a.service.update(f.endpoints.clone(), f.affinity);
+                    a.service
+                        .update(f.endpoints.clone(), f.affinity, f.inside.clone());
                     a.frontend = f.clone();
                 }
                 None => match self.open(f) {
@@ -256,6 +295,7 @@ impl Relay {
             self.limits.clone(),
             f.endpoints.clone(),
             f.affinity,
+            f.inside.clone(),
         );
         let listen_error = |source| RelayError::Listen {
             service: f.service.clone(),
