@@ -657,6 +657,12 @@ fn localhost_node_ports_are_served_to_the_node_itself() {
     let sb = sandbox("nk-rll", 3);
     let m = Manifests::examples();
     m.write("nodeports.yaml", NODE_PORTS);
+    // Another process holds the NodePort of `lines` on loopback: its listener cannot be opened.
+    let _taken = sb
+        .node()
+        .run(|| TcpListener::bind("127.0.0.1:30100"))
+        .unwrap()
+        .expect("binding 127.0.0.1:30100");
     let agent = Agent::start(
         sb.node(),
         &m.dir,
@@ -680,6 +686,27 @@ fn localhost_node_ports_are_served_to_the_node_itself() {
     // Only loopback was asked for: the node's uplink address does not serve NodePorts.
     let outside = SocketAddr::from((sandbox::node_ip_v4(), 30080));
     assert!(!served(sb.ext(), outside, Duration::from_millis(500)));
+    // KEP-6032's metrics: the listeners open per family, and the one that could not be opened.
+    let listeners = |s: &[Sample], family| {
+        sample(
+            s,
+            "kubeproxy_nftables_localhost_nodeport_listeners",
+            &[("ip_family", family)],
+        )
+        .unwrap()
+    };
+    let metrics = scrape(&sb);
+    let failures = "kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total";
+    assert!(
+        sample(&metrics, failures, &[("ip_family", "IPv4")]) >= Some(1.0),
+        "{metrics:?}"
+    );
+    assert_eq!(
+        sample(&metrics, failures, &[("ip_family", "IPv6")]),
+        Some(0.0)
+    );
+    let (v4, v6) = (listeners(&metrics, "IPv4"), listeners(&metrics, "IPv6"));
+    assert!(v6 >= 1.0, "{metrics:?}");
 
     // The service goes: so does its listener.
     let without_web: String = NODE_PORTS
@@ -693,6 +720,10 @@ fn localhost_node_ports_are_served_to_the_node_itself() {
     })
     .expect("127.0.0.1:30080 still served after the service was deleted");
     assert!(served(sb.node(), "[::1]:30090".parse().unwrap(), T));
+    // Its TCP and UDP listeners went; the IPv6 ones stayed.
+    let metrics = scrape(&sb);
+    assert_eq!(listeners(&metrics, "IPv4"), v4 - 2.0, "{metrics:?}");
+    assert_eq!(listeners(&metrics, "IPv6"), v6);
 }
 
 /// Runs the agent with at most `limit` open files (soft and hard).
@@ -1449,4 +1480,162 @@ fn userspace_mode_drops_load_balancer_traffic_from_outside_its_source_ranges() {
         t.chains.keys().filter(|c| c.starts_with("fw-")).count() == 1
     })
     .unwrap_or_else(|_| panic!("stale firewall chain left behind"));
+}
+
+/// Reads the classic exposition on stdin with Prometheus' own Python parser and prints every sample as JSON
+/// `[name, labels, value]`: a parser from outside the project is the oracle.
+const PARSE_METRICS: &str = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+print(json.dumps([[s.name, s.labels, s.value]
+                  for f in text_string_to_metric_families(sys.stdin.read()) for s in f.samples]))
+"#;
+
+type Sample = (String, std::collections::BTreeMap<String, String>, f64);
+
+/// The agent's `/metrics` (in the node's namespace), as Prometheus' Python client parses it.
+fn scrape(sb: &sandbox::Sandbox) -> Vec<Sample> {
+    let (status, _, body) = sb
+        .node()
+        .run(|| nftkube::admin::http::get(addr("127.0.0.1", 10249), "/metrics", T))
+        .unwrap()
+        .expect("/metrics");
+    assert_eq!(status, 200, "{body}");
+    let mut child = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", PARSE_METRICS])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("/usr/bin/python3 (with python3-prometheus-client: ci/install-deps installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the parser refused /metrics: {}\n{body}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let raw: Vec<(String, std::collections::BTreeMap<String, String>, f64)> =
+        serde_json::from_slice(&out.stdout).unwrap();
+    raw
+}
+
+/// The value of the sample `name` whose labels include `labels` (None: no such sample).
+fn sample(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.2)
+}
+
+/// A NodePort service without endpoints: its NodePort listener has nothing to relay to.
+const NO_ENDPOINT_NODE_PORT: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: nonode, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.75
+  ports: [{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30130}]
+"#;
+
+#[test]
+fn userspace_relay_metrics_count_connections_bytes_and_refusals_per_service_port() {
+    let sb = sandbox("nk-rlx", 3);
+    let m = Manifests::examples();
+    m.write("nodeports.yaml", NODE_PORTS);
+    m.write("nonode.yaml", NO_ENDPOINT_NODE_PORT);
+    let agent = Agent::start(sb.node(), &m.dir, &["--proxy-mode", "userspace"]);
+    agent.wait_syncs(1, SYNC);
+    let web = addr("10.96.0.30", 80);
+    wait_until(SYNC, || served(sb.client(), web, T))
+        .unwrap_or_else(|_| panic!("never served; log:\n{}", agent.log()));
+    let tcp = [("service_port", "demo/web:tcp"), ("protocol", "TCP")];
+    let from_client = [tcp[0], tcp[1], ("direction", "from_client")];
+    let to_client = [tcp[0], tcp[1], ("direction", "to_client")];
+    let before = scrape(&sb);
+    let connections = |s: &[Sample]| sample(s, "nftkube_userspace_relay_connections_total", &tcp);
+    let bytes = |s: &[Sample], labels: &[(&str, &str)]| {
+        sample(s, "nftkube_userspace_relay_bytes_total", labels).unwrap_or(0.0)
+    };
+
+    let mut answered = 0;
+    for a in tcp_requests(sb.client(), web, 6, T) {
+        assert!(pod_of(&a).is_some(), "{a:?}");
+        answered += a.unwrap().len() + 1; // and the newline tcp_request took off
+    }
+    let udp = addr("10.96.0.30", 53);
+    let (reply, _) = sb
+        .client()
+        .run(move || udp_exchange(udp, b"hello"))
+        .unwrap()
+        .expect("udp through the relay");
+    // No endpoint behind the NodePort: the connection is reset, and counted by its reason.
+    let node_port = SocketAddr::from((sandbox::node_ip_v4(), 30130));
+    assert!(!served(sb.ext(), node_port, T));
+
+    let after = scrape(&sb);
+    assert_eq!(
+        connections(&after).unwrap() - connections(&before).unwrap(),
+        6.0
+    );
+    let answer = bytes(&after, &to_client) - bytes(&before, &to_client);
+    assert_eq!(answer, answered as f64, "bytes to clients");
+    assert!(bytes(&after, &from_client) >= bytes(&before, &from_client));
+    let udp_labels = [
+        ("service_port", "demo/web:udp"),
+        ("protocol", "UDP"),
+        ("direction", "from_client"),
+    ];
+    assert_eq!(
+        bytes(&after, &udp_labels),
+        5.0,
+        "datagram bytes from the client"
+    );
+    let udp_back = [udp_labels[0], udp_labels[1], ("direction", "to_client")];
+    assert_eq!(bytes(&after, &udp_back), reply.len() as f64);
+    let refused = [
+        ("service_port", "demo/nonode:tcp"),
+        ("protocol", "TCP"),
+        ("reason", "no_endpoint"),
+    ];
+    assert!(
+        sample(
+            &after,
+            "nftkube_userspace_relay_refused_connections_total",
+            &refused
+        ) >= Some(1.0),
+        "{after:?}"
+    );
+    // Every connection ended: none active.
+    wait_until(SYNC, || {
+        sample(
+            &scrape(&sb),
+            "nftkube_userspace_relay_active_connections",
+            &tcp,
+        ) == Some(0.0)
+    })
+    .expect("connections still counted active");
+
+    // The service goes: its series go with its last listener.
+    m.write("nonode.yaml", "");
+    wait_until(SYNC, || {
+        sample(
+            &scrape(&sb),
+            "nftkube_userspace_relay_refused_connections_total",
+            &refused,
+        )
+        .is_none()
+    })
+    .expect("a deleted service's series remain");
 }

@@ -165,6 +165,11 @@ pub enum RelayError {
 /// A listener is identified by its service, protocol and requested address (many ask for port 0).
 type Key = (String, Protocol, SocketAddr);
 
+/// The service port a listener serves: its name less a kind's suffix (" (NodePort)", " (external)").
+fn service_port_of(listener: &str) -> &str {
+    listener.split(" (").next().unwrap_or(listener)
+}
+
 /// Whether a listener named `name` belongs to `service` (see [`Relay::apply_service`]).
 fn owned_by(name: &str, service: &str) -> bool {
     name.strip_prefix(service)
@@ -181,6 +186,8 @@ struct Active {
 /// The running relay. Dropping it closes every listener and connection.
 pub struct Relay {
     runtime: tokio::runtime::Runtime,
+    /// Each listener adds to its service port's metrics (userspace mode).
+    port_metrics: bool,
     limits: Arc<Limits>,
     udp_idle_timeout: Duration,
     active: BTreeMap<Key, Active>,
@@ -221,10 +228,18 @@ impl Relay {
         });
         Ok(Relay {
             runtime,
+            port_metrics: false,
             limits,
             udp_idle_timeout: opts.udp_idle_timeout,
             active: BTreeMap::new(),
         })
+    }
+
+    /// Listeners from now on count their connections, flows, bytes and refusals in their service port's
+    /// metrics (`nftkube_userspace_relay_*`).
+    pub(crate) fn with_port_metrics(mut self) -> Relay {
+        self.port_metrics = true;
+        self
     }
 
     /// Makes the listeners exactly `frontends`. A listener that cannot be opened is reported and left out;
@@ -266,6 +281,7 @@ impl Relay {
             if let Some(a) = self.active.remove(&key) {
                 a.service.update(Vec::new(), None, None);
                 a.task.abort();
+                self.forget_port_if_unserved(&key, &a.service);
             }
         }
         let mut errors = Vec::new();
@@ -288,14 +304,32 @@ impl Relay {
         errors
     }
 
+    /// Removes a service port's series once no listener of it remains (`key`'s was the last).
+    fn forget_port_if_unserved(&self, key: &Key, service: &Service) {
+        let Some(m) = &service.metrics else { return };
+        let port = service_port_of(&key.0);
+        let served = self
+            .active
+            .keys()
+            .any(|k| k.1 == key.1 && service_port_of(&k.0) == port);
+        if !served {
+            m.forget();
+        }
+    }
+
     /// Opens a listener on one of the runtime's threads (so in the relay's namespace) and starts serving it.
     fn open(&self, f: &Frontend) -> Result<Active, RelayError> {
+        let metrics = self.port_metrics.then(|| {
+            let protocol = f.protocol.as_str().to_ascii_uppercase();
+            nftkube_metrics::RelayPortMetrics::of(service_port_of(&f.service), &protocol)
+        });
         let service = Service::new(
             f.service.clone(),
             self.limits.clone(),
             f.endpoints.clone(),
             f.affinity,
             f.inside.clone(),
+            metrics,
         );
         let listen_error = |source| RelayError::Listen {
             service: f.service.clone(),
@@ -360,6 +394,12 @@ impl Relay {
     /// Listeners open.
     pub fn listeners(&self) -> usize {
         self.active.len()
+    }
+
+    /// Listeners open on addresses of IPv4 and of IPv6.
+    pub(crate) fn listeners_by_family(&self) -> (usize, usize) {
+        let v4 = self.active.values().filter(|a| a.local.is_ipv4()).count();
+        (v4, self.active.len() - v4)
     }
 
     /// TCP connections and UDP flows being relayed.

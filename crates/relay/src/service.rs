@@ -4,6 +4,7 @@
 use super::balancer::Balancer;
 use super::capacity::{Admission, Capacity, Refusal};
 use super::{Inside, Insiders};
+use nftkube_metrics::{RelayPortMetrics, RelayRefusal};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -66,6 +67,21 @@ pub(crate) struct Service {
     admitted: Arc<AtomicUsize>,
     /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
     generation: AtomicU64,
+    /// Its service port's series (userspace mode; None for the localhost relay).
+    pub(crate) metrics: Option<RelayPortMetrics>,
+}
+
+/// A relayed connection or flow counted live in its service port's metrics until dropped.
+pub(crate) struct LiveCount {
+    metrics: Option<RelayPortMetrics>,
+}
+
+impl Drop for LiveCount {
+    fn drop(&mut self) {
+        if let Some(m) = &self.metrics {
+            m.active.dec();
+        }
+    }
 }
 
 /// Live connections (or UDP flows): id → (endpoint, a sender whose drop tells the connection to close).
@@ -104,6 +120,7 @@ impl Service {
         endpoints: Vec<SocketAddr>,
         affinity: Option<Duration>,
         inside: Option<Inside>,
+        metrics: Option<RelayPortMetrics>,
     ) -> Arc<Service> {
         let mut balancer = Balancer::new(affinity);
         balancer.set_endpoints(endpoints);
@@ -115,6 +132,7 @@ impl Service {
             live: Mutex::new(Live::default()),
             admitted: Arc::default(),
             generation: AtomicU64::new(0),
+            metrics,
         })
     }
 
@@ -132,8 +150,42 @@ impl Service {
                 Refusal::Service => &stats.refused_service_limit,
                 Refusal::Source => &stats.refused_source_limit,
             });
+            self.refused(match refusal {
+                Refusal::Total => RelayRefusal::TotalLimit,
+                Refusal::Service => RelayRefusal::ServiceLimit,
+                Refusal::Source => RelayRefusal::SourceLimit,
+            });
         }
         admitted
+    }
+
+    /// Counts a refusal in the service port's metrics.
+    pub(crate) fn refused(&self, why: RelayRefusal) {
+        if let Some(m) = &self.metrics {
+            m.refused(why);
+        }
+    }
+
+    /// Counts a connection or flow relayed from now on; it is live until the returned value drops.
+    pub(crate) fn opened(&self) -> LiveCount {
+        if let Some(m) = &self.metrics {
+            m.connections.inc();
+            m.active.inc();
+        }
+        LiveCount {
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Counts bytes from a client (`from_client`) or to one.
+    pub(crate) fn moved(&self, from_client: bool, bytes: usize) {
+        if let Some(m) = &self.metrics {
+            let c = match from_client {
+                true => &m.bytes_from_client,
+                false => &m.bytes_to_client,
+            };
+            c.inc_by(bytes as u64);
+        }
     }
 
     /// The endpoint for a new connection from `client` (see [`Balancer::pick`]): among every endpoint for

@@ -149,7 +149,7 @@ impl UserspaceProxy {
     pub fn start(opts: &RelayOptions) -> Result<UserspaceProxy, RelayError> {
         tracing::info!("userspace mode: services are relayed in user space");
         Ok(UserspaceProxy {
-            relay: Relay::start(opts)?,
+            relay: Relay::start(opts)?.with_port_metrics(),
             cfg: None,
             sctp_refused: BTreeSet::new(),
         })
