@@ -343,7 +343,7 @@ impl ProxyLoop<'_> {
                 &mut self.engine,
                 &self.state,
                 &changes.changed_services,
-                &self.cfg.nodeport_addresses,
+                &self.cfg,
             ),
             None => sync_once(
                 &mut self.engine,

@@ -24,10 +24,15 @@ mod build_info;
 pub mod exposition;
 mod family;
 mod process;
+mod relay;
 
 pub use exposition::Format;
 pub use family::{
     FamilyCounter, FamilyHistogram, FamilyTimestamp, IpFamily, NoLocalEndpoints, TrafficPolicy,
+};
+pub use relay::{
+    localhost_nodeport_listener_failed, set_localhost_nodeport_listeners, RelayPortMetrics,
+    RelayRefusal,
 };
 
 /// kube-proxy's sync-duration buckets: 1 ms doubling, 15 of them.
@@ -316,10 +321,51 @@ pub fn registry() -> Registry {
     ] {
         add(&mut r, name, help, g.metric());
     }
+    register_relay(&mut r);
     // What every Kubernetes component exports, read when scraped.
     r.register_collector(Box::new(process::ProcessCollector));
     r.register_collector(Box::new(build_info::BuildInfo));
     r
+}
+
+/// The userspace relay's (see `relay`).
+fn register_relay(r: &mut Registry) {
+    add(
+        r,
+        "kubeproxy_nftables_localhost_nodeport_listeners",
+        "Localhost NodePort listeners open (the relay serving NodePorts on loopback)",
+        (*relay::LOCALHOST_NODEPORT_LISTENERS).clone(),
+    );
+    add(
+        r,
+        "kubeproxy_nftables_localhost_nodeport_listener_creation_failures",
+        "Localhost NodePort listeners that could not be opened, each time a sync tried",
+        (*relay::LOCALHOST_NODEPORT_LISTENER_FAILURES).clone(),
+    );
+    add(
+        r,
+        "nftkube_userspace_relay_connections",
+        "Userspace mode: TCP connections and UDP flows the relay accepted, per service port",
+        (*relay::CONNECTIONS).clone(),
+    );
+    add(
+        r,
+        "nftkube_userspace_relay_active_connections",
+        "Userspace mode: TCP connections and UDP flows being relayed, per service port",
+        (*relay::ACTIVE).clone(),
+    );
+    add(
+        r,
+        "nftkube_userspace_relay_bytes",
+        "Userspace mode: bytes relayed per service port, from_client (to endpoints) or to_client",
+        (*relay::BYTES).clone(),
+    );
+    add(
+        r,
+        "nftkube_userspace_relay_refused_connections",
+        "Userspace mode: TCP connections reset and UDP flows whose first datagram was dropped, per service port and reason",
+        (*relay::REFUSED).clone(),
+    );
 }
 
 /// Appends `registry`'s metrics to `out` (no `# EOF`: see [`finish`]).

@@ -51,6 +51,7 @@ pub fn localhost_nodeports(state: &ClusterState) -> Vec<Frontend> {
                     affinity: sp
                         .session_affinity_timeout
                         .map(|s| Duration::from_secs(s.into())),
+                    inside: None,
                 });
             }
         }

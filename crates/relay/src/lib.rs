@@ -91,6 +91,44 @@ pub struct Frontend {
     pub endpoints: Vec<SocketAddr>,
     /// ClientIP affinity timeout.
     pub affinity: Option<Duration>,
+    /// Under externalTrafficPolicy Local: the clients the policy does not hold to `endpoints` (this
+    /// node's pods and the node itself), and the endpoints they reach instead.
+    pub inside: Option<Inside>,
+}
+
+/// The clients of an externalTrafficPolicy Local frontend that reach every endpoint (kube-proxy sends
+/// traffic from this node's pods and from the node itself to the cluster-wide endpoints), and those
+/// endpoints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inside {
+    /// The cluster-wide endpoints.
+    pub endpoints: Vec<SocketAddr>,
+    /// Who counts as inside.
+    pub clients: Insiders,
+}
+
+/// This node's pods (by address: the cluster CIDRs of a CIDR detector) and the node itself (its addresses
+/// and loopback).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Insiders {
+    /// The pod ranges of `--detect-local-mode` ClusterCIDR or NodeCIDR (none with an interface detector,
+    /// which a relayed connection cannot be told by).
+    pub pod_cidrs: Vec<nftkube_model::Cidr>,
+    /// The node's addresses.
+    pub node_ips: Vec<std::net::IpAddr>,
+}
+
+impl Insiders {
+    /// Whether `client` is this node or one of its pods.
+    pub(crate) fn contain(&self, client: std::net::IpAddr) -> bool {
+        let client = match client {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, Into::into),
+            v4 => v4,
+        };
+        client.is_loopback()
+            || self.node_ips.contains(&client)
+            || self.pod_cidrs.iter().any(|c| c.contains(&client))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -127,6 +165,11 @@ pub enum RelayError {
 /// A listener is identified by its service, protocol and requested address (many ask for port 0).
 type Key = (String, Protocol, SocketAddr);
 
+/// The service port a listener serves: its name less a kind's suffix (" (NodePort)", " (external)").
+fn service_port_of(listener: &str) -> &str {
+    listener.split(" (").next().unwrap_or(listener)
+}
+
 /// Whether a listener named `name` belongs to `service` (see [`Relay::apply_service`]).
 fn owned_by(name: &str, service: &str) -> bool {
     name.strip_prefix(service)
@@ -143,6 +186,8 @@ struct Active {
 /// The running relay. Dropping it closes every listener and connection.
 pub struct Relay {
     runtime: tokio::runtime::Runtime,
+    /// Each listener adds to its service port's metrics (userspace mode).
+    port_metrics: bool,
     limits: Arc<Limits>,
     udp_idle_timeout: Duration,
     active: BTreeMap<Key, Active>,
@@ -183,10 +228,18 @@ impl Relay {
         });
         Ok(Relay {
             runtime,
+            port_metrics: false,
             limits,
             udp_idle_timeout: opts.udp_idle_timeout,
             active: BTreeMap::new(),
         })
+    }
+
+    /// Listeners from now on count their connections, flows, bytes and refusals in their service port's
+    /// metrics (`nftkube_userspace_relay_*`).
+    pub(crate) fn with_port_metrics(mut self) -> Relay {
+        self.port_metrics = true;
+        self
     }
 
     /// Makes the listeners exactly `frontends`. A listener that cannot be opened is reported and left out;
@@ -226,8 +279,9 @@ impl Relay {
             .collect();
         for key in scope.into_iter().filter(|k| !wanted.contains_key(k)) {
             if let Some(a) = self.active.remove(&key) {
-                a.service.update(Vec::new(), None);
+                a.service.update(Vec::new(), None, None);
                 a.task.abort();
+                self.forget_port_if_unserved(&key, &a.service);
             }
         }
         let mut errors = Vec::new();
@@ -235,7 +289,8 @@ impl Relay {
             match self.active.get_mut(&key) {
                 Some(a) if a.frontend == *f => {}
                 Some(a) => {
-                    a.service.update(f.endpoints.clone(), f.affinity);
+                    a.service
+                        .update(f.endpoints.clone(), f.affinity, f.inside.clone());
                     a.frontend = f.clone();
                 }
                 None => match self.open(f) {
@@ -249,13 +304,32 @@ impl Relay {
         errors
     }
 
+    /// Removes a service port's series once no listener of it remains (`key`'s was the last).
+    fn forget_port_if_unserved(&self, key: &Key, service: &Service) {
+        let Some(m) = &service.metrics else { return };
+        let port = service_port_of(&key.0);
+        let served = self
+            .active
+            .keys()
+            .any(|k| k.1 == key.1 && service_port_of(&k.0) == port);
+        if !served {
+            m.forget();
+        }
+    }
+
     /// Opens a listener on one of the runtime's threads (so in the relay's namespace) and starts serving it.
     fn open(&self, f: &Frontend) -> Result<Active, RelayError> {
+        let metrics = self.port_metrics.then(|| {
+            let protocol = f.protocol.as_str().to_ascii_uppercase();
+            nftkube_metrics::RelayPortMetrics::of(service_port_of(&f.service), &protocol)
+        });
         let service = Service::new(
             f.service.clone(),
             self.limits.clone(),
             f.endpoints.clone(),
             f.affinity,
+            f.inside.clone(),
+            metrics,
         );
         let listen_error = |source| RelayError::Listen {
             service: f.service.clone(),
@@ -320,6 +394,12 @@ impl Relay {
     /// Listeners open.
     pub fn listeners(&self) -> usize {
         self.active.len()
+    }
+
+    /// Listeners open on addresses of IPv4 and of IPv6.
+    pub(crate) fn listeners_by_family(&self) -> (usize, usize) {
+        let v4 = self.active.values().filter(|a| a.local.is_ipv4()).count();
+        (v4, self.active.len() - v4)
     }
 
     /// TCP connections and UDP flows being relayed.

@@ -2,6 +2,7 @@
 //! route_localnet (which opens the node's loopback to the network), so a relay listens there instead.
 
 use super::{localhost_nodeports, Relay, RelayError, RelayOptions};
+use nftkube_metrics::IpFamily as MetricsFamily;
 use nftkube_model::{Cidr, ClusterState};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -58,7 +59,20 @@ impl LocalhostNodePorts {
             .filter(|f| if f.listen.is_ipv4() { self.v4 } else { self.v6 })
             .collect();
         for e in self.relay.apply(&frontends) {
+            if let RelayError::Listen { listen, .. } = &e {
+                nftkube_metrics::localhost_nodeport_listener_failed(family(listen));
+            }
             tracing::warn!("localhost NodePort not served: {e}");
         }
+        let (v4, v6) = self.relay.listeners_by_family();
+        nftkube_metrics::set_localhost_nodeport_listeners(MetricsFamily::V4, v4);
+        nftkube_metrics::set_localhost_nodeport_listeners(MetricsFamily::V6, v6);
+    }
+}
+
+fn family(a: &std::net::SocketAddr) -> MetricsFamily {
+    match a.is_ipv4() {
+        true => MetricsFamily::V4,
+        false => MetricsFamily::V6,
     }
 }

@@ -3,6 +3,8 @@
 
 use super::balancer::Balancer;
 use super::capacity::{Admission, Capacity, Refusal};
+use super::{Inside, Insiders};
+use nftkube_metrics::{RelayPortMetrics, RelayRefusal};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -58,11 +60,28 @@ pub(crate) struct Service {
     pub name: String,
     pub(crate) limits: Arc<Limits>,
     balancer: Mutex<Balancer>,
+    /// externalTrafficPolicy Local: the balancer of the clients the policy does not apply to.
+    inside: Mutex<Option<(Insiders, Balancer)>>,
     live: Mutex<Live>,
     /// Places this service port holds under [`Limits::capacity`].
     admitted: Arc<AtomicUsize>,
     /// Bumped by every update, so a flow can tell cheaply whether its endpoint needs checking again.
     generation: AtomicU64,
+    /// Its service port's series (userspace mode; None for the localhost relay).
+    pub(crate) metrics: Option<RelayPortMetrics>,
+}
+
+/// A relayed connection or flow counted live in its service port's metrics until dropped.
+pub(crate) struct LiveCount {
+    metrics: Option<RelayPortMetrics>,
+}
+
+impl Drop for LiveCount {
+    fn drop(&mut self) {
+        if let Some(m) = &self.metrics {
+            m.active.dec();
+        }
+    }
 }
 
 /// Live connections (or UDP flows): id → (endpoint, a sender whose drop tells the connection to close).
@@ -84,6 +103,12 @@ impl Drop for Registration {
     }
 }
 
+fn inside_balancer(inside: Inside, affinity: Option<Duration>) -> (Insiders, Balancer) {
+    let mut b = Balancer::new(affinity);
+    b.set_endpoints(inside.endpoints);
+    (inside.clients, b)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -94,6 +119,8 @@ impl Service {
         limits: Arc<Limits>,
         endpoints: Vec<SocketAddr>,
         affinity: Option<Duration>,
+        inside: Option<Inside>,
+        metrics: Option<RelayPortMetrics>,
     ) -> Arc<Service> {
         let mut balancer = Balancer::new(affinity);
         balancer.set_endpoints(endpoints);
@@ -101,9 +128,11 @@ impl Service {
             name,
             limits,
             balancer: Mutex::new(balancer),
+            inside: Mutex::new(inside.map(|i| inside_balancer(i, affinity))),
             live: Mutex::new(Live::default()),
             admitted: Arc::default(),
             generation: AtomicU64::new(0),
+            metrics,
         })
     }
 
@@ -121,28 +150,95 @@ impl Service {
                 Refusal::Service => &stats.refused_service_limit,
                 Refusal::Source => &stats.refused_source_limit,
             });
+            self.refused(match refusal {
+                Refusal::Total => RelayRefusal::TotalLimit,
+                Refusal::Service => RelayRefusal::ServiceLimit,
+                Refusal::Source => RelayRefusal::SourceLimit,
+            });
         }
         admitted
     }
 
-    /// The endpoint for a new connection from `client` (see [`Balancer::pick`]).
+    /// Counts a refusal in the service port's metrics.
+    pub(crate) fn refused(&self, why: RelayRefusal) {
+        if let Some(m) = &self.metrics {
+            m.refused(why);
+        }
+    }
+
+    /// Counts a connection or flow relayed from now on; it is live until the returned value drops.
+    pub(crate) fn opened(&self) -> LiveCount {
+        if let Some(m) = &self.metrics {
+            m.connections.inc();
+            m.active.inc();
+        }
+        LiveCount {
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Counts bytes from a client (`from_client`) or to one.
+    pub(crate) fn moved(&self, from_client: bool, bytes: usize) {
+        if let Some(m) = &self.metrics {
+            let c = match from_client {
+                true => &m.bytes_from_client,
+                false => &m.bytes_to_client,
+            };
+            c.inc_by(bytes as u64);
+        }
+    }
+
+    /// The endpoint for a new connection from `client` (see [`Balancer::pick`]): among every endpoint for
+    /// this node and its pods under externalTrafficPolicy Local, else among the frontend's own.
     pub(crate) fn pick(&self, client: IpAddr, reset: bool) -> Option<SocketAddr> {
-        lock(&self.balancer).pick(client, reset, Instant::now())
+        let now = Instant::now();
+        if let Some((insiders, b)) = lock(&self.inside).as_mut() {
+            if insiders.contain(client) {
+                return b.pick(client, reset, now);
+            }
+        }
+        lock(&self.balancer).pick(client, reset, now)
+    }
+
+    /// Whether `endpoint` is one that some client of this listener may be relayed to.
+    fn serves(&self, endpoint: &SocketAddr) -> bool {
+        lock(&self.balancer).endpoints().contains(endpoint)
+            || lock(&self.inside)
+                .as_ref()
+                .is_some_and(|(_, b)| b.endpoints().contains(endpoint))
     }
 
     /// New endpoints and affinity. Connections and flows to endpoints that remain are untouched; those to
     /// removed endpoints are told to close. Returns how many were.
-    pub(crate) fn update(&self, endpoints: Vec<SocketAddr>, affinity: Option<Duration>) -> usize {
+    pub(crate) fn update(
+        &self,
+        endpoints: Vec<SocketAddr>,
+        affinity: Option<Duration>,
+        inside: Option<Inside>,
+    ) -> usize {
         {
             let mut b = lock(&self.balancer);
             b.set_affinity(affinity);
-            b.set_endpoints(endpoints.clone());
+            b.set_endpoints(endpoints);
+            let mut kept = lock(&self.inside);
+            match (kept.as_mut(), inside) {
+                (Some((insiders, b)), Some(new)) => {
+                    *insiders = new.clients;
+                    b.set_affinity(affinity);
+                    b.set_endpoints(new.endpoints);
+                }
+                (_, new) => *kept = new.map(|i| inside_balancer(i, affinity)),
+            }
             self.generation.fetch_add(1, Ordering::Release);
+        }
+        let mut serving: Vec<SocketAddr> = lock(&self.balancer).endpoints().to_vec();
+        if let Some((_, b)) = lock(&self.inside).as_ref() {
+            serving.extend_from_slice(b.endpoints());
         }
         let mut live = self.live();
         let before = live.by_id.len();
         // Dropping the sender wakes the connection's task, which closes both sides.
-        live.by_id.retain(|_, (ep, _)| endpoints.contains(ep));
+        live.by_id.retain(|_, (ep, _)| serving.contains(ep));
         let closed = before - live.by_id.len();
         for _ in 0..closed {
             Stats::bump(&self.limits.stats.closed_by_endpoint_removal);
@@ -157,7 +253,7 @@ impl Service {
         endpoint: SocketAddr,
     ) -> (Registration, oneshot::Receiver<()>) {
         let (tx, rx) = oneshot::channel();
-        let still_there = lock(&self.balancer).endpoints().contains(&endpoint);
+        let still_there = self.serves(&endpoint);
         let mut live = self.live();
         let id = live.next_id;
         live.next_id += 1;
@@ -182,7 +278,7 @@ impl Service {
         if checked.load(Ordering::Relaxed) == now {
             return true;
         }
-        let valid = lock(&self.balancer).endpoints().contains(&endpoint);
+        let valid = self.serves(&endpoint);
         if valid {
             checked.store(now, Ordering::Relaxed);
         }

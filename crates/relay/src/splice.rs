@@ -77,7 +77,12 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
 /// Copies `from` → `to` until `from` reaches end of stream (everything before its FIN delivered); then shuts
 /// down `to`'s sending side (half-close propagated). An error ends the direction (the caller tears the
 /// connection down). Every move of bytes (and the FIN) marks `activity`.
-pub(crate) async fn pump(from: &TcpStream, to: &TcpStream, activity: &Activity) -> io::Result<()> {
+pub(crate) async fn pump(
+    from: &TcpStream,
+    to: &TcpStream,
+    activity: &Activity,
+    count: impl Fn(usize),
+) -> io::Result<()> {
     let mut spliceable = true;
     loop {
         from.readable().await?;
@@ -93,8 +98,9 @@ pub(crate) async fn pump(from: &TcpStream, to: &TcpStream, activity: &Activity) 
         } else {
             copy_once(from, to).await?
         };
-        if moved.is_some() {
+        if let Some(n) = moved {
             activity.touch();
+            count(n);
         }
         if moved == Some(0) {
             shutdown_write(to);

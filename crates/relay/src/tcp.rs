@@ -5,6 +5,7 @@ use super::idle::Activity;
 use super::service::{Service, Stats};
 use super::splice::{pump, reset_on_close};
 use futures::future;
+use nftkube_metrics::RelayRefusal;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -80,6 +81,7 @@ fn admit(client: TcpStream, peer: SocketAddr, svc: &Arc<Service>) {
 
 /// One client connection, start to end.
 async fn relay_connection(client: TcpStream, peer: SocketAddr, svc: &Arc<Service>) {
+    let _live = svc.opened();
     let Some((upstream, endpoint)) = dial(svc, peer).await else {
         // No endpoint could be reached: the client sees a reset, as it would from a closed port.
         reset_on_close(&client);
@@ -90,7 +92,7 @@ async fn relay_connection(client: TcpStream, peer: SocketAddr, svc: &Arc<Service
     let (_registration, removed) = svc.register(endpoint);
     let activity = Activity::new();
     let outcome = tokio::select! {
-        r = future::try_join(pump(&client, &upstream, &activity), pump(&upstream, &client, &activity)) => match r {
+        r = future::try_join(pump(&client, &upstream, &activity, |n| svc.moved(true, n)), pump(&upstream, &client, &activity, |n| svc.moved(false, n))) => match r {
             Ok(_) => Ok(()), // both sides sent FIN: close normally
             Err(e) => Err(format!("connection broken: {e}")),
         },
@@ -114,6 +116,7 @@ async fn dial(svc: &Service, peer: SocketAddr) -> Option<(TcpStream, SocketAddr)
     for timeout in &svc.limits.dial_timeouts {
         let Some(endpoint) = svc.pick(peer.ip(), reset) else {
             tracing::debug!(service = %svc.name, %peer, "no endpoint: refusing the connection");
+            svc.refused(RelayRefusal::NoEndpoint);
             return None;
         };
         match tokio::time::timeout(*timeout, TcpStream::connect(endpoint)).await {
@@ -137,5 +140,6 @@ async fn dial(svc: &Service, peer: SocketAddr) -> Option<(TcpStream, SocketAddr)
         reset = true;
     }
     tracing::warn!(service = %svc.name, %peer, "no endpoint answered after {} attempts", svc.limits.dial_timeouts.len());
+    svc.refused(RelayRefusal::DialFailed);
     None
 }

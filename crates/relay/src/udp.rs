@@ -6,10 +6,11 @@
 //! the new endpoints; a live flow keeps its endpoint until it idles out, unless that endpoint was removed.
 
 use super::capacity::Admission;
-use super::service::{Registration, Service, Stats};
+use super::service::{LiveCount, Registration, Service, Stats};
 use super::socket::{next_datagram_len, recv_with_destination, send_from, udp_connected};
 use super::tcp::fd_exhausted;
 use futures::future::{self, Either};
+use nftkube_metrics::RelayRefusal;
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -69,8 +70,11 @@ pub(crate) async fn serve(listener: UdpSocket, svc: Arc<Service>, idle_timeout: 
             },
         };
         // Straight to the socket: tokio's try_send would refuse until the new socket was first seen writable.
-        if let Err(e) = send_from(flow.upstream.as_raw_fd(), &buf[..n], None, None) {
-            tracing::debug!(service = %svc.name, %client, error = %e, "udp send to the endpoint failed; datagram dropped");
+        match send_from(flow.upstream.as_raw_fd(), &buf[..n], None, None) {
+            Ok(_) => svc.moved(true, n),
+            Err(e) => {
+                tracing::debug!(service = %svc.name, %client, error = %e, "udp send to the endpoint failed; datagram dropped")
+            }
         }
     }
 }
@@ -117,7 +121,10 @@ fn open_flow(
     };
     // Read before the pick: an update between the two makes the flow check its endpoint again.
     let generation = svc.generation();
-    let endpoint = svc.pick(client.ip(), false)?;
+    let Some(endpoint) = svc.pick(client.ip(), false) else {
+        svc.refused(RelayRefusal::NoEndpoint);
+        return None;
+    };
     let upstream = match udp_connected(endpoint).and_then(UdpSocket::from_std) {
         Ok(s) => s,
         Err(e) => {
@@ -138,7 +145,9 @@ fn open_flow(
     });
     lock(flows).insert(client, flow.clone());
     let (registration, removed) = svc.register(endpoint);
+    let live = svc.opened();
     let replies = Replies {
+        svc: svc.clone(),
         flow: flow.clone(),
         flows: flows.clone(),
         listener: listener.clone(),
@@ -148,7 +157,7 @@ fn open_flow(
         epoch,
     };
     tokio::spawn(async move {
-        let _hold: (Registration, Admission) = (registration, admission);
+        let _hold: (Registration, Admission, LiveCount) = (registration, admission, live);
         let carry = std::pin::pin!(replies.carry());
         if let Either::Right(_) = future::select(carry, removed).await {
             tracing::debug!(%client, %endpoint, "endpoint removed: udp flow closed");
@@ -159,6 +168,7 @@ fn open_flow(
 
 /// Carries one flow's replies back to its client.
 struct Replies {
+    svc: Arc<Service>,
     flow: Arc<Flow>,
     flows: Flows,
     listener: Arc<UdpSocket>,
@@ -240,8 +250,11 @@ impl Replies {
                     Some(self.client),
                     self.local,
                 );
-                if let Err(e) = sent {
-                    tracing::debug!(client = %self.client, error = %e, "udp reply dropped");
+                match sent {
+                    Ok(_) => self.svc.moved(false, data.len()),
+                    Err(e) => {
+                        tracing::debug!(client = %self.client, error = %e, "udp reply dropped")
+                    }
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}

@@ -1,16 +1,18 @@
-//! `--proxy-mode userspace`: every TCP and UDP service port is relayed in user space. The relay listens on an
-//! ephemeral port per service port and family (on every address), and nf_tables redirects the service's
-//! ClusterIPs, external IPs and LoadBalancer IPs to it through one map (`render::userspace`), and drops what
-//! reaches those ports without a redirect. NodePorts are listened on directly, on the addresses
-//! `--nodeport-addresses` selects.
+//! `--proxy-mode userspace`: every TCP and UDP service port is relayed in user space. The relay listens on
+//! ephemeral ports per service port and family (on every address): one for its ClusterIPs, one for its
+//! external and LoadBalancer IPs, each with the endpoints its traffic policy chooses; nf_tables redirects
+//! the service's addresses to them through one map (`render::userspace`), applies the policies' drops and
+//! loadBalancerSourceRanges, and drops what reaches those ports without a redirect. NodePorts are listened on
+//! directly, on the addresses `--nodeport-addresses` selects.
 
-use super::{Frontend, Relay, RelayError, RelayOptions};
+use super::{Frontend, Inside, Insiders, Relay, RelayError, RelayOptions};
 use nftkube_model::{
-    ClusterState, Endpoint, IpFamily, NamespacedName, NodePortAddresses, Protocol, ServicePort,
-    ServicePortName,
+    ClusterState, DetectLocal, Endpoint, IpFamily, NamespacedName, NodePortAddresses, Protocol,
+    ServicePort, ServicePortName, TrafficPolicy,
 };
 use nftkube_nft::Backend;
-use nftkube_render::{self as render, usable_endpoints, Piece};
+use nftkube_render::userspace::{Choice, RelayPorts};
+use nftkube_render::{self as render, Piece, RenderConfig};
 use nftkube_sync::{SyncEngine, SyncError, SyncReport};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -20,8 +22,9 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct UserspaceProxy {
     relay: Relay,
-    /// The NodePort addresses the listeners were last made for: a change rebuilds every listener.
-    nodeport: Option<NodePortAddresses>,
+    /// The configuration the listeners were last made for (NodePort addresses, node name, pod ranges): a
+    /// change rebuilds every listener.
+    cfg: Option<RenderConfig>,
     /// SCTP service ports, refused: the relay carries TCP and UDP (their frontends are rejected, so a client
     /// is told at once rather than left waiting).
     sctp_refused: BTreeSet<ServicePortName>,
@@ -54,38 +57,72 @@ fn node_port_ips(nodeport: &NodePortAddresses, f: IpFamily) -> Vec<IpAddr> {
     }
 }
 
-/// The listeners one service port needs: per family it has addresses in, one redirect target on an
-/// ephemeral port, and its NodePort on each NodePort address.
-fn frontends_of(
-    svc: &ServicePort,
-    endpoints: &[Endpoint],
-    nodeport: &NodePortAddresses,
-) -> Vec<Frontend> {
+/// A listener's endpoint addresses.
+fn addresses(eps: &[Endpoint]) -> Vec<SocketAddr> {
+    eps.iter().map(|e| SocketAddr::new(e.ip, e.port)).collect()
+}
+
+/// The relay's name for a service port's listener of its external and LoadBalancer IPs.
+fn external_name(svc: &ServicePort) -> String {
+    format!("{} (external)", svc.name)
+}
+
+/// The clients an externalTrafficPolicy Local does not hold to this node's endpoints: the node and its pods,
+/// by address (the pod ranges of a CIDR detector; an interface detector tells nothing to the relay).
+fn insiders(cfg: &RenderConfig) -> Insiders {
+    let pod_cidrs = match cfg.local_detector {
+        DetectLocal::ClusterCidr | DetectLocal::NodeCidr => cfg.cluster_cidrs.clone(),
+        _ => Vec::new(),
+    };
+    Insiders {
+        pod_cidrs,
+        node_ips: cfg.node_ips.clone(),
+    }
+}
+
+/// The listeners one service port needs, per family it has addresses in: a redirect target for its
+/// ClusterIPs (internalTrafficPolicy's endpoints), one for its external and LoadBalancer IPs and the NodePort
+/// on each NodePort address (externalTrafficPolicy's, every endpoint for the node and its pods).
+fn frontends_of(svc: &ServicePort, endpoints: &[Endpoint], cfg: &RenderConfig) -> Vec<Frontend> {
     if svc.protocol == Protocol::Sctp {
         return Vec::new();
     }
     let mut out = Vec::new();
     for f in [IpFamily::V4, IpFamily::V6] {
-        let eps: Vec<SocketAddr> = usable_endpoints(endpoints, f)
-            .iter()
-            .map(|e| SocketAddr::new(e.ip, e.port))
-            .collect();
-        let frontend = |service: String, listen| Frontend {
-            service,
-            protocol: svc.protocol,
-            listen,
-            endpoints: eps.clone(),
-            affinity: svc
-                .session_affinity_timeout
-                .map(|s| Duration::from_secs(s.into())),
-        };
-        if !render::userspace::frontend_ips(svc, f).is_empty() {
-            out.push(frontend(svc.name.to_string(), any(f, 0)));
+        let choice = Choice::of(endpoints, f, cfg);
+        let inside = (svc.external_traffic_policy == TrafficPolicy::Local).then(|| Inside {
+            endpoints: addresses(&choice.all),
+            clients: insiders(cfg),
+        });
+        let frontend =
+            |service: String, listen, eps: &[Endpoint], inside: Option<Inside>| Frontend {
+                service,
+                protocol: svc.protocol,
+                listen,
+                endpoints: addresses(eps),
+                affinity: svc
+                    .session_affinity_timeout
+                    .map(|s| Duration::from_secs(s.into())),
+                inside,
+            };
+        let has_cluster_ip = !render::userspace::cluster_ips(svc, f).is_empty();
+        if has_cluster_ip {
+            out.push(frontend(
+                svc.name.to_string(),
+                any(f, 0),
+                choice.internal(svc),
+                None,
+            ));
         }
-        let has_family = svc.cluster_ips.iter().any(|ip| IpFamily::of(ip) == f);
-        if let Some(np) = svc.node_port.filter(|_| has_family) {
-            for ip in node_port_ips(nodeport, f) {
-                out.push(frontend(node_port_name(svc), SocketAddr::new(ip, np)));
+        if !render::userspace::external_ips(svc, f, cfg).is_empty() {
+            let eps = choice.external(svc);
+            out.push(frontend(external_name(svc), any(f, 0), eps, inside.clone()));
+        }
+        if let Some(np) = svc.node_port.filter(|_| has_cluster_ip) {
+            for ip in node_port_ips(&cfg.nodeport_addresses, f) {
+                let listen = SocketAddr::new(ip, np);
+                let eps = choice.external(svc);
+                out.push(frontend(node_port_name(svc), listen, eps, inside.clone()));
             }
         }
     }
@@ -96,13 +133,13 @@ fn frontends_of(
 fn service_frontends(
     state: &ClusterState,
     name: &NamespacedName,
-    nodeport: &NodePortAddresses,
+    cfg: &RenderConfig,
 ) -> Vec<Frontend> {
     let endpoints = state.service_endpoints(name);
     let mut out = Vec::new();
     for sp in state.service_ports(name) {
         let eps = endpoints.get(&sp.name).map(Vec::as_slice).unwrap_or(&[]);
-        out.extend(frontends_of(sp, eps, nodeport));
+        out.extend(frontends_of(sp, eps, cfg));
     }
     out
 }
@@ -112,8 +149,8 @@ impl UserspaceProxy {
     pub fn start(opts: &RelayOptions) -> Result<UserspaceProxy, RelayError> {
         tracing::info!("userspace mode: services are relayed in user space");
         Ok(UserspaceProxy {
-            relay: Relay::start(opts)?,
-            nodeport: None,
+            relay: Relay::start(opts)?.with_port_metrics(),
+            cfg: None,
             sctp_refused: BTreeSet::new(),
         })
     }
@@ -125,15 +162,15 @@ impl UserspaceProxy {
         engine: &mut SyncEngine<B>,
         state: &ClusterState,
         changed: &BTreeSet<NamespacedName>,
-        nodeport: &NodePortAddresses,
+        cfg: &RenderConfig,
     ) -> Result<SyncReport, SyncError> {
         let full = engine.needs_full_sync();
-        if full || self.nodeport.as_ref() != Some(nodeport) {
-            self.apply_listeners(state, nodeport);
-            self.nodeport = Some(nodeport.clone());
+        if full || self.cfg.as_ref() != Some(cfg) {
+            self.apply_listeners(state, cfg);
+            self.cfg = Some(cfg.clone());
         } else {
             for name in changed {
-                self.apply_service_listeners(state, name, nodeport);
+                self.apply_service_listeners(state, name, cfg);
             }
         }
         let looked_at: Vec<NamespacedName> = match full {
@@ -146,17 +183,23 @@ impl UserspaceProxy {
             for name in state.service_names() {
                 let endpoints = state.service_endpoints(&name);
                 for sp in state.service_ports(&name) {
-                    pieces.insert(sp.name.clone(), self.pieces(sp, endpoints.get(&sp.name)));
+                    pieces.insert(
+                        sp.name.clone(),
+                        self.pieces(sp, endpoints.get(&sp.name), cfg),
+                    );
                 }
             }
-            return engine.sync_full(render::userspace::skeleton(), pieces);
+            return engine.sync_full(render::userspace::skeleton_for(cfg), pieces);
         }
         let mut updates = Vec::new();
         for name in changed {
             let current = state.service_ports(name);
             let endpoints = state.service_endpoints(name);
             for sp in &current {
-                updates.push((sp.name.clone(), self.pieces(sp, endpoints.get(&sp.name))));
+                updates.push((
+                    sp.name.clone(),
+                    self.pieces(sp, endpoints.get(&sp.name), cfg),
+                ));
             }
             for old in engine.committed_ports(name) {
                 if !current.iter().any(|sp| sp.name == old) {
@@ -168,10 +211,10 @@ impl UserspaceProxy {
     }
 
     /// Every listener follows the model (a full sync, or new NodePort addresses).
-    fn apply_listeners(&mut self, state: &ClusterState, nodeport: &NodePortAddresses) {
+    fn apply_listeners(&mut self, state: &ClusterState, cfg: &RenderConfig) {
         let mut frontends = Vec::new();
         for name in state.service_names() {
-            frontends.extend(service_frontends(state, &name, nodeport));
+            frontends.extend(service_frontends(state, &name, cfg));
         }
         for e in self.relay.apply(&frontends) {
             tracing::warn!("not relayed: {e}");
@@ -184,9 +227,9 @@ impl UserspaceProxy {
         &mut self,
         state: &ClusterState,
         name: &NamespacedName,
-        nodeport: &NodePortAddresses,
+        cfg: &RenderConfig,
     ) {
-        let frontends = service_frontends(state, name, nodeport);
+        let frontends = service_frontends(state, name, cfg);
         for e in self.relay.apply_service(&name.to_string(), &frontends) {
             tracing::warn!("not relayed: {e}");
         }
@@ -214,28 +257,30 @@ impl UserspaceProxy {
         nftkube_metrics::USERSPACE_SCTP_REFUSED.set(self.sctp_refused.len() as u64);
     }
 
-    /// The nf_tables elements of a service port, per family: with endpoints, redirects to its listener and
-    /// that listener's port among those that answer redirected traffic only; without, or for SCTP (which the
-    /// relay does not carry), rejects.
-    fn pieces(&self, sp: &ServicePort, endpoints: Option<&Vec<Endpoint>>) -> Vec<Piece> {
-        if sp.protocol == Protocol::Sctp {
-            return [IpFamily::V4, IpFamily::V6]
-                .into_iter()
-                .flat_map(|f| render::userspace::no_endpoint_pieces(sp, f))
-                .collect();
-        }
+    /// The nf_tables elements of a service port, per family: redirects to its listeners, the drops of its
+    /// Local policies and its loadBalancerSourceRanges (see `render::userspace::service_pieces`).
+    fn pieces(
+        &self,
+        sp: &ServicePort,
+        endpoints: Option<&Vec<Endpoint>>,
+        cfg: &RenderConfig,
+    ) -> Vec<Piece> {
         let endpoints = endpoints.map(Vec::as_slice).unwrap_or(&[]);
         let mut out = Vec::new();
         for f in [IpFamily::V4, IpFamily::V6] {
-            if usable_endpoints(endpoints, f).is_empty() {
-                out.extend(render::userspace::no_endpoint_pieces(sp, f));
-                continue;
-            }
-            let name = sp.name.to_string();
-            if let Some(local) = self.relay.local_addr(&name, sp.protocol, any(f, 0)) {
-                out.extend(render::userspace::relay_pieces(sp, f, local.port()));
-                out.push(render::userspace::listener_piece(sp, f, local.port()));
-            }
+            let choice = Choice::of(endpoints, f, cfg);
+            let port = |name: String| {
+                self.relay
+                    .local_addr(&name, sp.protocol, any(f, 0))
+                    .map(|a| a.port())
+            };
+            let ports = RelayPorts {
+                cluster: port(sp.name.to_string()),
+                external: port(external_name(sp)),
+            };
+            out.extend(render::userspace::service_pieces(
+                sp, f, &choice, ports, cfg,
+            ));
         }
         out
     }
