@@ -15,9 +15,10 @@
 //! addresses nobody has). Measured from the client: the time `connect()` takes (SYN out, SYN-ACK back: the
 //! first packet through DNAT and the filter hooks, and its answer) to the first service's ClusterIP, to the
 //! last one's, and to the first endpoint's address directly (a packet no service matches; without rules, the
-//! floor). Rounds interleave every path of every sandbox (the order rotated each round); the node's conntrack
-//! table is flushed (ctnetlink) before every connection. Reported: the added cost over the floor, median and
-//! 99th percentile (each path's minus the floor's).
+//! floor). Rounds interleave every path of every sandbox (one connection each, in a new random order each
+//! round); every connection is new to conntrack (a fresh source port), and each node's table is emptied
+//! (ctnetlink) every 10 rounds. Reported: the added cost over the floor, median and 99th percentile (each
+//! path's minus the floor's).
 //!
 //! Run as root: `cargo bench --bench first_packet -- SERVICES [--endpoints E,..] [--rounds N]
 //! [--anchor-timeout SECONDS] [--anchors-max-services N] [--nft NAME=FILE]...`, e.g.
@@ -47,6 +48,9 @@ const ENDPOINT_PORT: u16 = 8080;
 const CLUSTER_CIDR: &str = "10.240.0.0/12";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const WARMUP: usize = 20;
+/// Rounds between two flushes of every node's conntrack table (a flush takes ~0.1 s here, whatever the
+/// table holds). Every connection is new to conntrack anyway (a fresh source port).
+const FLUSH_EVERY: usize = 10;
 
 struct Args {
     services: Vec<usize>,
@@ -408,29 +412,48 @@ fn destination(t: Target, services: usize) -> SocketAddr {
     }
 }
 
-/// Empties the node's conntrack table.
-fn flush_conntrack(ns: &NetNs) {
-    ns.run(|| {
-        let mut ct = CtSocket::open().expect("ctnetlink socket");
-        let entries = ct.list_all().expect("conntrack dump");
-        let out = ct.delete(&entries).expect("conntrack delete");
-        assert!(out.errors.is_empty(), "conntrack delete: {:?}", out.errors);
-    })
-    .unwrap();
+/// Empties the node's conntrack table, through a socket opened in the node once (a socket stays in the
+/// namespace it was opened in).
+fn flush_conntrack(ct: &mut CtSocket) {
+    let entries = ct.list_all().expect("conntrack dump");
+    let out = ct.delete(&entries).expect("conntrack delete");
+    assert!(out.errors.is_empty(), "conntrack delete: {:?}", out.errors);
 }
 
-/// One connect() from the client, timed; the connection is closed at once.
-fn connect_time(client: &NetNs, dst: SocketAddr) -> Duration {
-    client
-        .run(move || {
-            let start = Instant::now();
-            let s = TcpStream::connect_timeout(&dst, CONNECT_TIMEOUT)
-                .unwrap_or_else(|e| panic!("connect to {dst}: {e}"));
-            let took = start.elapsed();
-            drop(s);
-            took
-        })
-        .unwrap()
+/// A thread in the client's namespace that times one connect() per destination it is sent, closing each
+/// connection at once; it ends when the prober is dropped.
+struct Prober {
+    ask: std::sync::mpsc::Sender<SocketAddr>,
+    answer: std::sync::mpsc::Receiver<Duration>,
+}
+
+impl Prober {
+    fn new(client: &NetNs) -> Prober {
+        let (ask, asked) = std::sync::mpsc::channel::<SocketAddr>();
+        let (answered, answer) = std::sync::mpsc::channel();
+        client
+            .spawn(move || {
+                for dst in asked {
+                    let start = Instant::now();
+                    let s = TcpStream::connect_timeout(&dst, CONNECT_TIMEOUT)
+                        .unwrap_or_else(|e| panic!("connect to {dst}: {e}"));
+                    let took = start.elapsed();
+                    drop(s);
+                    if answered.send(took).is_err() {
+                        break;
+                    }
+                }
+            })
+            .unwrap();
+        Prober { ask, answer }
+    }
+
+    fn connect_time(&self, dst: SocketAddr) -> Duration {
+        self.ask.send(dst).unwrap();
+        self.answer
+            .recv()
+            .expect("the prober ended (a connect failed)")
+    }
 }
 
 /// Each node's paths: the ClusterIPs mean nothing without rules.
@@ -444,24 +467,53 @@ fn targets(mode: &Mode) -> &'static [Target] {
 
 /// Samples per (node, target), in the nodes' order.
 fn measure(nodes: &[Node], services: usize, rounds: usize) -> Vec<Vec<Vec<Duration>>> {
+    let mut sockets: Vec<CtSocket> = nodes
+        .iter()
+        .map(|n| {
+            n.sandbox
+                .node()
+                .run(|| CtSocket::open().expect("ctnetlink socket"))
+                .unwrap()
+        })
+        .collect();
+    let probers: Vec<Prober> = nodes
+        .iter()
+        .map(|n| Prober::new(n.sandbox.client()))
+        .collect();
     let mut samples: Vec<Vec<Vec<Duration>>> = nodes
         .iter()
         .map(|n| vec![Vec::new(); targets(&n.mode).len()])
         .collect();
+    let mut points: Vec<(usize, usize)> = nodes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, n)| (0..targets(&n.mode).len()).map(move |t| (i, t)))
+        .collect();
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
     for round in 0..WARMUP + rounds {
-        for k in 0..nodes.len() {
-            let i = (k + round) % nodes.len();
-            let node = &nodes[i];
-            for (t, &target) in targets(&node.mode).iter().enumerate() {
-                flush_conntrack(node.sandbox.node());
-                let took = connect_time(node.sandbox.client(), destination(target, services));
-                if round >= WARMUP {
-                    samples[i][t].push(took);
-                }
+        if round % FLUSH_EVERY == 0 {
+            sockets.iter_mut().for_each(flush_conntrack);
+        }
+        shuffle(&mut points, &mut rng);
+        for &(i, t) in &points {
+            let target = targets(&nodes[i].mode)[t];
+            let took = probers[i].connect_time(destination(target, services));
+            if round >= WARMUP {
+                samples[i][t].push(took);
             }
         }
     }
     samples
+}
+
+/// A new order each round (xorshift, Fisher-Yates): no path always follows the same one, or comes first.
+fn shuffle<T>(v: &mut [T], state: &mut u64) {
+    for k in (1..v.len()).rev() {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        v.swap(k, (*state % (k as u64 + 1)) as usize);
+    }
 }
 
 fn percentile(v: &[Duration], p: f64) -> f64 {
