@@ -12,7 +12,9 @@
 //! as upstream's do); no upstream code is copied. The addresses are the bench model's, all private and used
 //! only inside throw-away network namespaces:
 //! - ClusterIPs in 10.96.0.0/12: service i gets 10.96.0.0 + 1 + i;
-//! - endpoints in 10.240.0.0/13: endpoint j of service i gets 10.240.0.0 + 1 + 8i + j;
+//! - endpoints in 10.240.0.0/13: endpoint j of service i gets 10.240.0.0 + 1 + (si + j) mod (2^19 - 2), with a
+//!   stride s = max(8, E + 1) (8i + j up to 7 endpoints); distinct within a service, and shared between services
+//!   only where the plan overflows the /13 (e.g. 10 000 services × 100), which no rule shape depends on;
 //! - cluster CIDR 10.240.0.0/12 (upstream's local-traffic detector; the bench's client is in 10.250.0.0/24).
 
 use serde::ser::{Serialize, SerializeMap, Serializer};
@@ -44,7 +46,8 @@ const CLUSTER_CIDR: &str = "10.240.0.0/12";
 const SERVICE_CIDR: &str = "10.96.0.0/12";
 const CLUSTER_IP_BASE: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 0);
 const ENDPOINT_BASE: Ipv4Addr = Ipv4Addr::new(10, 240, 0, 0);
-/// Endpoint addresses reserved per service, so that one service's endpoints never run into the next's.
+/// Endpoint addresses reserved per service (at least; more for services of more endpoints), so that one
+/// service's endpoints never run into the next's while the plan fits the range.
 const ENDPOINT_STRIDE: usize = 8;
 /// Addresses in the endpoint range (a /13) and the ClusterIP range (a /12).
 const ENDPOINT_ADDRESSES: usize = 1 << 19;
@@ -64,10 +67,11 @@ pub(crate) struct Anchors {
 /// The anchors for `services` services of `endpoints_per_service` endpoints each.
 pub(crate) fn generate(services: usize, endpoints_per_service: usize) -> Anchors {
     check_address_plan(services, endpoints_per_service);
+    let stride = ENDPOINT_STRIDE.max(endpoints_per_service + 1);
     let before: Vec<Service> = (0..services)
-        .map(|i| Service::new(i, endpoints_per_service))
+        .map(|i| Service::new(i, endpoints_per_service, stride))
         .collect();
-    let after = with_endpoint_added_to_last(&before);
+    let after = with_endpoint_added_to_last(&before, stride);
     let changed = after.last().expect("anchors: at least one service");
     let partial = IptSync::Partial {
         changed: changed.index,
@@ -95,21 +99,21 @@ pub(crate) fn generate(services: usize, endpoints_per_service: usize) -> Anchors
 fn check_address_plan(services: usize, endpoints_per_service: usize) {
     assert!(services > 0, "anchors: at least one service");
     assert!(
-        (1..ENDPOINT_STRIDE).contains(&endpoints_per_service),
+        (1..ENDPOINT_ADDRESSES - 2).contains(&endpoints_per_service),
         "anchors: 1 to {} endpoints per service (the change adds one)",
-        ENDPOINT_STRIDE - 1
+        ENDPOINT_ADDRESSES - 3
     );
     assert!(
-        services * ENDPOINT_STRIDE < ENDPOINT_ADDRESSES && services < CLUSTER_IP_ADDRESSES - 2,
+        services < CLUSTER_IP_ADDRESSES - 2,
         "anchors: {services} services do not fit the address plan"
     );
 }
 
 /// The incremental change the partial syncs carry: one endpoint added to the last service.
-fn with_endpoint_added_to_last(services: &[Service]) -> Vec<Service> {
+fn with_endpoint_added_to_last(services: &[Service], stride: usize) -> Vec<Service> {
     let mut after = services.to_vec();
     if let Some(last) = after.last_mut() {
-        *last = Service::new(last.index, last.endpoints.len() + 1);
+        *last = Service::new(last.index, last.endpoints.len() + 1, stride);
     }
     after
 }
@@ -141,9 +145,12 @@ struct Service {
 }
 
 impl Service {
-    fn new(index: usize, endpoint_count: usize) -> Service {
-        let first = offset(ENDPOINT_BASE, 1 + ENDPOINT_STRIDE * index);
-        let endpoints = (0..endpoint_count).map(|j| offset(first, j)).collect();
+    fn new(index: usize, endpoint_count: usize, stride: usize) -> Service {
+        // The range's first and last addresses are left out, as a subnet's would be.
+        let usable = ENDPOINT_ADDRESSES - 2;
+        let endpoints = (0..endpoint_count)
+            .map(|j| offset(ENDPOINT_BASE, 1 + (stride * index + j) % usable))
+            .collect();
         Service { index, endpoints }
     }
 
