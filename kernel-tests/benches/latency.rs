@@ -290,9 +290,17 @@ impl Agent {
             .expect("starting the agent");
         let (tx, synced) = std::sync::mpsc::channel();
         let stderr = child.stderr.take().unwrap();
+        let spawned = Instant::now();
         std::thread::spawn(move || {
+            let mut first = true;
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                // Where the time to the first sync went: each list's end, the snapshot, the sync itself.
+                if first && FIRST_SYNC_MILESTONES.iter().any(|m| line.contains(m)) {
+                    let at = spawned.elapsed().as_secs_f64();
+                    eprintln!("    agent +{at:.3} s: {}", milestone(&line));
+                }
                 if line.contains("sync complete") {
+                    first = false;
                     let _ = tx.send(Instant::now());
                 }
                 if line.contains("ERROR") {
@@ -324,6 +332,18 @@ impl Agent {
             .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
             .unwrap_or_else(|| panic!("no {field} in /proc status"))
     }
+}
+
+/// The agent's log lines that mark a phase of its first sync.
+const FIRST_SYNC_MILESTONES: [&str; 3] =
+    ["initial list complete", "source synced", "sync complete"];
+
+/// A log line from its message on (the timestamp and level before it say nothing here).
+fn milestone(line: &str) -> &str {
+    FIRST_SYNC_MILESTONES
+        .iter()
+        .find_map(|m| line.find(m))
+        .map_or(line, |i| &line[i..])
 }
 
 impl Drop for Agent {
@@ -479,7 +499,44 @@ fn binary_cold_in(bin: &Path, ns: &NetNs, source: Source) -> (Duration, u64) {
     let start = Instant::now();
     let agent = Agent::start(bin, ns, source, COLD_CLUSTER_CIDR);
     let at = agent.first_sync(Duration::from_secs(600));
+    eprintln!(
+        "    agent CPU by thread to the first sync: {}",
+        thread_cpu(agent.child.id())
+    );
     (at - start, agent.status("VmHWM"))
+}
+
+/// CPU time (user + system) of each of a process's threads, by name: on a shared machine, what the agent did
+/// moves less from run to run than the wall time it took.
+fn thread_cpu(pid: u32) -> String {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut by_name: Vec<(String, f64)> = Vec::new();
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the agent's threads");
+    for task in tasks.map_while(Result::ok) {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`: the name may hold spaces, so the fields are read after its `)`.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let cpu: f64 =
+            fields[11].parse::<f64>().unwrap_or(0.0) + fields[12].parse::<f64>().unwrap_or(0.0);
+        match by_name.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += cpu / ticks,
+            None => by_name.push((name, cpu / ticks)),
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_name
+        .iter()
+        .filter(|(_, s)| *s >= 0.01)
+        .map(|(n, s)| format!("{n} {s:.2} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 // ---------------------------------------------------------------------------------------------------------
