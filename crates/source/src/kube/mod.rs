@@ -31,8 +31,9 @@
 //!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
 //!   EndpointSlice's endpoints are withdrawn.
 //!
-//! In parts: `events` turns kube objects into what the coordinator takes; `coordinator` decides what to
-//! emit, with no I/O; this module runs the watchers, on their runtime thread, and hands the batches over.
+//! In parts: `slice_wire` is the lean EndpointSlice the watcher reads (only the fields the proxy uses);
+//! `events` turns kube objects into what the coordinator takes; `coordinator` decides what to emit, with no
+//! I/O; this module runs the watchers, on their runtime thread, and hands the batches over.
 
 mod coordinator;
 mod events;

@@ -25,10 +25,12 @@ use nftkube_model::Topology;
 #[serde(rename_all = "camelCase")]
 pub(crate) struct WireSlice {
     /// Name, namespace, labels, annotations and resourceVersion (what the watcher and the conversion read).
-    #[serde(deserialize_with = "lean_meta")]
+    #[serde(default, deserialize_with = "lean_meta")]
     pub(crate) metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "null_as_default")]
     pub(crate) address_type: String,
-    #[serde(default)]
+    /// Go writes a slice without endpoints as `"endpoints": null`.
+    #[serde(default, deserialize_with = "null_as_default")]
     pub(crate) endpoints: Vec<WireEndpoint>,
     pub(crate) ports: Option<Vec<EndpointPort>>,
 }
@@ -37,6 +39,7 @@ pub(crate) struct WireSlice {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct WireEndpoint {
+    #[serde(default, deserialize_with = "null_as_default")]
     pub(crate) addresses: Vec<String>,
     pub(crate) conditions: Option<EndpointConditions>,
     pub(crate) node_name: Option<String>,
@@ -84,8 +87,17 @@ struct LeanMeta {
     resource_version: Option<String>,
 }
 
+/// A field that is absent or `null` reads as its default, as k8s-openapi reads every one of these.
+fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(
+    d: D,
+) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 fn lean_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
-    let m = LeanMeta::deserialize(d)?;
+    let Some(m) = Option::<LeanMeta>::deserialize(d)? else {
+        return Ok(ObjectMeta::default());
+    };
     Ok(ObjectMeta {
         name: m.name,
         namespace: m.namespace,
@@ -196,6 +208,24 @@ mod tests {
         let mut fqdn = slice(json!([]));
         fqdn["addressType"] = json!("FQDN");
         assert!(matches!(both(fqdn), Ok(SliceConversion::Skipped(_))));
+    }
+
+    /// `null` and absent fields read as k8s-openapi reads them: Go writes a slice without endpoints as
+    /// `"endpoints": null`, and such a slice must not fail its page.
+    #[test]
+    fn null_and_absent_fields_read_as_their_defaults() {
+        let got = both(slice(json!(null))).unwrap();
+        assert!(matches!(got, SliceConversion::Slice(s) if s.endpoints.is_empty()));
+        let mut absent = slice(json!([{"addresses": null}, {"addresses": ["10.0.0.1"]}]));
+        absent.as_object_mut().unwrap().remove("ports");
+        absent["metadata"]["annotations"] = json!(null);
+        let SliceConversion::Slice(s) = both(absent).unwrap() else {
+            panic!("skipped")
+        };
+        assert_eq!(s.endpoints.len(), 1);
+        // No metadata or addressType at all: refused for the same reason by both.
+        assert!(both(json!({"endpoints": []})).is_err());
+        assert!(both(json!({"metadata": null, "addressType": null})).is_err());
     }
 
     /// A field of the wrong type fails the read, as k8s-openapi's type does (the API server never sends one).
