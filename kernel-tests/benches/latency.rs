@@ -6,7 +6,9 @@
 //!    namespace (the anchor); the binary from YAML manifests of the same objects, and from JSON ones (the
 //!    YAML parser's share of the time); the binary from a fake API
 //!    server that serves them as paged lists (500 per page, as kube-rs asks and kube-apiserver answers) and
-//!    watches. Wall time from spawning the binary to its first "sync complete", and its peak RSS (VmHWM).
+//!    watches. Wall time from spawning the binary to its first "sync complete", and its peak RSS (VmHWM);
+//!    printed as they come: when each list completed, the snapshot, the sync, and the agent's CPU time per
+//!    thread to the first sync.
 //! 2. Change → new endpoint answering, at `NFTKUBE_BENCH_LATENCY_SERVICES` services (default 10 000): a
 //!    probe service's one endpoint moves between two real backend pods; the time from the change (a manifest
 //!    file written, or an EndpointSlice applied to the API) until a new TCP connection from the client pod to
@@ -16,7 +18,7 @@
 //!    median, in the same sandbox.
 //!
 //! `bash ci/bench` runs it with its defaults; the full run is
-//! `cargo bench -p kernel-tests --bench latency -- 10000,50000,100000 5 200 60` and, for a million endpoints,
+//! `cargo bench -p kernel-tests --bench latency -- 10000,44000,50000,100000 5 200 60` and, for a million endpoints,
 //! `cargo bench -p kernel-tests --bench latency -- 100000 10 0`. Arguments: COLD_SIZES (comma-separated; 0 or
 //! empty skips part 1), ENDPOINTS per service, CHANGES (0 skips part 2), CHURN_SECONDS. Root (namespaces);
 //! the release binary must be built (`cargo build --release --bins`), or named by `NFTKUBE_BIN`.
