@@ -6,7 +6,9 @@
 //!    namespace (the anchor); the binary from YAML manifests of the same objects, and from JSON ones (the
 //!    YAML parser's share of the time); the binary from a fake API
 //!    server that serves them as paged lists (500 per page, as kube-rs asks and kube-apiserver answers) and
-//!    watches. Wall time from spawning the binary to its first "sync complete", and its peak RSS (VmHWM).
+//!    watches. Wall time from spawning the binary to its first "sync complete", and its peak RSS (VmHWM);
+//!    printed as they come: when each list completed, the snapshot, the sync, and the agent's CPU time per
+//!    thread to the first sync.
 //! 2. Change → new endpoint answering, at `NFTKUBE_BENCH_LATENCY_SERVICES` services (default 10 000): a
 //!    probe service's one endpoint moves between two real backend pods; the time from the change (a manifest
 //!    file written, or an EndpointSlice applied to the API) until a new TCP connection from the client pod to
@@ -16,7 +18,7 @@
 //!    median, in the same sandbox.
 //!
 //! `bash ci/bench` runs it with its defaults; the full run is
-//! `cargo bench -p kernel-tests --bench latency -- 10000,50000,100000 5 200 60` and, for a million endpoints,
+//! `cargo bench -p kernel-tests --bench latency -- 10000,44000,50000,100000 5 200 60` and, for a million endpoints,
 //! `cargo bench -p kernel-tests --bench latency -- 100000 10 0`. Arguments: COLD_SIZES (comma-separated; 0 or
 //! empty skips part 1), ENDPOINTS per service, CHANGES (0 skips part 2), CHURN_SECONDS. Root (namespaces);
 //! the release binary must be built (`cargo build --release --bins`), or named by `NFTKUBE_BIN`.
@@ -290,9 +292,17 @@ impl Agent {
             .expect("starting the agent");
         let (tx, synced) = std::sync::mpsc::channel();
         let stderr = child.stderr.take().unwrap();
+        let spawned = Instant::now();
         std::thread::spawn(move || {
+            let mut first = true;
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                // Where the time to the first sync went: each list's end, the snapshot, the sync itself.
+                if first && FIRST_SYNC_MILESTONES.iter().any(|m| line.contains(m)) {
+                    let at = spawned.elapsed().as_secs_f64();
+                    eprintln!("    agent +{at:.3} s: {}", milestone(&line));
+                }
                 if line.contains("sync complete") {
+                    first = false;
                     let _ = tx.send(Instant::now());
                 }
                 if line.contains("ERROR") {
@@ -324,6 +334,18 @@ impl Agent {
             .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
             .unwrap_or_else(|| panic!("no {field} in /proc status"))
     }
+}
+
+/// The agent's log lines that mark a phase of its first sync.
+const FIRST_SYNC_MILESTONES: [&str; 3] =
+    ["initial list complete", "source synced", "sync complete"];
+
+/// A log line from its message on (the timestamp and level before it say nothing here).
+fn milestone(line: &str) -> &str {
+    FIRST_SYNC_MILESTONES
+        .iter()
+        .find_map(|m| line.find(m))
+        .map_or(line, |i| &line[i..])
 }
 
 impl Drop for Agent {
@@ -479,7 +501,44 @@ fn binary_cold_in(bin: &Path, ns: &NetNs, source: Source) -> (Duration, u64) {
     let start = Instant::now();
     let agent = Agent::start(bin, ns, source, COLD_CLUSTER_CIDR);
     let at = agent.first_sync(Duration::from_secs(600));
+    eprintln!(
+        "    agent CPU by thread to the first sync: {}",
+        thread_cpu(agent.child.id())
+    );
     (at - start, agent.status("VmHWM"))
+}
+
+/// CPU time (user + system) of each of a process's threads, by name: on a shared machine, what the agent did
+/// moves less from run to run than the wall time it took.
+fn thread_cpu(pid: u32) -> String {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut by_name: Vec<(String, f64)> = Vec::new();
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the agent's threads");
+    for task in tasks.map_while(Result::ok) {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`: the name may hold spaces, so the fields are read after its `)`.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let cpu: f64 =
+            fields[11].parse::<f64>().unwrap_or(0.0) + fields[12].parse::<f64>().unwrap_or(0.0);
+        match by_name.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += cpu / ticks,
+            None => by_name.push((name, cpu / ticks)),
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_name
+        .iter()
+        .filter(|(_, s)| *s >= 0.01)
+        .map(|(n, s)| format!("{n} {s:.2} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -301,9 +301,21 @@ fn malformed_objects_are_skipped_with_a_logged_reason() {
     let mut unlabelled = slice("stray", "x", &[1], "node-1");
     unlabelled["metadata"]["labels"] = json!({});
     api.apply(unlabelled);
+    // An endpoint the API server would never store, in a slice of a working service, beside what the watcher
+    // reads without using (a targetRef, a hostname) and a slice written as Go writes an empty one.
+    let mut garbage = slice("echo-bad", "echo", &[1], "node-1");
+    garbage["endpoints"][0]["addresses"] = json!(["10.244.1.999"]);
+    garbage["endpoints"][0]["targetRef"] = json!({"kind": "Pod", "name": "p", "namespace": "demo"});
+    garbage["endpoints"][0]["hostname"] = json!("p");
+    api.apply(garbage);
+    let mut empty = slice("echo-empty", "echo", &[], "node-1");
+    empty["endpoints"] = Value::Null;
+    api.apply(empty);
     let agent = Agent::start_api(sb.node(), &api, &[]);
     wait_backends(&sb, &agent, ECHO_V4, &[1, 2, 3], SYNC);
     let log = agent.log();
+    assert!(log.contains("EndpointSlice demo/echo-bad"), "{log}");
+    assert!(log.contains("10.244.1.999"), "{log}");
     assert!(log.contains("Service demo/broken"), "{log}");
     assert!(log.contains("10.96.0.300"), "{log}");
     assert!(log.contains("EndpointSlice demo/stray"), "{log}");

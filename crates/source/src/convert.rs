@@ -11,7 +11,9 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{
+    Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::validate;
@@ -298,7 +300,9 @@ fn created(meta: &ObjectMeta) -> Created {
         })
 }
 
-/// Converts an EndpointSlice.
+/// Converts an EndpointSlice (the tests' entry: manifests share values across a read, the API watcher reads
+/// its own type).
+#[cfg(test)]
 pub(crate) fn endpoint_slice(slice: &EndpointSlice) -> Result<SliceConversion, ConvertError> {
     endpoint_slice_sharing(slice, &mut SharedValues::default())
 }
@@ -309,11 +313,58 @@ pub(crate) fn endpoint_slice_sharing(
     slice: &EndpointSlice,
     shared: &mut SharedValues,
 ) -> Result<SliceConversion, ConvertError> {
-    let key = object_key(
-        "EndpointSlice",
-        &slice.metadata,
-        validate::dns1123_subdomain,
-    )?;
+    slice_fields_sharing(
+        &SliceFields {
+            metadata: &slice.metadata,
+            address_type: &slice.address_type,
+            ports: slice.ports.as_deref(),
+            endpoints: &slice.endpoints,
+        },
+        shared,
+    )
+}
+
+/// What the conversion reads of an endpoint: k8s-openapi's `Endpoint` (manifests), or the API watcher's
+/// lean one (`kube::slice_wire`), which skips on its way in what the proxy never reads.
+pub(crate) trait EndpointFields {
+    /// `addresses`.
+    fn addresses(&self) -> &[String];
+    /// `conditions`.
+    fn conditions(&self) -> Option<&EndpointConditions>;
+    /// `nodeName`, `zone` and `hints`.
+    fn topology(&self) -> Topology;
+}
+
+impl EndpointFields for Endpoint {
+    fn addresses(&self) -> &[String] {
+        &self.addresses
+    }
+    fn conditions(&self) -> Option<&EndpointConditions> {
+        self.conditions.as_ref()
+    }
+    fn topology(&self) -> Topology {
+        topology(
+            self.node_name.as_ref(),
+            self.zone.as_ref(),
+            self.hints.as_ref(),
+        )
+    }
+}
+
+/// What the conversion reads of an EndpointSlice, whichever type it was read into.
+pub(crate) struct SliceFields<'a, E> {
+    pub(crate) metadata: &'a ObjectMeta,
+    pub(crate) address_type: &'a str,
+    pub(crate) ports: Option<&'a [EndpointPort]>,
+    pub(crate) endpoints: &'a [E],
+}
+
+/// [`endpoint_slice_sharing`] of the fields of either type.
+pub(crate) fn slice_fields_sharing<E: EndpointFields>(
+    slice: &SliceFields<'_, E>,
+    shared: &mut SharedValues,
+) -> Result<SliceConversion, ConvertError> {
+    let key = object_key("EndpointSlice", slice.metadata, validate::dns1123_subdomain)?;
     convert_slice(&key, slice, shared).map_err(|reason| ConvertError {
         kind: "EndpointSlice",
         object: key.to_string(),
@@ -321,9 +372,9 @@ pub(crate) fn endpoint_slice_sharing(
     })
 }
 
-fn convert_slice(
+fn convert_slice<E: EndpointFields>(
     key: &NamespacedName,
-    slice: &EndpointSlice,
+    slice: &SliceFields<'_, E>,
     shared: &mut SharedValues,
 ) -> Result<SliceConversion, String> {
     let service: Arc<str> = slice
@@ -336,7 +387,7 @@ fn convert_slice(
         .as_str()
         .into();
     validate::label_value(&format!("label {SERVICE_NAME_LABEL}"), &service)?;
-    let address_type = match slice.address_type.as_str() {
+    let address_type = match slice.address_type {
         "IPv4" => IpFamily::V4,
         "IPv6" => IpFamily::V6,
         "FQDN" => return Ok(SliceConversion::Skipped("addressType FQDN".into())),
@@ -344,7 +395,7 @@ fn convert_slice(
     };
 
     let mut ports = Vec::new();
-    for (i, p) in slice.ports.iter().flatten().enumerate() {
+    for (i, p) in slice.ports.into_iter().flatten().enumerate() {
         // A nil port means "all ports"; kube-proxy cannot use that and ignores it.
         let Some(port) = p.port else {
             tracing::debug!(slice = %key, index = i, "ignoring EndpointSlice port without a port number");
@@ -366,14 +417,14 @@ fn convert_slice(
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     let mut without_addresses = 0usize;
     for (i, ep) in slice.endpoints.iter().enumerate() {
-        if ep.addresses.is_empty() {
+        if ep.addresses().is_empty() {
             // kube-proxy skips such an endpoint and keeps the rest of the slice.
             without_addresses += 1;
             continue;
         }
-        let address = first_address(&ep.addresses, address_type, &slice.address_type)
+        let address = first_address(ep.addresses(), address_type, slice.address_type)
             .map_err(|e| format!("endpoints[{i}]: {e}"))?;
-        let cond = ep.conditions.as_ref();
+        let cond = ep.conditions();
         // As kube-proxy reads them: a nil ready or serving is true (unknown counts as usable), a nil
         // terminating is false.
         let ready = cond.and_then(|c| c.ready).unwrap_or(true);
@@ -384,7 +435,7 @@ fn convert_slice(
             ready,
             serving,
             terminating,
-            topology: shared.topology(topology(ep)),
+            topology: shared.topology(ep.topology()),
         });
     }
 
@@ -423,11 +474,14 @@ fn first_address(
 }
 
 /// Node, zone and topology hints of an endpoint.
-fn topology(ep: &k8s_openapi::api::discovery::v1::Endpoint) -> Topology {
-    let hints = ep.hints.as_ref();
+pub(crate) fn topology(
+    node_name: Option<&String>,
+    zone: Option<&String>,
+    hints: Option<&EndpointHints>,
+) -> Topology {
     Topology {
-        node_name: ep.node_name.clone(),
-        zone: ep.zone.clone(),
+        node_name: node_name.cloned(),
+        zone: zone.cloned(),
         zone_hints: hints
             .and_then(|h| h.for_zones.as_ref())
             .map(|z| z.iter().map(|z| z.name.clone()).collect())

@@ -154,6 +154,21 @@ impl ProxySource {
     }
 }
 
+/// Every batch queued in `rx`, in order, as one: a single batch as it is, several copied once into a
+/// vector of their total length (a vector grown batch by batch reallocates at each doubling, and a first
+/// list queues thousands of events of about a hundred bytes each).
+pub(crate) fn drain_batches(rx: &std::sync::mpsc::Receiver<Vec<Event>>) -> Vec<Event> {
+    let mut batches: Vec<Vec<Event>> = rx.try_iter().collect();
+    if batches.len() <= 1 {
+        return batches.pop().unwrap_or_default();
+    }
+    let mut out = Vec::with_capacity(batches.iter().map(Vec::len).sum());
+    for batch in batches {
+        out.extend(batch);
+    }
+    out
+}
+
 /// Applies one event to the store (`Synced` changes nothing).
 pub fn apply_event(state: &mut ClusterState, ev: Event) {
     match ev {

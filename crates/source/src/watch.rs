@@ -77,11 +77,7 @@ impl ManifestWatcher {
 
     /// Every event received so far, in order.
     pub(crate) fn poll(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        while let Ok(batch) = self.rx.try_recv() {
-            out.extend(batch);
-        }
-        out
+        super::drain_batches(&self.rx)
     }
 }
 

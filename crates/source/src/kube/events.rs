@@ -6,15 +6,17 @@
 use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::{Node, Service};
+#[cfg(test)]
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
 
+use super::slice_wire::WireSlice;
 use crate::convert::{self, ServiceConversion, SliceConversion};
 use crate::fail_closed::asks_source_ranges;
 use crate::NodeInfo;
-use nftkube_model::{parse_ip_sloppy, Cidr, NamespacedName, ServicePort, SliceInfo};
+use nftkube_model::{parse_ip_sloppy, Cidr, NamespacedName, ServicePort, SharedValues, SliceInfo};
 
 /// Annotation of an EndpointSlice: when the change that produced this version happened (RFC 3339).
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -62,10 +64,26 @@ impl Converted {
         }
     }
 
-    /// Converts an EndpointSlice.
+    /// Converts an EndpointSlice read into k8s-openapi's type (the watcher reads [`WireSlice`]s; the
+    /// coordinator's tests build these).
+    #[cfg(test)]
     pub(crate) fn slice(slice: &EndpointSlice) -> Converted {
-        let key = meta_key(&slice.metadata);
-        let model = match convert::endpoint_slice(slice) {
+        Converted::slice_of(&slice.metadata, convert::endpoint_slice(slice))
+    }
+
+    /// Converts an EndpointSlice as the API watcher reads it, its namespace, port names and topologies
+    /// shared with the slices converted before (the store keeps one copy of each anyway).
+    pub(crate) fn wire_slice(slice: &WireSlice, shared: &mut SharedValues) -> Converted {
+        let conversion = convert::slice_fields_sharing(&slice.fields(), shared);
+        Converted::slice_of(&slice.metadata, conversion)
+    }
+
+    fn slice_of(
+        meta: &ObjectMeta,
+        conversion: Result<SliceConversion, convert::ConvertError>,
+    ) -> Converted {
+        let key = meta_key(meta);
+        let model = match conversion {
             Ok(SliceConversion::Slice(s)) => Ok(Some(Model::Slice(s))),
             Ok(SliceConversion::Skipped(reason)) => {
                 tracing::debug!(slice = ?key, reason, "EndpointSlice ignored");
@@ -73,8 +91,7 @@ impl Converted {
             }
             Err(e) => Err(e.reason),
         };
-        let trigger = slice
-            .metadata
+        let trigger = meta
             .annotations
             .as_ref()
             .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
@@ -211,7 +228,7 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, NodeError> {
 
 pub(super) fn map_event<K>(
     ev: watcher::Event<K>,
-    f: impl Fn(&K) -> Converted,
+    mut f: impl FnMut(&K) -> Converted,
 ) -> watcher::Event<Converted> {
     match ev {
         watcher::Event::Apply(o) => watcher::Event::Apply(f(&o)),

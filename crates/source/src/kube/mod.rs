@@ -31,13 +31,15 @@
 //!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
 //!   EndpointSlice's endpoints are withdrawn.
 //!
-//! In parts: `events` turns kube objects into what the coordinator takes; `coordinator` decides what to
-//! emit, with no I/O; this module runs the watchers, on their runtime thread, and hands the batches over.
+//! In parts: `slice_wire` is the lean EndpointSlice the watcher reads (only the fields the proxy uses);
+//! `events` turns kube objects into what the coordinator takes; `coordinator` decides what to emit, with no
+//! I/O; this module runs the watchers, on their runtime thread, and hands the batches over.
 
 mod coordinator;
 mod events;
 mod recorder;
 mod service_cidrs;
+mod slice_wire;
 
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -45,7 +47,6 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
@@ -55,6 +56,7 @@ use events::map_event;
 pub use events::{
     node_info, parse_rfc3339, Converted, NodeError, TO_BE_DELETED_TAINT, TRIGGER_TIME_ANNOTATION,
 };
+use slice_wire::WireSlice;
 
 use super::backoff::{counting_client, Answered, WatchBackoff};
 use super::Event;
@@ -160,11 +162,7 @@ impl KubeSource {
 
     /// Every batch received so far, in order.
     pub fn poll(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        while let Ok(batch) = self.rx.try_recv() {
-            out.extend(batch);
-        }
-        out
+        super::drain_batches(&self.rx)
     }
 }
 
@@ -268,13 +266,14 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
         .backoff(services.backoff)
         .map(|r| (Kind::Service, r.map(|e| map_event(e, Converted::service))))
         .boxed();
-    let slices = watcher::watcher(kube::Api::<EndpointSlice>::all(slices.client), proxied)
+    // Read into the lean type, and converted with one set of shared values for the watcher's life (its
+    // interners sweep what nobody holds any more).
+    let mut shared = nftkube_model::SharedValues::default();
+    let slices = watcher::watcher(kube::Api::<WireSlice>::all(slices.client), proxied)
         .backoff(slices.backoff)
-        .map(|r| {
-            (
-                Kind::EndpointSlice,
-                r.map(|e| map_event(e, Converted::slice)),
-            )
+        .map(move |r| {
+            let converted = r.map(|e| map_event(e, |s| Converted::wire_slice(s, &mut shared)));
+            (Kind::EndpointSlice, converted)
         })
         .boxed();
     // Every ServiceCIDR, as kube-proxy watches them: no selector.
@@ -308,7 +307,10 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
     let mut coordinator = Coordinator::default();
     let mut cidrs_failing = false;
     while let Some(items) = all.next().await {
-        let mut batch = Vec::new();
+        // Sized at once: an event is about a hundred bytes, and a batch grown a page at a time (a realloc
+        // per doubling, the larger ones each consolidating glibc's free small chunks first) took a twentieth
+        // of this thread at a million endpoints (perf).
+        let mut batch = Vec::with_capacity(items.len());
         for (kind, item) in items {
             match item {
                 Ok(ev) => {
