@@ -379,7 +379,9 @@ fn other_dispatch(key: &[Field], kinds: &[(LbKind, bool)], exceptions: &str) -> 
 fn masquerading_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
     let bit = cfg.masquerade_bit;
     vec![
+        // Marked already (external traffic, or from outside the cluster): no need to look for a hairpin.
         RuleBuilder::new()
+            .mark_has(bit, false)
             .ct_has(CtKey::Status, CT_STATUS_DNAT)
             .in_set(&[saddr(f), daddr(f)], SET_HAIRPIN, false)
             .mark_or(bit)
