@@ -201,8 +201,8 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
         record_affinity(),
+        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
     ];
     t.add_chain(Chain::base(
         CHAIN_FILTER_OUTPUT,
@@ -212,8 +212,8 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
         record_affinity(),
+        new_connections_jump(CHAIN_CLUSTER_IPS_CHECK),
     ];
     t.add_chain(Chain::base(
         CHAIN_FILTER_INPUT,
@@ -223,8 +223,9 @@ fn add_hooks(t: &mut TableState, f: IpFamily) {
     ))
     .rules = vec![
         jump(CHAIN_FIREWALL),
-        no_endpoint_reject(RuleBuilder::new().ct_has(CtKey::State, CT_STATE_NEW), f),
         record_affinity(),
+        // (the NodePort check goes here when NodePorts are served)
+        no_endpoint_reject(RuleBuilder::new().ct_has(CtKey::State, CT_STATE_NEW), f),
     ];
 }
 
@@ -339,7 +340,7 @@ fn add_dispatch(
         // rejected on input.
         t.chain_mut(CHAIN_FILTER_INPUT)
             .rules
-            .insert(1, new_connections_jump(CHAIN_NODEPORTS_CHECK));
+            .insert(2, new_connections_jump(CHAIN_NODEPORTS_CHECK));
         t.add_chain(Chain::regular(CHAIN_NODEPORTS_CHECK)).rules = vec![m
             .clone()
             .in_set(&port, SET_NO_ENDPOINT_NODEPORTS, false)
@@ -439,13 +440,15 @@ pub(crate) fn add_reject(t: &mut TableState, f: IpFamily) {
 /// `recent` lists hold 100 each; a full map records nothing new (connections still flow, unpinned).
 pub(crate) const AFFINITY_CAPACITY: u32 = 262_144;
 
-/// `ct state new ct status dnat jump affinity-record`: after DNAT (filter runs after nat), a new connection's
-/// endpoint is known; the forward, input and output hooks together see every DNATed connection.
+/// `ct state new ct status dnat goto affinity-record`: after DNAT (filter runs after nat), a new connection's
+/// endpoint is known; the forward, input and output hooks together see every DNATed connection. A `goto`: a
+/// DNATed packet carries its endpoint's address, which the checks after it (frontends without endpoints,
+/// ClusterIPs, NodePorts) could only miss, so it skips their lookups.
 fn record_affinity() -> Rule {
     RuleBuilder::new()
         .ct_has(CtKey::State, CT_STATE_NEW)
         .ct_has(CtKey::Status, CT_STATUS_DNAT)
-        .verdict(Verdict::Jump(CHAIN_AFFINITY_RECORD.into()))
+        .verdict(Verdict::Goto(CHAIN_AFFINITY_RECORD.into()))
         .build()
 }
 
