@@ -391,14 +391,15 @@ pub(super) fn local_traffic(f: IpFamily, cfg: &RenderConfig, negate: bool) -> Op
     }
 }
 
-/// `fw-<id>`: sources in the service's loadBalancerSourceRanges go on to its endpoints, others are dropped.
-/// When a range contains one of the node's addresses, the LoadBalancer IPs themselves are allowed as sources
-/// too (kube-proxy's rule for load balancers that hairpin through the node).
+/// `fw-<id>`: sources in the service's loadBalancerSourceRanges `pass` (go on to its endpoints; in userspace
+/// mode, return to the redirect), others are dropped. When a range contains one of the node's addresses, the
+/// LoadBalancer IPs themselves are allowed as sources too (kube-proxy's rule for load balancers that hairpin
+/// through the node).
 pub(super) fn firewall_chain_state(
     svc: &ServicePort,
     f: IpFamily,
     ranges: &[&Cidr],
-    target: &str,
+    pass: Verdict,
     cfg: &RenderConfig,
 ) -> ChainState {
     let family_name = if f == IpFamily::V4 { "ip" } else { "ip6" };
@@ -407,7 +408,7 @@ pub(super) fn firewall_chain_state(
         .map(|c| {
             RuleBuilder::new()
                 .prefix(saddr(f), &c.addr, c.prefix, false)
-                .verdict(Verdict::Goto(target.into()))
+                .verdict(pass.clone())
                 .build()
         })
         .collect();
@@ -424,7 +425,7 @@ pub(super) fn firewall_chain_state(
             rules.push(
                 RuleBuilder::new()
                     .cmp(saddr(f), CmpOp::Eq, ip_bytes(ip))
-                    .verdict(Verdict::Goto(target.into()))
+                    .verdict(pass.clone())
                     .build(),
             );
         }

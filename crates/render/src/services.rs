@@ -422,7 +422,8 @@ impl FamilyPieces<'_> {
         if ranges.is_empty() {
             return None;
         }
-        let chain = firewall_chain_state(self.svc, self.f, &ranges, target, self.cfg);
+        let pass = Verdict::Goto(target.into());
+        let chain = firewall_chain_state(self.svc, self.f, &ranges, pass, self.cfg);
         let name = chain.chain.name.clone();
         self.pieces.push(Piece::Chain {
             family: self.family,

@@ -398,44 +398,12 @@ fn firewall_pieces(svc: &ServicePort, f: IpFamily, cfg: &RenderConfig) -> Vec<Pi
     if ranges.is_empty() || lb_ips.is_empty() {
         return Vec::new();
     }
-    let mut rules: Vec<Rule> = ranges
-        .iter()
-        .map(|c| {
-            RuleBuilder::new()
-                .prefix(saddr(f), &c.addr, c.prefix, false)
-                .verdict(Verdict::Return)
-                .build()
-        })
-        .collect();
-    if cfg
-        .node_ips
-        .iter()
-        .any(|ip| ranges.iter().any(|c| c.contains(ip)))
-    {
-        for ip in &lb_ips {
-            rules.push(
-                RuleBuilder::new()
-                    .cmp(saddr(f), CmpOp::Eq, ip_bytes(ip))
-                    .verdict(Verdict::Return)
-                    .build(),
-            );
-        }
-    }
-    rules.push(
-        RuleBuilder::new()
-            .verdict(Verdict::Drop)
-            .comment("not in loadBalancerSourceRanges")
-            .build(),
-    );
-    let family_name = if f == IpFamily::V4 { "ip" } else { "ip6" };
-    let name = firewall_chain(&svc.name, family_name, &format!("{rules:?}"));
+    let chain = super::chains::firewall_chain_state(svc, f, &ranges, Verdict::Return, cfg);
+    let name = chain.chain.name.clone();
     let verdict = ElementValue::Verdict(Verdict::Jump(name.as_str().into()));
     let mut out = vec![Piece::Chain {
         family: nft_family(f),
-        chain: Arc::new(ChainState {
-            chain: Chain::regular(&name),
-            rules,
-        }),
+        chain: Arc::new(chain),
     }];
     out.extend(frontend_pieces(
         svc,
