@@ -300,13 +300,6 @@ fn add_dispatch(
     }
     let frontend = [daddr(f), Field::L4Proto, Field::ThDport];
     let port = [Field::L4Proto, Field::ThDport];
-    let mut services = vec![
-        dispatch_rule(&frontend, LbKind::Cluster, false),
-        RuleBuilder::new()
-            .in_set(&frontend, SET_OTHER_SERVICE_IPS, false)
-            .verdict(Verdict::Goto(CHAIN_SERVICES_OTHER.into()))
-            .build(),
-    ];
     let rarer = [
         (LbKind::External, false),
         (LbKind::LocalExternal, false),
@@ -314,28 +307,34 @@ fn add_dispatch(
         (LbKind::External, true),
         (LbKind::LocalExternal, true),
     ];
-    t.add_chain(Chain::regular(CHAIN_SERVICES_OTHER)).rules =
-        other_dispatch(&frontend, &rarer, MAP_SERVICE_IPS);
+    let mut services = add_kind_dispatch(
+        t,
+        &frontend,
+        LbKind::Cluster,
+        (SET_OTHER_SERVICE_IPS, CHAIN_SERVICES_OTHER),
+        &rarer,
+        MAP_SERVICE_IPS,
+    );
     if let Some(m) = &nodeport_match {
         services.push(
             m.clone()
                 .verdict(Verdict::Goto(CHAIN_NODEPORTS.into()))
                 .build(),
         );
-        t.add_chain(Chain::regular(CHAIN_NODEPORTS)).rules = vec![
-            dispatch_rule(&port, LbKind::NodePort, false),
-            RuleBuilder::new()
-                .in_set(&port, SET_OTHER_SERVICE_NODEPORTS, false)
-                .verdict(Verdict::Goto(CHAIN_NODEPORTS_OTHER.into()))
-                .build(),
-        ];
         let rarer = [
             (LbKind::LocalNodePort, false),
             (LbKind::NodePort, true),
             (LbKind::LocalNodePort, true),
         ];
-        t.add_chain(Chain::regular(CHAIN_NODEPORTS_OTHER)).rules =
-            other_dispatch(&port, &rarer, MAP_SERVICE_NODEPORTS);
+        let nodeports = add_kind_dispatch(
+            t,
+            &port,
+            LbKind::NodePort,
+            (SET_OTHER_SERVICE_NODEPORTS, CHAIN_NODEPORTS_OTHER),
+            &rarer,
+            MAP_SERVICE_NODEPORTS,
+        );
+        t.add_chain(Chain::regular(CHAIN_NODEPORTS)).rules = nodeports;
         // A NodePort of a service without endpoints is not NATed: the packet is for this host, so it is
         // rejected on input.
         t.chain_mut(CHAIN_FILTER_INPUT)
@@ -355,6 +354,28 @@ fn add_dispatch(
             }
         }
     }
+}
+
+/// The dispatch of one key (frontends, or NodePorts): the rules of `first`'s set and of the guard set of every
+/// other frontend (`guard`: the set and the chain it goes to). The guard's chain, added here, tries the `rarer`
+/// kinds' sets and last the verdict map of the `exceptions`.
+fn add_kind_dispatch(
+    t: &mut TableState,
+    key: &[Field],
+    first: LbKind,
+    guard: (&str, &str),
+    rarer: &[(LbKind, bool)],
+    exceptions: &str,
+) -> Vec<Rule> {
+    let (guard_set, guard_chain) = guard;
+    t.add_chain(Chain::regular(guard_chain)).rules = other_dispatch(key, rarer, exceptions);
+    vec![
+        dispatch_rule(key, first, false),
+        RuleBuilder::new()
+            .in_set(key, guard_set, false)
+            .verdict(Verdict::Goto(guard_chain.into()))
+            .build(),
+    ]
 }
 
 /// `key @<kind's set> goto <kind's shared chain>`.
