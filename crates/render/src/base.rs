@@ -283,8 +283,8 @@ fn firewall_rules(f: IpFamily, cfg: &RenderConfig) -> Vec<Rule> {
 ///
 /// A frontend is dispatched by membership: `lb-ips` (ClusterIPs, the most frequent) goes to `lb`; every other
 /// frontend is in `other-service-ips` too, whose chain tries the rarer kinds' sets and last the verdict map of
-/// the frontends with a chain of their own. Sets, not one verdict map, because a verdict element added or
-/// removed makes the kernel re-validate the whole table (O(services)); a set element is data.
+/// the frontends with a chain of their own. Sets, not one verdict map, because a verdict element added makes
+/// the kernel re-validate the whole table, every verdict element included (O(services)); a set element is data.
 fn add_dispatch(
     t: &mut TableState,
     f: IpFamily,
