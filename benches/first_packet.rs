@@ -37,8 +37,6 @@ use nftkube_sandbox::netns::{add_address, add_route, unique_name, NetNs};
 use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -250,19 +248,7 @@ struct Node {
 
 /// A command that runs inside `ns`.
 fn command_in(ns: &NetNs, argv: &[&str]) -> Command {
-    let file = std::fs::File::open(ns.path()).unwrap();
-    let mut cmd = Command::new(argv[0]);
-    cmd.args(&argv[1..]);
-    // SAFETY: runs in the forked child before exec; setns is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd
+    ns.command(argv)
 }
 
 /// Runs `argv` in `ns` (stdin from `input`); None if it outlasts `limit` (then it is killed). Panics if it fails.

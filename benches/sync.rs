@@ -29,8 +29,6 @@ use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr};
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -501,19 +499,7 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
 
 /// A command that runs inside `ns`.
 fn command_in(ns: &NetNs, argv: &[&str]) -> Command {
-    let file = std::fs::File::open(ns.path()).unwrap();
-    let mut cmd = Command::new(argv[0]);
-    cmd.args(&argv[1..]);
-    // SAFETY: runs in the forked child before exec; setns is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd
+    ns.command(argv)
 }
 
 fn run_timed(ns: &NetNs, argv: &[&str], stdin: Option<&Path>) -> Duration {

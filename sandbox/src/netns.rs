@@ -212,6 +212,29 @@ impl NetNs {
         &self.path
     }
 
+    /// A command (`argv[0]`, then its arguments) whose process runs inside this namespace: the benches run the
+    /// tools they compare against (nft, iptables-restore, the agent) this way.
+    pub fn command(&self, argv: &[&str]) -> std::process::Command {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let file = std::fs::File::open(&self.path).expect("opening the namespace file");
+        let mut cmd = std::process::Command::new(argv[0]);
+        cmd.args(&argv[1..]);
+        // SAFETY: the closure runs in the forked child before exec and only calls setns, which is
+        // async-signal-safe; `file` stays open in the parent until the command is dropped.
+        unsafe {
+            cmd.pre_exec(move || {
+                #[allow(clippy::disallowed_methods)]
+                // the forked child, about to exec: nobody else's work
+                if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
     /// The namespace's nsfs inode number: what `/proc/<pid>/task/<tid>/ns/net` shows as `net:[INODE]` for a thread
     /// inside it.
     pub fn inode(&self) -> io::Result<u64> {
