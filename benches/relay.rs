@@ -24,10 +24,8 @@ use nftkube_sandbox::netns::{unique_name, NetNs};
 use nftkube_sandbox::{self as sandbox, Sandbox};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -168,22 +166,6 @@ impl Measurements {
     }
 }
 
-/// A command run inside `ns` (entered between fork and exec).
-fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let file = std::fs::File::open(ns.path()).expect("namespace file");
-    let mut cmd = Command::new(program);
-    // SAFETY: runs in the child before exec and only calls setns, which is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd
-}
-
 /// `$NFTKUBE_BIN`, or the workspace's release build (ci/bench builds it).
 fn nftkube_bin() -> PathBuf {
     nftkube_sandbox::workspace_binary("NFTKUBE_BIN", "release", "nftkube")
@@ -206,7 +188,7 @@ fn start_agent(node: &NetNs, dir: &Path) -> Child {
     );
     std::fs::write(manifests.join("bench.yaml"), yaml).unwrap();
     let log = std::fs::File::create(dir.join("agent.log")).unwrap();
-    command_in(node, nftkube_bin())
+    node.command(nftkube_bin())
         .args(["--log-level", "warn", "proxy", "--proxy-mode", "userspace"])
         // One client pod holds IDLE_CONNECTIONS to one service: above the per-client and per-service defaults.
         .args(["--relay-max-connections-per-source=20000"])
@@ -236,7 +218,7 @@ fn start_haproxy(node: &NetNs, dir: &Path) -> Child {
     }
     let path = dir.join("haproxy.cfg");
     std::fs::write(&path, cfg).unwrap();
-    command_in(node, "haproxy")
+    node.command("haproxy")
         .arg("-db")
         .arg("-f")
         .arg(&path)
@@ -251,7 +233,8 @@ fn program_dnat(node: &NetNs) {
         "table ip nkbench {{\n chain pre {{\n  type nat hook prerouting priority -110; policy accept;\n  ip daddr {DNAT_VIP} dnat to {}\n }}\n}}\n",
         sandbox::pod_ip_v4(1)
     );
-    let mut child = command_in(node, "nft")
+    let mut child = node
+        .command("nft")
         .args(["-f", "-"])
         .stdin(Stdio::piped())
         .spawn()

@@ -499,7 +499,9 @@ fn nftkube_cold_and_changes(m: &Model) -> Cold {
 
 /// A command that runs inside `ns`.
 fn command_in(ns: &NetNs, argv: &[&str]) -> Command {
-    ns.command(argv)
+    let mut cmd = ns.command(argv[0]);
+    cmd.args(&argv[1..]);
+    cmd
 }
 
 fn run_timed(ns: &NetNs, argv: &[&str], stdin: Option<&Path>) -> Duration {

@@ -10,8 +10,6 @@ use nftkube::nft::netlink::NftSocket;
 use nftkube_sandbox::netns::{unique_name, NetNs};
 use nftkube_sandbox::Sandbox;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -77,19 +75,7 @@ pub fn sandbox(tag: &str, backends: usize) -> Sandbox {
 
 /// A command that runs inside `ns`: the child enters the namespace between fork and exec.
 pub fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let file = std::fs::File::open(ns.path()).expect("opening the namespace file");
-    let mut cmd = Command::new(program);
-    // SAFETY: the closure runs in the forked child before exec and only calls setns, which is
-    // async-signal-safe; `file` stays open in the parent until the command is dropped.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd
+    ns.command(program)
 }
 
 /// Runs `nftkube ARGS` in `ns` to completion; whatever it left in the kernel must satisfy the listing invariant.

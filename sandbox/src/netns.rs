@@ -212,14 +212,13 @@ impl NetNs {
         &self.path
     }
 
-    /// A command (`argv[0]`, then its arguments) whose process runs inside this namespace: the benches run the
-    /// tools they compare against (nft, iptables-restore, the agent) this way.
-    pub fn command(&self, argv: &[&str]) -> std::process::Command {
+    /// A command whose process runs inside this namespace (entered between fork and exec): the benches and
+    /// kernel tests run the agent and the tools they compare against (nft, iptables-restore) this way.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
         use std::os::fd::AsRawFd;
         use std::os::unix::process::CommandExt;
         let file = std::fs::File::open(&self.path).expect("opening the namespace file");
-        let mut cmd = std::process::Command::new(argv[0]);
-        cmd.args(&argv[1..]);
+        let mut cmd = std::process::Command::new(program);
         // SAFETY: the closure runs in the forked child before exec and only calls setns, which is
         // async-signal-safe; `file` stays open in the parent until the command is dropped.
         unsafe {
