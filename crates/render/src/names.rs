@@ -213,8 +213,7 @@ const PIECE_SETS: [&str; 39] = [
 ];
 
 impl PieceSet {
-    /// The set of this name. Panics for a set pieces never use (a programming error caught by every test).
-    /// The piece set of that name (a programming error if it is none).
+    /// The piece set of this name. Panics for a set pieces never use (a programming error caught by every test).
     pub fn named(name: &str) -> PieceSet {
         let at = PIECE_SETS
             .iter()

@@ -31,7 +31,8 @@
 //!   `loadBalancerSourceRanges` loses its external and LoadBalancer IPs until a usable version comes, and an
 //!   EndpointSlice's endpoints are withdrawn.
 //!
-//! In parts: `slice_wire` is the lean EndpointSlice the watcher reads (only the fields the proxy uses);
+//! In parts: `slice_wire` is the lean EndpointSlice the watcher reads (only the fields the proxy uses), and
+//! `service_wire` the Service (its metadata as lean);
 //! `events` turns kube objects into what the coordinator takes; `coordinator` decides what to emit, with no
 //! I/O; this module runs the watchers, on their runtime thread, and hands the batches over.
 
@@ -39,6 +40,7 @@ mod coordinator;
 mod events;
 mod recorder;
 mod service_cidrs;
+mod service_wire;
 mod slice_wire;
 
 use std::path::PathBuf;
@@ -46,7 +48,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
@@ -56,6 +58,7 @@ use events::map_event;
 pub use events::{
     node_info, parse_rfc3339, Converted, NodeError, TO_BE_DELETED_TAINT, TRIGGER_TIME_ANNOTATION,
 };
+use service_wire::WireService;
 use slice_wire::WireSlice;
 
 use super::backoff::{counting_client, Answered, WatchBackoff};
@@ -262,10 +265,16 @@ async fn run(connections: Connections, node_name: String, tx: super::Outbox) {
     let proxied = watcher::Config::default()
         .labels(PROXY_LABEL_SELECTOR)
         .any_semantic();
-    let services = watcher::watcher(kube::Api::<Service>::all(services.client), proxied.clone())
-        .backoff(services.backoff)
-        .map(|r| (Kind::Service, r.map(|e| map_event(e, Converted::service))))
-        .boxed();
+    let services = watcher::watcher(
+        kube::Api::<WireService>::all(services.client),
+        proxied.clone(),
+    )
+    .backoff(services.backoff)
+    .map(|r| {
+        let converted = r.map(|e| map_event(e, |s: &WireService| Converted::service(&s.0)));
+        (Kind::Service, converted)
+    })
+    .boxed();
     // Read into the lean type, and converted with one set of shared values for the watcher's life (its
     // interners sweep what nobody holds any more).
     let mut shared = nftkube_model::SharedValues::default();
