@@ -7,7 +7,9 @@
 //! - upstream nftables mode: its first full sync (`sync/anchors.rs`) loaded with `nft -f`;
 //! - upstream iptables mode: its jumps and full sync through `iptables-legacy-restore` (or, if absent,
 //!   `iptables-nft-restore`: the table says which);
-//! - no rules at all: plain forwarding, the floor;
+//! - no rules at all: plain forwarding, the floor; and a second such sandbox, whose difference from the first
+//!   is the noise between two sandboxes programmed alike (a difference between columns smaller than that is
+//!   not one);
 //! - with `--nft NAME=FILE` (repeatable), any other ruleset loaded with `nft -f` (e.g. an edited `nftkube plan`,
 //!   to see what one rule costs; the file must use this bench's addresses).
 //!
@@ -214,6 +216,9 @@ enum Mode {
     UpstreamNft,
     UpstreamIptables,
     NoRules,
+    /// A second sandbox without rules: how far two sandboxes programmed alike differ (the noise between
+    /// columns).
+    NoRulesAgain,
     NftFile(String, PathBuf),
 }
 
@@ -224,6 +229,7 @@ impl Mode {
             Mode::UpstreamNft => "upstream nftables".into(),
             Mode::UpstreamIptables => "upstream iptables".into(),
             Mode::NoRules => "no rules".into(),
+            Mode::NoRulesAgain => "no rules, a second sandbox".into(),
             Mode::NftFile(name, _) => name.clone(),
         }
     }
@@ -248,7 +254,9 @@ struct Node {
 
 /// A command that runs inside `ns`.
 fn command_in(ns: &NetNs, argv: &[&str]) -> Command {
-    ns.command(argv)
+    let mut cmd = ns.command(argv[0]);
+    cmd.args(&argv[1..]);
+    cmd
 }
 
 /// Runs `argv` in `ns` (stdin from `input`); None if it outlasts `limit` (then it is killed). Panics if it fails.
@@ -363,7 +371,7 @@ impl Cell<'_> {
                     |()| run_limited(ns, &argv, Some(&anchors.join(anchors::IPT_FULL)), limit),
                 )
             }
-            Mode::NoRules => Some(()),
+            Mode::NoRules | Mode::NoRulesAgain => Some(()),
             Mode::NftFile(_, file) => {
                 run_limited(ns, &["nft", "-f", file.to_str().unwrap()], None, limit)
             }
@@ -444,7 +452,7 @@ impl Prober {
 
 /// Each node's paths: the ClusterIPs mean nothing without rules.
 fn targets(mode: &Mode) -> &'static [Target] {
-    if *mode == Mode::NoRules {
+    if matches!(mode, Mode::NoRules | Mode::NoRulesAgain) {
         &TARGETS[2..]
     } else {
         &TARGETS
@@ -516,6 +524,8 @@ struct Row {
     services: usize,
     endpoints: usize,
     floor: (f64, f64),
+    /// The second no-rules sandbox's median minus the floor's.
+    between_sandboxes: f64,
     modes: Vec<(String, ModeCells)>,
 }
 
@@ -523,8 +533,8 @@ impl std::fmt::Display for Row {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "| {} × {} | {:.1} / {:.1} |",
-            self.services, self.endpoints, self.floor.0, self.floor.1
+            "| {} × {} | {:.1} / {:.1} | {:+.1} |",
+            self.services, self.endpoints, self.floor.0, self.floor.1, self.between_sandboxes
         )?;
         for (_, cells) in &self.modes {
             match cells {
@@ -548,10 +558,13 @@ fn modes(args: &Args) -> Vec<Mode> {
 
 fn cell(args: &Args, bin: &Path, restore: &'static str, n: usize, e: usize) -> Row {
     let work = std::env::temp_dir().join(unique_name("nftkube-bench-fp"));
-    let upstream = anchors::generate(n, e);
-    upstream.assert_shape();
-    upstream.write_to(&work.join("anchors")).unwrap();
-    check_plan_against_anchors(&work.join("anchors"), n, e);
+    // Above the limit the anchors are not even written (50 000 × 100 would be gigabytes of rules).
+    if n <= args.anchors_max_services {
+        let upstream = anchors::generate(n, e);
+        upstream.assert_shape();
+        upstream.write_to(&work.join("anchors")).unwrap();
+        check_plan_against_anchors(&work.join("anchors"), n, e);
+    }
     write_manifests(&work.join("manifests"), n, e);
     let mut backend_addrs = endpoint_ips(0, e);
     backend_addrs.extend(endpoint_ips(n - 1, e));
@@ -564,7 +577,10 @@ fn cell(args: &Args, bin: &Path, restore: &'static str, n: usize, e: usize) -> R
         work: work.clone(),
         backend_addrs,
     };
-    let mut nodes = vec![c.node(Mode::NoRules).unwrap()];
+    let mut nodes = vec![
+        c.node(Mode::NoRules).unwrap(),
+        c.node(Mode::NoRulesAgain).unwrap(),
+    ];
     let mut skipped = Vec::new();
     for mode in modes(args) {
         let anchor = matches!(mode, Mode::UpstreamNft | Mode::UpstreamIptables);
@@ -587,6 +603,7 @@ fn cell(args: &Args, bin: &Path, restore: &'static str, n: usize, e: usize) -> R
         services: n,
         endpoints: e,
         floor,
+        between_sandboxes: percentile(&samples[1][0], 0.5) - floor.0,
         modes: Vec::new(),
     };
     for mode in modes(args) {
@@ -624,14 +641,16 @@ fn print_table(args: &Args, restore: &str, rows: &[Row]) {
         args.rounds
     );
     println!();
-    let mut head = String::from("| services × endpoints | floor: no rules, median / p99 (µs) |");
+    let mut head = String::from(
+        "| services × endpoints | floor: no rules, median / p99 (µs) | a second no-rules sandbox: median − floor's |",
+    );
     for name in &names {
         head.push_str(&format!(
             " {name}: first | {name}: last | {name}: no service |"
         ));
     }
     println!("{head}");
-    println!("|---|---|{}", "---|".repeat(3 * names.len()));
+    println!("|---|---|---|{}", "---|".repeat(3 * names.len()));
     for row in rows {
         println!("{row}");
     }
