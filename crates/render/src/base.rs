@@ -2,7 +2,8 @@
 //! rejection, kubelet's guard) and the sets and maps the services fill.
 
 use super::chains::{
-    dispatch_set, lb_chain_state, lb_name, pick_chain_states, pick_over_set, Counts, LbKind,
+    dispatch_set, lb_chain_state, lb_name, pick_bit_set, pick_chain_states, pick_over_set, Counts,
+    LbKind,
 };
 use super::common::*;
 use super::names::*;
@@ -68,6 +69,10 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         for local in [false, true] {
             for group in 0..PICK_OVER_SETS[0].len() {
                 let name = pick_over_set(node_port, local, group);
+                t.add_set(plain_set(name, key.clone(), vec![]));
+            }
+            for bit in [4, 2, 1] {
+                let name = pick_bit_set(node_port, local, bit);
                 t.add_set(plain_set(name, key.clone(), vec![]));
             }
         }

@@ -179,12 +179,13 @@ pub(crate) fn pick_chain_name(node_port: bool, local: bool) -> &'static str {
 /// Counts one `pick` chain tries before it sends frontends with more endpoints on to the next chain.
 pub const PICK_GROUP: u32 = 8;
 
-/// The `pick` chain of the counts from `first` (1, 9, 17, 25) of a variant: `pick`, then `pick-9-16`, ….
-fn pick_group_chain(node_port: bool, local: bool, first: u32) -> String {
+/// The `pick` chain of the counts `first..=last` of a variant: `pick` for the first group of eight, else
+/// `pick-<first>-<last>` (`pick-9-16`, and within a group the halves its search goes to: `pick-5-8`, `pick-3-4`).
+fn pick_range_chain(node_port: bool, local: bool, first: u32, last: u32) -> String {
     let base = pick_chain_name(node_port, local);
-    match first {
-        1 => base.into(),
-        _ => format!("{base}-{first}-{}", first + PICK_GROUP - 1),
+    match (first, last) {
+        (1, 8) => base.into(),
+        _ => format!("{base}-{first}-{last}"),
     }
 }
 
@@ -193,12 +194,59 @@ pub(crate) fn pick_over_set(node_port: bool, local: bool, group: usize) -> &'sta
     PICK_OVER_SETS[usize::from(node_port) * 2 + usize::from(local)][group]
 }
 
+/// The set of frontends whose count n has `bit` (4, 2 or 1) set in `(n - 1) % PICK_GROUP`, for a variant.
+pub(crate) fn pick_bit_set(node_port: bool, local: bool, bit: u32) -> &'static str {
+    let column = match bit {
+        4 => 0,
+        2 => 1,
+        1 => 2,
+        _ => unreachable!("pick bits are 4, 2 and 1"),
+    };
+    PICK_BIT_SETS[usize::from(node_port) * 2 + usize::from(local)][column]
+}
+
 /// The shared `pick` chains of the skeleton, for one variant (`pick`, `pick-local`, `pick-np`,
-/// `pick-np-local`): for each count n ≤ `SHARED_COUNTS`, the uniform choice among the slots of region n, eight
-/// counts per chain. Each chain first sends the frontends with more endpoints (members of its `-over-<n>`
-/// set) to the next one, so a new connection walks at most 3 set lookups and 8 count rules (33 rules when
-/// one chain held every count: +5.6 µs for 32 endpoints), at the price of one lookup below 9.
+/// `pick-np-local`): for each count n ≤ `SHARED_COUNTS`, the uniform choice among the slots of region n.
+///
+/// A rule of count n makes one lookup in the endpoint map, which finds slots only for frontends of that
+/// count; a rule whose lookup misses costs a new connection about as much as one that hits. So no frontend
+/// tries a count that is not its own: each group of eight counts (`pick`, `pick-9-16`, …) first sends the
+/// frontends with more endpoints (its `-over-<n>` set) to the next group, then finds the count within its
+/// eight by a binary search on the `-bit-4`, `-bit-2` and `-bit-1` sets, ending in the count's rule. A new
+/// connection walks at most 3 + 3 set lookups and one endpoint-map lookup, whatever the count (when each
+/// chain tried its eight counts in turn: up to 3 set lookups and 8 count rules, but only 2 lookups for one
+/// endpoint; docs/performance.md compares the two).
 pub fn pick_chain_states(f: IpFamily, node_port: bool, local: bool) -> Vec<ChainState> {
+    let groups = SHARED_COUNTS / PICK_GROUP;
+    let mut chains = Vec::new();
+    for group in 0..groups {
+        let first = group * PICK_GROUP + 1;
+        let over = (group + 1 < groups).then(|| {
+            let next = pick_range_chain(
+                node_port,
+                local,
+                first + PICK_GROUP,
+                first + 2 * PICK_GROUP - 1,
+            );
+            (pick_over_set(node_port, local, group as usize), next)
+        });
+        pick_search(f, node_port, local, first, PICK_GROUP, over, &mut chains);
+    }
+    chains
+}
+
+/// The chain of the counts `first..first + width` (width 8, 4 or 2), and the chains of the upper halves its
+/// search goes to: `… @<bit set> goto <upper half>` for each half wider than one count, then the rule of
+/// count `first + 1` behind its `-bit-1` membership, then the rule of count `first`.
+fn pick_search(
+    f: IpFamily,
+    node_port: bool,
+    local: bool,
+    first: u32,
+    width: u32,
+    over: Option<(&'static str, String)>,
+    chains: &mut Vec<ChainState>,
+) {
     let kind = if node_port {
         LbKind::NodePort
     } else {
@@ -206,31 +254,43 @@ pub fn pick_chain_states(f: IpFamily, node_port: bool, local: bool) -> Vec<Chain
     };
     let (key, map) = endpoint_key(kind, f);
     let family = nft_family(f);
-    let groups = (SHARED_COUNTS / PICK_GROUP) as usize;
-    (0..groups)
-        .map(|group| {
-            let first = group as u32 * PICK_GROUP + 1;
-            let mut rules = Vec::new();
-            if group + 1 < groups {
-                let next = pick_group_chain(node_port, local, first + PICK_GROUP);
-                rules.push(
-                    RuleBuilder::new()
-                        .in_set(&key, pick_over_set(node_port, local, group), false)
-                        .verdict(Verdict::Goto(next.into()))
-                        .build(),
-                );
-            }
-            rules.extend((first..first + PICK_GROUP).map(|n| {
-                RuleBuilder::new()
-                    .dnat_map_offset(&key, n, region(n, local), map, family)
-                    .build()
-            }));
-            ChainState {
-                chain: Chain::regular(&pick_group_chain(node_port, local, first)),
-                rules,
-            }
-        })
-        .collect()
+    let guard = |set: &str| RuleBuilder::new().in_set(&key, set, false);
+    let count_rule = |start: RuleBuilder, n: u32| {
+        start
+            .dnat_map_offset(&key, n, region(n, local), map, family)
+            .build()
+    };
+    let mut rules = Vec::new();
+    if let Some((set, next)) = over {
+        rules.push(guard(set).verdict(Verdict::Goto(next.into())).build());
+    }
+    let mut half = width / 2;
+    while half > 1 {
+        let upper = first + half;
+        rules.push(
+            guard(pick_bit_set(node_port, local, half))
+                .verdict(Verdict::Goto(
+                    pick_range_chain(node_port, local, upper, upper + half - 1).into(),
+                ))
+                .build(),
+        );
+        pick_search(f, node_port, local, upper, half, None, chains);
+        half /= 2;
+    }
+    rules.push(count_rule(
+        guard(pick_bit_set(node_port, local, 1)),
+        first + 1,
+    ));
+    rules.push(count_rule(RuleBuilder::new(), first));
+    chains.push(ChainState {
+        chain: Chain::regular(&pick_range_chain(
+            node_port,
+            local,
+            first,
+            first + width - 1,
+        )),
+        rules,
+    });
 }
 
 /// The choice of an endpoint after `start`: a jump to the shared `pick` chain, or with an own count the

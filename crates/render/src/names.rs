@@ -164,13 +164,28 @@ pub(crate) const PICK_OVER_SETS: [[&str; 3]; 4] = [
     ],
 ];
 
+/// `pick…-bit-<b>`: the frontends (NodePorts) whose endpoint count n has bit b (4, 2, 1) set in `(n - 1) % 8`,
+/// its place within its `pick` chain's eight counts: the chain finds the rule of that count by these three
+/// lookups, a binary search, and makes a single lookup in the endpoint map (see `chains::pick_chain_states`).
+/// One row per `pick` chain, as `PICK_OVER_SETS`.
+pub(crate) const PICK_BIT_SETS: [[&str; 3]; 4] = [
+    ["pick-bit-4", "pick-bit-2", "pick-bit-1"],
+    ["pick-local-bit-4", "pick-local-bit-2", "pick-local-bit-1"],
+    ["pick-np-bit-4", "pick-np-bit-2", "pick-np-bit-1"],
+    [
+        "pick-np-local-bit-4",
+        "pick-np-local-bit-2",
+        "pick-np-local-bit-1",
+    ],
+];
+
 /// A set that service pieces put elements in, as one byte: a piece exists per element (~650k at 50k
 /// services), where a 16-byte `&str` cost ~10 MB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 39] = [
+const PIECE_SETS: [&str; 51] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -210,6 +225,18 @@ const PIECE_SETS: [&str; 39] = [
     PICK_OVER_SETS[3][0],
     PICK_OVER_SETS[3][1],
     PICK_OVER_SETS[3][2],
+    PICK_BIT_SETS[0][0],
+    PICK_BIT_SETS[0][1],
+    PICK_BIT_SETS[0][2],
+    PICK_BIT_SETS[1][0],
+    PICK_BIT_SETS[1][1],
+    PICK_BIT_SETS[1][2],
+    PICK_BIT_SETS[2][0],
+    PICK_BIT_SETS[2][1],
+    PICK_BIT_SETS[2][2],
+    PICK_BIT_SETS[3][0],
+    PICK_BIT_SETS[3][1],
+    PICK_BIT_SETS[3][2],
 ];
 
 impl PieceSet {
@@ -244,6 +271,7 @@ impl PieceSet {
         .contains(&self.name())
             || PICK_OVER_SETS[2..]
                 .iter()
+                .chain(&PICK_BIT_SETS[2..])
                 .flatten()
                 .any(|s| *s == self.name())
     }

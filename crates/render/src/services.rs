@@ -255,10 +255,17 @@ impl FamilyPieces<'_> {
             true => MAP_NODEPORT_ENDPOINTS,
             false => MAP_SERVICE_ENDPOINTS,
         };
-        if lb.set.is_some() {
-            // More than 8 endpoints: one `-over-` set per chain of eight counts passed.
-            for group in 0..(eps.len().saturating_sub(1) / PICK_GROUP as usize) {
-                self.member(pick_over_set(node_port, local, group), key);
+        if lb.set.is_some() && !eps.is_empty() {
+            // The frontend's way through the `pick` chains to the rule of its count: one `-over-` set per
+            // group of eight counts passed, then the `-bit-` sets of its place within its group.
+            let place = (eps.len() - 1) as u32;
+            for group in 0..place / PICK_GROUP {
+                self.member(pick_over_set(node_port, local, group as usize), key);
+            }
+            for bit in [4, 2, 1] {
+                if (place % PICK_GROUP) & bit != 0 {
+                    self.member(pick_bit_set(node_port, local, bit), key);
+                }
             }
         }
         let first = region(eps.len() as u32, local);
@@ -629,7 +636,7 @@ mod tests {
             SET_NO_LOCAL_ENDPOINTS,
             SET_NO_LOCAL_NODEPORTS,
         ];
-        data_sets.extend(PICK_OVER_SETS.iter().flatten());
+        data_sets.extend(PICK_OVER_SETS.iter().chain(&PICK_BIT_SETS).flatten());
         for (etp, itp) in [
             (TrafficPolicy::Cluster, TrafficPolicy::Cluster),
             (TrafficPolicy::Local, TrafficPolicy::Local),
@@ -667,22 +674,50 @@ mod tests {
         }
     }
 
-    /// A frontend with n endpoints is in the `-over-` sets of the `pick` chains it passes, and only the rule
-    /// of count n in the chain it ends in finds its slots.
+    /// The walk of a new connection through the rendered `pick` chains, as the kernel takes it: a rule
+    /// `… @<set> goto <chain>` or `… @<set> dnat …` applies when the frontend is in the set (the table holds
+    /// one frontend, so: when the set has an element). Returns the `numgen … mod n` of the one count rule
+    /// reached and the number of set lookups made on the way.
+    fn walk_pick(t: &TableState) -> (u32, usize) {
+        let text = nftkube_nft::text::render_table(t);
+        let chain_body = |name: &str| -> Vec<String> {
+            let body = text
+                .split(&format!("chain {name} {{\n"))
+                .nth(1)
+                .and_then(|rest| rest.split("\n\t}").next())
+                .unwrap_or_else(|| panic!("no chain {name}:\n{text}"));
+            body.lines().map(|l| l.trim().to_owned()).collect()
+        };
+        let mut chain = "pick".to_owned();
+        let mut lookups = 0;
+        'chains: loop {
+            for rule in chain_body(&chain) {
+                if let Some(set) = rule.split(" @").nth(1).and_then(|r| r.split(' ').next()) {
+                    if !rule.starts_with("dnat") {
+                        lookups += 1;
+                        if t.sets[set].elements.is_empty() {
+                            continue;
+                        }
+                    }
+                }
+                if let Some(next) = rule.split(" goto ").nth(1) {
+                    chain = next.to_owned();
+                    continue 'chains;
+                }
+                let n = rule.split("numgen random mod ").nth(1).unwrap();
+                return (n.split(' ').next().unwrap().parse().unwrap(), lookups);
+            }
+            panic!("the walk fell out of chain {chain}");
+        }
+    }
+
+    /// A frontend with n ≤ 32 endpoints reaches the rule of count n, and no other count rule: its `-over-` and
+    /// `-bit-` memberships lead it there in at most six set lookups.
     #[test]
-    fn frontends_past_eight_endpoints_skip_the_pick_chains_of_fewer() {
+    fn every_shared_count_walks_to_its_own_rule_alone() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
-        for (n, over) in [
-            (1, 0),
-            (8, 0),
-            (9, 1),
-            (16, 1),
-            (17, 2),
-            (25, 3),
-            (32, 3),
-            (33, 0),
-        ] {
+        for n in 1..=33u32 {
             let eps: Vec<_> = (1..=n)
                 .map(|i| ep(&format!("10.0.1.{i}"), 80, true))
                 .collect();
@@ -692,23 +727,20 @@ mod tests {
                 &RenderConfig::default(),
             )[0];
             let holds = |set: &str| !t.sets[set].elements.is_empty();
-            let passed: Vec<bool> = PICK_OVER_SETS[0].iter().map(|s| holds(s)).collect();
-            let expected: Vec<bool> = (0..3).map(|g| g < over).collect();
-            assert_eq!(passed, expected, "{n} endpoints");
-            assert!(PICK_OVER_SETS[1..].iter().flatten().all(|s| !holds(s)));
+            let over: Vec<bool> = PICK_OVER_SETS[0].iter().map(|s| holds(s)).collect();
+            let expected: Vec<bool> = (0..3).map(|g| n <= 32 && n > 8 * (g + 1)).collect();
+            assert_eq!(over, expected, "{n} endpoints");
+            assert!(PICK_OVER_SETS[1..]
+                .iter()
+                .chain(&PICK_BIT_SETS[1..])
+                .flatten()
+                .all(|s| !holds(s)));
             if n <= 32 {
-                let chain = match over {
-                    0 => "pick".to_string(),
-                    g => format!("pick-{}-{}", 8 * g + 1, 8 * g + 8),
-                };
-                let mod_n = format!("numgen random mod {n} offset");
-                let text = nftkube_nft::text::render_table(t);
-                let in_chain = text
-                    .split(&format!("chain {chain} {{"))
-                    .nth(1)
-                    .and_then(|rest| rest.split("\n\t}").next())
-                    .unwrap_or_else(|| panic!("no chain {chain}:\n{text}"));
-                assert!(in_chain.contains(&mod_n), "{n} endpoints: {in_chain}");
+                let (reached, lookups) = walk_pick(t);
+                assert_eq!(reached, n, "{n} endpoints");
+                assert!(lookups <= 6, "{n} endpoints: {lookups} set lookups");
+            } else {
+                assert!(PICK_BIT_SETS[0].iter().all(|s| !holds(s)), "{n} endpoints");
             }
         }
     }

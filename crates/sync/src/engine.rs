@@ -935,8 +935,8 @@ mod tests {
         kernel_matches(&e.backend, &w, &e.unused_chains);
         assert!(r.changes <= 4, "{r:?}");
 
-        // An endpoint added to b: its slots move to the region of two, and nothing else changes (issue 14
-        // part 6: no verdict element, no chain).
+        // An endpoint added to b: its slots move to the region of two, it joins `pick-bit-1` (the way to the
+        // rule of two), and nothing else changes (issue 14 part 6: no verdict element, no chain).
         w.set(
             port("b", "10.96.0.2", Protocol::Udp),
             eps(&["10.0.0.4", "10.0.0.5"]),
@@ -944,8 +944,8 @@ mod tests {
         let r = w.partial(&mut e, &[&b]);
         kernel_matches(&e.backend, &w, &e.unused_chains);
         assert_eq!(
-            r.changes, 3,
-            "slots out, slots in, its hairpin element: {r:?}"
+            r.changes, 4,
+            "slots out, slots in, its hairpin element, its pick-bit-1 element: {r:?}"
         );
 
         // b gains ClientIP affinity: `affinity-60` comes (`lb-aff` is the skeleton's); without it again, it
