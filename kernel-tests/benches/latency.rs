@@ -23,7 +23,10 @@
 //! empty skips part 1), ENDPOINTS per service, CHANGES (0 skips part 2), CHURN_SECONDS. Root (namespaces);
 //! the release binary must be built (`cargo build --release --bins`), or named by `NFTKUBE_BIN`.
 //! `NFTKUBE_BENCH_COLD_SOURCES` (comma-separated, of `yaml`, `json`, `api`; default all three) picks the cold
-//! runs' sources; the library's anchor always runs.
+//! runs' sources; the library's anchor always runs. `NFTKUBE_BENCH_API_OBJECTS=served` has the fake API serve
+//! its objects as kube-apiserver does (below, `as_served`): `managedFields` and a uid on every object, a
+//! `targetRef` on every endpoint, the defaulted spec fields; by default it serves them bare, as the manifests
+//! hold them.
 
 use kernel_tests::fake_api::FakeApi;
 use kernel_tests::sandbox::{self, parse_answer, tcp_request_here, Sandbox};
@@ -230,14 +233,85 @@ impl Cluster {
     }
 
     fn load_api(&self, api: &FakeApi) {
+        let served = std::env::var("NFTKUBE_BENCH_API_OBJECTS").as_deref() == Ok("served");
         for i in 0..self.n {
-            api.apply(Self::service_json(i));
-            api.apply(self.slice_json(i, 0));
+            let (mut svc, mut slice) = (Self::service_json(i), self.slice_json(i, 0));
+            if served {
+                as_served(&mut svc, i);
+                as_served(&mut slice, i);
+            }
+            api.apply(svc);
+            api.apply(slice);
         }
         api.apply(
             json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
                          "spec": {}, "status": {"addresses": []}}),
         );
+    }
+}
+
+/// An object as kube-apiserver serves it: a uid, a creation time, the `managedFields` of its writer (a
+/// controller's or `kubectl apply`'s field tree), and what the API defaults or the controllers add (a
+/// Service's defaulted spec fields and status; a slice's managed-by label, owner and each endpoint's
+/// `targetRef` and full conditions). None of it is read by the proxy but the creation time.
+fn as_served(v: &mut Value, i: usize) {
+    let kind = v["kind"].as_str().unwrap().to_owned();
+    let meta = &mut v["metadata"];
+    meta["uid"] = json!(format!("00000000-0000-4000-8000-{i:012}"));
+    meta["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    let fields = if kind == "Service" {
+        json!({"f:metadata": {"f:annotations": {".": {}, "f:kubectl.kubernetes.io/last-applied-configuration": {}}},
+               "f:spec": {"f:internalTrafficPolicy": {}, "f:ports": {".": {}, "k:{\"port\":80,\"protocol\":\"TCP\"}":
+                   {".": {}, "f:name": {}, "f:port": {}, "f:protocol": {}, "f:targetPort": {}}},
+                   "f:selector": {}, "f:sessionAffinity": {}, "f:type": {}}})
+    } else {
+        json!({"f:addressType": {}, "f:endpoints": {}, "f:metadata": {"f:generateName": {}, "f:labels": {".": {},
+               "f:endpointslice.kubernetes.io/managed-by": {}, "f:kubernetes.io/service-name": {}},
+               "f:ownerReferences": {".": {}, "k:{\"uid\":\"u\"}": {}}}, "f:ports": {}})
+    };
+    let manager = if kind == "Service" {
+        "kubectl-client-side-apply"
+    } else {
+        "kube-controller-manager"
+    };
+    meta["managedFields"] = json!([{"manager": manager, "operation": "Update", "apiVersion": "v1",
+                                    "time": "2026-01-01T00:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": fields}]);
+    if kind == "Service" {
+        let spec = v["spec"].clone();
+        v["metadata"]["annotations"] = json!({"kubectl.kubernetes.io/last-applied-configuration":
+            json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": v["metadata"]["name"],
+                   "namespace": v["metadata"]["namespace"]}, "spec": spec}).to_string()});
+        let spec = &mut v["spec"];
+        spec["selector"] = json!({"app": format!("app-{i}")});
+        spec["type"] = json!("ClusterIP");
+        spec["sessionAffinity"] = json!("None");
+        spec["ipFamilies"] = json!(["IPv4"]);
+        spec["ipFamilyPolicy"] = json!("SingleStack");
+        spec["internalTrafficPolicy"] = json!("Cluster");
+        v["status"] = json!({"loadBalancer": {}});
+    } else {
+        let meta = &mut v["metadata"];
+        meta["generateName"] = json!(format!(
+            "{}-",
+            meta["labels"]["kubernetes.io/service-name"]
+                .as_str()
+                .unwrap()
+        ));
+        meta["labels"]["endpointslice.kubernetes.io/managed-by"] =
+            json!("endpointslice-controller.k8s.io");
+        meta["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "Service", "controller": true,
+            "blockOwnerDeletion": true, "name": meta["labels"]["kubernetes.io/service-name"], "uid": "u"}]);
+        let namespace = meta["namespace"].clone();
+        for (j, e) in v["endpoints"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .enumerate()
+        {
+            e["conditions"] = json!({"ready": true, "serving": true, "terminating": false});
+            e["targetRef"] = json!({"kind": "Pod", "namespace": namespace, "name": format!("app-{i}-{j:05}"),
+                                    "uid": format!("00000000-0000-4000-8001-{i:06}{j:06}")});
+        }
     }
 }
 
