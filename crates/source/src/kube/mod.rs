@@ -38,6 +38,7 @@
 
 mod coordinator;
 mod events;
+mod lean;
 mod recorder;
 mod service_cidrs;
 mod service_wire;

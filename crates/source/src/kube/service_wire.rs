@@ -1,16 +1,16 @@
 //! A Service as the API watcher reads it: k8s-openapi's `Service`, but its metadata read as the lean
-//! EndpointSlice's is ([`super::slice_wire::lean_meta`]: name, namespace, labels, annotations,
+//! EndpointSlice's is ([`super::lean::lean_meta`]: name, namespace, labels, annotations,
 //! resourceVersion and creationTimestamp). The API server sends every object with its `managedFields`, which
 //! k8s-openapi's type builds into a vector of entries, each with a JSON tree: for a Service that is often
 //! more than the spec and status together, and the proxy never reads it. The spec and status keep
 //! k8s-openapi's types, so the conversion ([`crate::convert::service_ports`]) and its checks are the ones
 //! the manifests' Services go through.
 
-use std::borrow::Cow;
-
 use k8s_openapi::api::core::v1::{Service, ServiceSpec, ServiceStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Deserializer};
+
+use super::lean::{lean_meta, resource_as};
 
 /// core/v1 Service, read for the proxy; `.0` is what the conversion takes.
 #[derive(Debug, Clone)]
@@ -19,7 +19,7 @@ pub(crate) struct WireService(pub(crate) Service);
 /// The fields a [`WireService`] is read from.
 #[derive(Deserialize)]
 struct Fields {
-    #[serde(default, deserialize_with = "super::slice_wire::lean_meta")]
+    #[serde(default, deserialize_with = "lean_meta")]
     metadata: ObjectMeta,
     spec: Option<ServiceSpec>,
     status: Option<ServiceStatus>,
@@ -36,29 +36,7 @@ impl<'de> Deserialize<'de> for WireService {
     }
 }
 
-impl kube::Resource for WireService {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Service".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "services".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.0.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.0.metadata
-    }
-}
+resource_as!(WireService, Service, 0.metadata);
 
 #[cfg(test)]
 mod tests {

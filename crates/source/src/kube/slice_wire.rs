@@ -10,12 +10,13 @@
 //! manifests ([`crate::convert::slice_fields_sharing`]), and a field of the wrong type still fails the page
 //! as it did with k8s-openapi's types.
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
+use k8s_openapi::api::discovery::v1::{
+    EndpointConditions, EndpointHints, EndpointPort, EndpointSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Deserialize;
 
-use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointHints, EndpointPort};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use serde::{Deserialize, Deserializer};
+use super::lean::{lean_meta, null_as_default, resource_as};
 
 use crate::convert::{self, EndpointFields, SliceFields};
 use nftkube_model::Topology;
@@ -76,65 +77,7 @@ impl EndpointFields for WireEndpoint {
     }
 }
 
-/// The metadata a [`WireSlice`] (and a [`super::service_wire::WireService`]) keeps; `managedFields`, often the
-/// larger part of an object the API server sends, is skipped unread.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct LeanMeta {
-    name: Option<String>,
-    namespace: Option<String>,
-    labels: Option<BTreeMap<String, String>>,
-    annotations: Option<BTreeMap<String, String>>,
-    resource_version: Option<String>,
-    /// Ranks Services claiming one frontend (a slice's is read and not used: one timestamp).
-    creation_timestamp: Option<Time>,
-}
-
-/// A field that is absent or `null` reads as its default, as k8s-openapi reads every one of these.
-fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(
-    d: D,
-) -> Result<T, D::Error> {
-    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
-
-pub(super) fn lean_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
-    let Some(m) = Option::<LeanMeta>::deserialize(d)? else {
-        return Ok(ObjectMeta::default());
-    };
-    Ok(ObjectMeta {
-        name: m.name,
-        namespace: m.namespace,
-        labels: m.labels,
-        annotations: m.annotations,
-        resource_version: m.resource_version,
-        creation_timestamp: m.creation_timestamp,
-        ..ObjectMeta::default()
-    })
-}
-
-impl kube::Resource for WireSlice {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "EndpointSlice".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "discovery.k8s.io".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "endpointslices".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+resource_as!(WireSlice, EndpointSlice, metadata);
 
 #[cfg(test)]
 mod tests {
