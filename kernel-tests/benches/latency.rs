@@ -30,7 +30,7 @@
 
 use kernel_tests::fake_api::FakeApi;
 use kernel_tests::sandbox::{self, parse_answer, tcp_request_here, Sandbox};
-use kernel_tests::{command_in, require_root, BACKEND_TCP_PORT};
+use kernel_tests::{require_root, BACKEND_TCP_PORT};
 use nftkube::model::*;
 use nftkube::nft::netlink::NftSocket;
 use nftkube::render::{self, RenderConfig};
@@ -345,7 +345,7 @@ enum Source<'a> {
 
 impl Agent {
     fn start(bin: &Path, ns: &NetNs, source: Source, cluster_cidr: &str) -> Agent {
-        let mut cmd = command_in(ns, bin);
+        let mut cmd = ns.command(bin);
         cmd.args(["--log-level", "info", "proxy"]);
         match source {
             Source::Manifests(dir) => cmd.arg("--manifests").arg(dir),

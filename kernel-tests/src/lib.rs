@@ -73,14 +73,10 @@ pub fn sandbox(tag: &str, backends: usize) -> Sandbox {
     sb
 }
 
-/// A command that runs inside `ns`: the child enters the namespace between fork and exec.
-pub fn command_in(ns: &NetNs, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    ns.command(program)
-}
-
 /// Runs `nftkube ARGS` in `ns` to completion; whatever it left in the kernel must satisfy the listing invariant.
 pub fn nftkube_in(ns: &NetNs, args: &[&str]) -> Output {
-    let out = command_in(ns, nftkube_bin())
+    let out = ns
+        .command(nftkube_bin())
         .args(args)
         .output()
         .expect("running nftkube");
@@ -121,7 +117,8 @@ pub fn nft_list_ruleset(ns: &NetNs) -> (bool, String) {
             })
             .expect("entering the namespace");
     }
-    let out = command_in(ns, "nft")
+    let out = ns
+        .command("nft")
         .args(["list", "ruleset"])
         .output()
         .expect("running nft (apt-get install nftables)");
@@ -136,7 +133,8 @@ pub fn nft_list_ruleset(ns: &NetNs) -> (bool, String) {
 /// Adds an empty table that is not ours (`nft add table FAMILY NAME`; without oracles, through our netlink).
 pub fn add_foreign_table(ns: &NetNs, family: Family, name: &str) {
     if oracles() {
-        let status = command_in(ns, "nft")
+        let status = ns
+            .command("nft")
             .args(["add", "table", family.as_str(), name])
             .status()
             .expect("running nft (apt-get install nftables)");
@@ -177,7 +175,7 @@ pub struct Agent {
 impl Agent {
     /// Starts `nftkube proxy --manifests DIR` in `ns` with the sandbox's cluster CIDRs and `extra` flags.
     pub fn start(ns: &NetNs, manifests: &Path, extra: &[&str]) -> Agent {
-        let mut cmd = command_in(ns, nftkube_bin());
+        let mut cmd = ns.command(nftkube_bin());
         cmd.args(proxy_args(manifests, extra));
         Agent::spawn(cmd, ns)
     }
@@ -185,7 +183,7 @@ impl Agent {
     /// Starts `nftkube proxy --master URL` in `ns` against a fake API server, as node-1 with the sandbox's
     /// cluster CIDRs and `extra` flags.
     pub fn start_api(ns: &NetNs, api: &fake_api::FakeApi, extra: &[&str]) -> Agent {
-        let mut cmd = command_in(ns, nftkube_bin());
+        let mut cmd = ns.command(nftkube_bin());
         cmd.args(proxy_args_from(
             &["--master".into(), api.url().into()],
             extra,
@@ -553,7 +551,8 @@ pub fn nft_script(ns: &NetNs, script: &str) {
 /// building the state a test needs). Panics if it cannot run or refuses the input.
 pub fn feed(ns: &NetNs, program: &str, args: &[&str], input: &str) {
     use std::io::Write;
-    let mut child = command_in(ns, program)
+    let mut child = ns
+        .command(program)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

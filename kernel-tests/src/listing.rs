@@ -6,7 +6,6 @@
 //! Operators, firewall managers and other agents on a node list the ruleset; a state they cannot list or
 //! reload breaks them even though the kernel accepted it, and no traffic test notices.
 
-use crate::command_in;
 use nftkube_sandbox::netns::{unique_name, NetNs};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::ExitStatusExt;
@@ -197,7 +196,8 @@ fn run(ns: &NetNs, nft: &Nft, args: &[&str]) -> Run {
 /// the same for the same fault every time).
 fn run_with_input(ns: &NetNs, nft: &Nft, args: &[&str], input: &str) -> Run {
     use std::io::Write;
-    let mut child = command_in(ns, &nft.program)
+    let mut child = ns
+        .command(&nft.program)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

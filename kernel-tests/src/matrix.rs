@@ -241,7 +241,7 @@ pub fn start_agent(sb: &sandbox::Sandbox, m: &crate::Manifests, variant: Variant
     const SYNC: std::time::Duration = std::time::Duration::from_secs(15);
     let mut args = crate::proxy_args(&m.dir, &[]);
     variant.apply(&mut args);
-    let mut cmd = crate::command_in(sb.node(), crate::nftkube_bin());
+    let mut cmd = sb.node().command(crate::nftkube_bin());
     cmd.args(args);
     let agent = crate::Agent::spawn(cmd, sb.node());
     agent.wait_syncs(1, SYNC);

@@ -749,7 +749,7 @@ fn no_process_is_spawned_during_full_and_partial_syncs_repairs_and_cleanup() {
     let m = Manifests::examples();
     // --sync-period 1: periodic full resyncs (which read the kernel back: --full-read-period 0) while it is
     // traced.
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(proxy_args(
         &m.dir,
         &["--sync-period", "1", "--full-read-period", "0"],
@@ -798,7 +798,7 @@ fn no_process_is_spawned_during_full_and_partial_syncs_repairs_and_cleanup() {
     );
 
     let mut cleanup = Traced::spawn({
-        let mut c = command_in(sb.node(), nftkube_bin());
+        let mut c = sb.node().command(nftkube_bin());
         c.arg("cleanup");
         c
     });

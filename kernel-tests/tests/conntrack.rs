@@ -323,7 +323,9 @@ fn removed_endpoint_moves_the_flow_to_a_survivor_within_one_sync() {
     assert_ne!(moved.reply, stale.reply);
 
     // The conntrack tool sees the same UDP flows to echo as our dump.
-    let out = command_in(sb.node(), "conntrack")
+    let out = sb
+        .node()
+        .command("conntrack")
         .args(["-L", "-p", "udp", "--orig-dst", ECHO_V4])
         .output()
         .expect("running conntrack (apt-get install conntrack)");

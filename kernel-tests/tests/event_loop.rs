@@ -88,7 +88,8 @@ fn a_closed_log_pipe_loses_the_log_and_nothing_else() {
     let sb = sandbox("nk-evpipe", 3);
     let m = Manifests::examples();
     let mut agent = Running(
-        command_in(sb.node(), nftkube_bin())
+        sb.node()
+            .command(nftkube_bin())
             .args(proxy_args(&m.dir, &["--sync-period", "1s"]))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -355,7 +355,9 @@ fn assert_default_routes_are_multipath(sb: &sandbox::Sandbox) {
         return;
     }
     for family in ["-4", "-6"] {
-        let out = command_in(sb.node(), "ip")
+        let out = sb
+            .node()
+            .command("ip")
             .args([family, "route", "show", "default"])
             .output()
             .expect("running ip (apt-get install iproute2)");

@@ -186,7 +186,7 @@ fn a_pod_holding_hundreds_of_idle_connections_cannot_starve_health_probes() {
     let m = Manifests::examples();
     m.write("lb.yaml", &local_load_balancer(HC_PORT, 30161));
     let healthz_on_all = format!("0.0.0.0:{HEALTHZ_PORT}");
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(proxy_args(
         &m.dir,
         &["--healthz-bind-address", &healthz_on_all],

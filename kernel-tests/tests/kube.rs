@@ -481,7 +481,7 @@ fn config_file_and_flags_resolve_like_kube_proxy() {
         ),
     )
     .unwrap();
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(["--log-level", "debug", "proxy", "--config"])
         .arg(&config)
         .args(["--metrics-bind-address", "127.0.0.1:30249"]);
@@ -602,7 +602,7 @@ fn cap_net_admin_is_the_only_capability_needed() {
                  "ports": [{"name": "tcp", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30151}]}}));
     api.apply(slice("lb-1", "lb", &[1], "node-1"));
     let cidrs = format!("{},{}", sandbox::CLUSTER_CIDR_V4, sandbox::CLUSTER_CIDR_V6);
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(["--log-level", "debug", "proxy", "--master", &api.url()])
         .args(["--hostname-override", "node-1", "--cluster-cidr", &cidrs])
         .args(["--min-sync-period", "0.2"]);

@@ -120,7 +120,8 @@ struct Listing {
 }
 
 fn listing(ns: &NetNs) -> Listing {
-    let out = command_in(ns, "nft")
+    let out = ns
+        .command("nft")
         .args(["-j", "list", "ruleset"])
         .output()
         .expect("running nft");
@@ -153,7 +154,8 @@ fn listing(ns: &NetNs) -> Listing {
 }
 
 fn run_cleanup(ns: &NetNs) -> String {
-    let out = command_in(ns, nftkube_bin())
+    let out = ns
+        .command(nftkube_bin())
         .args(["cleanup", "--kube-proxy"])
         .output()
         .expect("running nftkube");
@@ -173,7 +175,7 @@ fn kube_proxys_leftovers_go_under_traffic_and_nothing_else_does() {
     let m = Manifests::examples();
     // Without the listing invariant: iptables-nft's tables (xtables matches) never reload with nft.
     let mut agent = Agent::spawn_unlisted({
-        let mut cmd = command_in(node, nftkube_bin());
+        let mut cmd = node.command(nftkube_bin());
         cmd.args(proxy_args(&m.dir, &[]));
         cmd
     });

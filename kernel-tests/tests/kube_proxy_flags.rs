@@ -128,7 +128,7 @@ fn a_changed_config_file_ends_the_agent_and_json_logging_comes_from_it() {
         sandbox::CLUSTER_CIDR_V4
     );
     std::fs::write(&config, &text).unwrap();
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.arg("proxy")
         .arg("--config")
         .arg(&config)

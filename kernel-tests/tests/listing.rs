@@ -4,7 +4,7 @@
 //! like a ruleset that is always fine.
 
 use kernel_tests::listing::{listing_problems, nfts, Faults};
-use kernel_tests::{command_in, require_root};
+use kernel_tests::require_root;
 use nftkube::nft::build::{Field, RuleBuilder};
 use nftkube::nft::ir::*;
 use nftkube::nft::netlink::NftSocket;
@@ -107,7 +107,8 @@ fn scratch() -> NetNs {
 fn load(ns: &NetNs, i: usize, ruleset: &str) {
     use std::io::Write;
     let nft = &nfts()[i];
-    let mut child = command_in(ns, &nft.program)
+    let mut child = ns
+        .command(&nft.program)
         .args(["-f", "-"])
         .stdin(std::process::Stdio::piped())
         .spawn()

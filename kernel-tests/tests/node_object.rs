@@ -57,7 +57,7 @@ fn load(api: &FakeApi, texts: &[String]) {
 
 /// `nftkube proxy --master URL` as node-1, without the sandbox's cluster CIDRs (the Node's podCIDRs stand in).
 fn start_agent(ns: &NetNs, api: &FakeApi, extra: &[&str]) -> Agent {
-    let mut cmd = command_in(ns, nftkube_bin());
+    let mut cmd = ns.command(nftkube_bin());
     cmd.args(["--log-level", "debug", "proxy", "--master", &api.url()]);
     cmd.args(["--hostname-override", "node-1", "--min-sync-period", "0.2"]);
     cmd.args(extra);

@@ -93,7 +93,7 @@ impl Node {
         att: Option<(&Container, &str)>,
         conf: &Value,
     ) -> (bool, Value) {
-        let mut cmd = command_in(self.ns(), program);
+        let mut cmd = self.ns().command(program);
         cmd.env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("CNI_COMMAND", command)
@@ -938,7 +938,7 @@ fn bad_configs_are_refused_naming_the_field_and_change_nothing() {
     for (conf, code, field) in cases {
         // Through `nftkube portmap`, the agent binary's subcommand (kept for nodes set up before
         // nftkube-portmap).
-        let mut cmd = command_in(node.ns(), nftkube_bin());
+        let mut cmd = node.ns().command(nftkube_bin());
         cmd.arg("portmap")
             .env("CNI_COMMAND", "ADD")
             .env("CNI_CONTAINERID", &c2.id)
@@ -1122,7 +1122,8 @@ impl Podman {
     fn run(&self, args: &[&str]) -> String {
         let ns = NetNs::open_existing(&self.ns_name).expect("the node namespace");
         assert_eq!(ns.path(), self.ns_path);
-        let out = command_in(&ns, "podman")
+        let out = ns
+            .command("podman")
             .args(args)
             .env("CONTAINERS_CONF", self.dir.join("containers.conf"))
             .env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
@@ -1148,7 +1149,8 @@ impl Drop for Removal<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let ns = NetNs::open_existing(&self.pod.ns_name).expect("the node namespace");
-            let _ = command_in(&ns, "podman")
+            let _ = ns
+                .command("podman")
                 .args(["rm", "-f", "-t", "0", self.name])
                 .env("CONTAINERS_CONF", self.pod.dir.join("containers.conf"))
                 .env("CONTAINERS_STORAGE_CONF", self.pod.dir.join("storage.conf"))
@@ -1342,7 +1344,9 @@ fn flush_plugin_tables(node: &Node) {
 
 /// Runs `nftkube-portmap restore` in the node's namespace; its success and output.
 fn restore(node: &Node) -> (bool, String) {
-    let out = command_in(node.ns(), portmap_bin())
+    let out = node
+        .ns()
+        .command(portmap_bin())
         .arg("restore")
         .output()
         .expect("running nftkube-portmap restore");

@@ -91,7 +91,9 @@ fn ask(sb: &Sandbox, sport: u16) -> usize {
 /// `nft delete table ip nftkube` in the node namespace (without oracles: the same through our netlink).
 fn delete_table(sb: &Sandbox) {
     if oracles() {
-        let status = command_in(sb.node(), "nft")
+        let status = sb
+            .node()
+            .command("nft")
             .args(["delete", "table", "ip", "nftkube"])
             .status()
             .expect("running nft (apt-get install nftables)");

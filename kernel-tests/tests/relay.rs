@@ -743,7 +743,7 @@ fn agent_with_nofile_limit(
     extra: &[&str],
 ) -> Agent {
     use std::os::unix::process::CommandExt;
-    let mut cmd = command_in(ns, nftkube_bin());
+    let mut cmd = ns.command(nftkube_bin());
     cmd.args(proxy_args(manifests, extra));
     // SAFETY: runs in the forked child before exec and only calls setrlimit, which is async-signal-safe.
     unsafe {

@@ -64,7 +64,7 @@ fn service_cidrs_from_the_api_drop_unallocated_addresses_and_follow_the_objects(
     }
     // The resource is forbidden at first (an older ClusterRole): the agent syncs all the same.
     api.fail(Resource::ServiceCidrs, Some(403));
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(proxy_args_from(&["--master".into(), api.url().into()], &[]));
     let agent = Agent::spawn(cmd, sb.node());
     let echo = addr("10.96.0.10", 80);

@@ -160,7 +160,7 @@ fn the_api_source_reads_leading_zeros_closes_on_an_unreadable_restriction_and_wi
            "status": {"addresses": [{"type": "InternalIP", "address": "192.168.200.1"}]}}),
     );
     apply_manifest(&api, &manifest("", POD1));
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     cmd.args(proxy_args_from(&["--master".into(), api.url().into()], &[]));
     let agent = Agent::spawn(cmd, sb.node());
     wait_until(SYNC, || served(sb.ext(), lb) && served(sb.client(), lb))

@@ -285,7 +285,9 @@ fn traffic_back(sb: &sandbox::Sandbox, agent: &Agent, what: &str, fault: SystemT
 
 /// Every table in the node namespace, as `FAMILY NAME`.
 fn tables(sb: &sandbox::Sandbox) -> Vec<String> {
-    let out = command_in(sb.node(), "nft")
+    let out = sb
+        .node()
+        .command("nft")
         .args(["list", "tables"])
         .output()
         .expect("running nft");

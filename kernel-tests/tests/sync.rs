@@ -39,7 +39,7 @@ fn deleted_or_flushed_tables_are_repaired_within_a_second() {
         ("dispatch set flushed", "flush set ip nftkube lb-ips"),
         ("chain flushed", "flush chain ip nftkube services"),
     ] {
-        let status = command_in(sb.node(), "nft").arg(cmd).status().unwrap();
+        let status = sb.node().command("nft").arg(cmd).status().unwrap();
         assert!(status.success(), "nft {cmd}");
         let broken_at = Instant::now();
         // Fresh connections each time; the first ones fail while the table is broken.

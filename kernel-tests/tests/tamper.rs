@@ -20,7 +20,9 @@ fn echo() -> SocketAddr {
 
 /// `nft -a list chain ip nftkube CHAIN`.
 fn list_chain_with_handles(sb: &sandbox::Sandbox, chain: &str) -> String {
-    let out = command_in(sb.node(), "nft")
+    let out = sb
+        .node()
+        .command("nft")
         .args(["-a", "list", "chain", "ip", "nftkube", chain])
         .output()
         .expect("running nft");

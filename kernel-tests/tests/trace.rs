@@ -105,7 +105,8 @@ fn packet_args(src: Source, policy: Policy, dest: Dest) -> Vec<String> {
 
 /// `nftkube trace ARGS` in the node's namespace; panics unless it succeeds with JSON.
 fn trace_json(ns: &nftkube_sandbox::netns::NetNs, args: &[String]) -> Value {
-    let out = command_in(ns, nftkube_bin())
+    let out = ns
+        .command(nftkube_bin())
         .args(args)
         .output()
         .expect("running nftkube trace");
@@ -295,7 +296,8 @@ fn start_live(
             std::process::Stdio::null()
         }
     };
-    let child = command_in(ns, nftkube_bin())
+    let child = ns
+        .command(nftkube_bin())
         .args(args)
         .stdout(output())
         .stderr(output())
@@ -602,7 +604,9 @@ fn portmap(sb: &kernel_tests::sandbox::Sandbox, command: &str, mappings: Value) 
                      "gateway": sandbox::pod_gateway_v4(1).to_string()}]
         }
     });
-    let mut child = command_in(sb.node(), portmap_bin())
+    let mut child = sb
+        .node()
+        .command(portmap_bin())
         .env("CNI_COMMAND", command)
         .env("CNI_CONTAINERID", "trace-container")
         .env("CNI_NETNS", pod.path())

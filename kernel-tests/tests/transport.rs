@@ -156,7 +156,7 @@ fn a_socket_opened_without_cap_net_admin_is_refused_promptly_then_replaced() {
 fn the_agent_without_cap_net_admin_logs_the_refusal_keeps_retrying_and_stops_on_sigterm() {
     let sb = sandbox("nk-nocap", 1);
     let m = Manifests::examples();
-    let mut cmd = command_in(sb.node(), nftkube_bin());
+    let mut cmd = sb.node().command(nftkube_bin());
     // SAFETY: runs in the forked child before exec (after the namespace hook) and only calls prctl,
     // which is async-signal-safe.
     unsafe {
