@@ -603,7 +603,13 @@ fn cell(args: &Args, bin: &Path, restore: &'static str, n: usize, e: usize) -> R
         services: n,
         endpoints: e,
         floor,
-        between_sandboxes: percentile(&samples[1][0], 0.5) - floor.0,
+        between_sandboxes: {
+            let again = nodes
+                .iter()
+                .position(|x| x.mode == Mode::NoRulesAgain)
+                .unwrap();
+            percentile(&samples[again][0], 0.5) - floor.0
+        },
         modes: Vec::new(),
     };
     for mode in modes(args) {
