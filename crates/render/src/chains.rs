@@ -53,10 +53,10 @@ impl LbKind {
 
 /// How an `lb-*` chain finds the endpoint count of the frontend it serves.
 ///
-/// An endpoint count is data, not structure: a frontend with n endpoints keeps them in region n of its
-/// endpoint map (slots `region(n) .. region(n) + n`), and the shared `pick` chains try one rule per count,
-/// `numgen random mod n offset region(n)`; only the rule of the frontend's own count finds an element (a
-/// lookup that misses ends its rule and the next is tried). So a service going from n to m endpoints
+/// An endpoint count is data, not structure: a frontend with n ≤ `SHARED_COUNTS` endpoints keeps them in
+/// slots of its endpoint map (`shared_slots`), which the shared `pick` chains draw from and, failing that,
+/// search by count (a lookup that misses ends its rule and the next is tried); a frontend with more keeps
+/// them in region n (slots `region(n) .. region(n) + n`) for its own chain. So a service going from n to m endpoints
 /// changes only elements of its own: no verdict element (which would make the kernel re-validate the whole
 /// table, O(services)) and no chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -87,8 +87,7 @@ impl Counts {
     }
 }
 
-/// Endpoint counts the shared `pick` chains try, one rule each (a new connection to a service with n ≤ 32
-/// endpoints walks n of them: each a hash lookup that misses, ~50 ns).
+/// The most endpoints (and local endpoints) a frontend has for the shared `pick` chains to serve it.
 pub const SHARED_COUNTS: u32 = 32;
 
 /// The most endpoints a frontend uses (the region of a count holds 2^16 slots, and bit 31 marks the local
@@ -102,6 +101,37 @@ pub const LOCAL_REGIONS: u32 = 1 << 31;
 pub fn region(count: u32, local: bool) -> u32 {
     let base = if local { LOCAL_REGIONS } else { 0 };
     base | (count << 16)
+}
+
+/// The draws the `pick` chains make before they search for the count: `(modulus, first slot)` in region 0.
+/// A frontend with n shared endpoints (2 ≤ n ≤ `SHARED_COUNTS`) fills the first n·⌊m/n⌋ slots of the draw
+/// of the smallest modulus m ≥ n, endpoint k at slots k, k + n, k + 2n, …: a draw that lands on a filled
+/// slot finds each endpoint with probability exactly 1/n, one that lands beyond misses (the lookup fails,
+/// the next rule runs). Each draw is made twice; what misses both goes on to the search, whose rule for
+/// count n draws `mod n` among the same slots. So most new connections make one endpoint-map lookup or two
+/// in all, against up to seven through the search alone.
+pub(crate) const DRAWS: [(u32, u32); 2] = [(PICK_GROUP, 0), (SHARED_COUNTS, PICK_GROUP)];
+
+/// How often each draw is tried (each a new random number) before the search.
+pub(crate) const DRAW_ROUNDS: usize = 2;
+
+/// The draw a frontend with `n` shared endpoints fills: its modulus and first slot (None for one endpoint,
+/// whose slot is region 1's: the first rule of `pick` looks it up alone, no draw needed).
+pub(crate) fn draw_of(n: u32) -> Option<(u32, u32)> {
+    (n > 1).then(|| {
+        *DRAWS
+            .iter()
+            .find(|(modulus, _)| n <= *modulus)
+            .expect("shared counts fit the largest draw")
+    })
+}
+
+/// Where the slots of a frontend with `n` shared endpoints begin, and how many it fills (see `DRAWS`).
+pub(crate) fn shared_slots(n: u32, local: bool) -> (u32, u32) {
+    match draw_of(n) {
+        Some((modulus, first)) => (region(0, local) + first, n * (modulus / n)),
+        None => (region(1, local), 1),
+    }
 }
 
 /// The modulus the endpoint maps are declared with (`typeof ... numgen random mod SLOT_SPACE`). nft only
@@ -206,16 +236,15 @@ pub(crate) fn pick_bit_set(node_port: bool, local: bool, bit: u32) -> &'static s
 }
 
 /// The shared `pick` chains of the skeleton, for one variant (`pick`, `pick-local`, `pick-np`,
-/// `pick-np-local`): for each count n ≤ `SHARED_COUNTS`, the uniform choice among the slots of region n.
+/// `pick-np-local`): for each count n ≤ `SHARED_COUNTS`, the uniform choice among the frontend's slots.
 ///
-/// A rule of count n makes one lookup in the endpoint map, which finds slots only for frontends of that
-/// count; a rule whose lookup misses costs a new connection about as much as one that hits. So no frontend
-/// tries a count that is not its own: each group of eight counts (`pick`, `pick-9-16`, …) first sends the
-/// frontends with more endpoints (its `-over-<n>` set) to the next group, then finds the count within its
-/// eight by a binary search on the `-bit-4`, `-bit-2` and `-bit-1` sets, ending in the count's rule. A new
-/// connection walks at most 3 + 3 set lookups and one endpoint-map lookup, whatever the count (when each
-/// chain tried its eight counts in turn: up to 3 set lookups and 8 count rules, but only 2 lookups for one
-/// endpoint; docs/performance.md compares the two).
+/// `pick` first looks up the slot of a one-endpoint frontend, then makes the draws of `DRAWS`: one lookup
+/// each, which lands on one of the frontend's endpoints or misses. Only what missed them all searches for
+/// its count: each group of eight counts (`pick`, `pick-9-16`, …) first sends the frontends with more
+/// endpoints (its `-over-<n>` set) to the next group, then finds the count within its eight by a binary
+/// search on the `-bit-4`, `-bit-2` and `-bit-1` sets, ending in the count's rule, `mod n` over the
+/// frontend's first n slots. The search walks at most 3 + 3 set lookups and one endpoint-map lookup,
+/// whatever the count; docs/performance.md measures it against the draws.
 pub fn pick_chain_states(f: IpFamily, node_port: bool, local: bool) -> Vec<ChainState> {
     let groups = SHARED_COUNTS / PICK_GROUP;
     let mut chains = Vec::new();
@@ -232,7 +261,39 @@ pub fn pick_chain_states(f: IpFamily, node_port: bool, local: bool) -> Vec<Chain
         });
         pick_search(f, node_port, local, first, PICK_GROUP, over, &mut chains);
     }
+    let pick = pick_chain_name(node_port, local);
+    let entry = chains
+        .iter_mut()
+        .find(|c| c.chain.name == pick)
+        .expect("the search's first chain");
+    entry.rules.splice(0..0, draw_rules(f, node_port, local));
     chains
+}
+
+/// The rules `pick` starts with: the slot of a one-endpoint frontend, then each draw of `DRAWS`, twice.
+fn draw_rules(f: IpFamily, node_port: bool, local: bool) -> Vec<Rule> {
+    let (key, map) = endpoint_key(pick_kind(node_port), f);
+    let family = nft_family(f);
+    let draw = |modulus: u32, first: u32| {
+        RuleBuilder::new()
+            .dnat_map_offset(&key, modulus, first, map, family)
+            .build()
+    };
+    let mut rules = vec![draw(1, region(1, local))];
+    for _ in 0..DRAW_ROUNDS {
+        for (modulus, first) in DRAWS {
+            rules.push(draw(modulus, region(0, local) + first));
+        }
+    }
+    rules
+}
+
+fn pick_kind(node_port: bool) -> LbKind {
+    if node_port {
+        LbKind::NodePort
+    } else {
+        LbKind::Cluster
+    }
 }
 
 /// The chain of the counts `first..first + width` (width 8, 4 or 2), and the chains of the upper halves its
@@ -247,17 +308,12 @@ fn pick_search(
     over: Option<(&'static str, String)>,
     chains: &mut Vec<ChainState>,
 ) {
-    let kind = if node_port {
-        LbKind::NodePort
-    } else {
-        LbKind::Cluster
-    };
-    let (key, map) = endpoint_key(kind, f);
+    let (key, map) = endpoint_key(pick_kind(node_port), f);
     let family = nft_family(f);
     let guard = |set: &str| RuleBuilder::new().in_set(&key, set, false);
     let count_rule = |start: RuleBuilder, n: u32| {
         start
-            .dnat_map_offset(&key, n, region(n, local), map, family)
+            .dnat_map_offset(&key, n, shared_slots(n, local).0, map, family)
             .build()
     };
     let mut rules = Vec::new();

@@ -11,12 +11,13 @@
 //!   makes the kernel re-validate the table; only frontends with a chain of their own (more than 32
 //!   endpoints, loadBalancerSourceRanges) are verdict elements of `service-ips`.
 //! - `lb…` marks for masquerade when the source is outside the cluster CIDR (or always, with
-//!   masquerade-all) and jumps to `pick`, whose chains hold one rule per endpoint count n, eight each
-//!   (frontends with more endpoints are sent on through the `pick-over-*` sets):
-//!   `dnat to daddr . l4proto . dport . numgen random mod n offset region(n)` looked up in
-//!   `service-endpoints`. A frontend with n endpoints keeps endpoint k at slot `region(n) + k`, so only the
-//!   rule of its own count finds an element, and each endpoint is chosen with probability exactly 1/n. An
-//!   endpoint count is thus data: a change of count replaces the service's slot elements and nothing else.
+//!   masquerade-all) and jumps to `pick`, which draws an endpoint:
+//!   `dnat to daddr . l4proto . dport . numgen random mod m offset o` looked up in `service-endpoints`, where
+//!   a frontend with n endpoints repeats them over the first n·⌊m/n⌋ slots of the draw of the smallest m ≥ n
+//!   (`chains::DRAWS`). A draw either finds each endpoint with probability exactly 1/n or misses; after two
+//!   rounds of misses, a search by count (the `pick-over-*` and `pick-bit-*` sets) ends in a rule drawing
+//!   `mod n` among the same slots. An endpoint count is thus data: a change of count replaces the service's
+//!   slot elements and set memberships and nothing else.
 //! - postrouting masquerades marked packets and hairpin connections (an endpoint reaching itself through its
 //!   service: `ct status dnat` and `saddr . daddr` in `hairpin-endpoints`).
 //! - filter forward and output reject whatever still goes to a ClusterIP after NAT: a service with no
@@ -247,8 +248,9 @@ impl FamilyPieces<'_> {
         self.element(set, concat_key(key), None);
     }
 
-    /// Endpoint k of `eps` at slot k of its count's region, under the frontend (or port) `key` (see
-    /// `chains::Counts`); with a shared `lb*` chain (`lb.set`), the frontend's way through the `pick` chains.
+    /// The endpoints `eps` in their slots, under the frontend (or port) `key`: with a shared `lb*` chain
+    /// (`lb.set`), endpoint k at slots k, k + n, … of its draw (`chains::shared_slots`) and the frontend's way
+    /// through the `pick` chains' search; with a chain of its own count n, endpoint k at slot k of region n.
     fn slots(&mut self, lb: &Lb, key: &[Vec<u8>], eps: &[Endpoint], local: bool) {
         let node_port = lb.node_port;
         let set = match node_port {
@@ -268,9 +270,13 @@ impl FamilyPieces<'_> {
                 }
             }
         }
-        let first = region(eps.len() as u32, local);
+        let n = eps.len() as u32;
+        let (first, filled) = match lb.set {
+            Some(_) => shared_slots(n, local),
+            None => (region(n, local), n),
+        };
         // `concat_key(key . slot)` and `concat_key(ip . port)`, built in two buffers reused for every
-        // endpoint: a million endpoints made ten million small allocations here.
+        // slot: a million endpoints made ten million small allocations here.
         let mut full = Vec::with_capacity(64);
         for part in key {
             push_field(&mut full, part);
@@ -278,9 +284,9 @@ impl FamilyPieces<'_> {
         let frontend = full.len();
         let mut endpoint = Vec::with_capacity(20);
         let set = PieceSet::named(set);
-        for (k, ep) in eps.iter().enumerate() {
+        for (k, ep) in (0..filled).zip(eps.iter().cycle()) {
             full.truncate(frontend);
-            push_field(&mut full, &(first + k as u32).to_ne_bytes());
+            push_field(&mut full, &(first + k).to_ne_bytes());
             endpoint.clear();
             match ep.ip {
                 IpAddr::V4(ip) => push_field(&mut endpoint, &ip.octets()),
@@ -499,6 +505,7 @@ mod tests {
     use super::super::render;
     use super::*;
     use nftkube_model::*;
+    use std::collections::BTreeMap;
 
     /// The dispatch sets (and exception maps) holding the TCP frontend `ip . tcp . port`.
     fn dispatch_of(t: &TableState, ip: &str, port: u16) -> Vec<&'static str> {
@@ -557,7 +564,7 @@ mod tests {
     }
 
     #[test]
-    fn endpoints_fill_the_region_of_their_count_and_dispatch_goes_to_the_kind_chain() {
+    fn endpoints_fill_their_draw_and_dispatch_goes_to_the_kind_chain() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
         let eps: EndpointsMap = [(
@@ -573,16 +580,20 @@ mod tests {
         let v4 = &tables[0];
         let text = nftkube_nft::text::render_table(v4);
         assert_eq!(dispatch_of(v4, "10.96.0.1", 80), [SET_LB_IPS]);
-        let third = region(3, false) + 2;
-        assert!(
-            text.contains(&format!("10.96.0.1 . tcp . 80 . {third} : 10.0.0.3 . 8080")),
-            "{text}"
-        );
-        assert!(
-            text.contains("dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 3 offset 196608 map @service-endpoints"),
-            "{text}"
-        );
-        assert_eq!(v4.sets[MAP_SERVICE_ENDPOINTS].elements.len(), 3);
+        // Three endpoints fill six of the eight slots of the first draw: the third at slots 2 and 5.
+        let (first, filled) = shared_slots(3, false);
+        assert_eq!((first, filled), (0, 6));
+        for slot in [2, 5] {
+            let element = format!("10.96.0.1 . tcp . 80 . {slot} : 10.0.0.3 . 8080");
+            assert!(text.contains(&element), "{text}");
+        }
+        for rule in [
+            "dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 8 map @service-endpoints",
+            "dnat ip addr . port to ip daddr . meta l4proto . th dport . numgen random mod 3 map @service-endpoints",
+        ] {
+            assert!(text.contains(rule), "{text}");
+        }
+        assert_eq!(v4.sets[MAP_SERVICE_ENDPOINTS].elements.len(), 6);
         assert_eq!(v4.sets[SET_HAIRPIN].elements.len(), 3);
         // The skeleton's shared chains only; no chain per count, none per service, no verdict element.
         let skeleton = &crate::skeleton(&RenderConfig::default())[0];
@@ -674,12 +685,32 @@ mod tests {
         }
     }
 
+    /// A rule `dnat … numgen random mod m offset o map @service-endpoints` as the table's one frontend sees it:
+    /// the endpoints (address and port bytes) of the slots among o..o + m it holds.
+    struct Draw {
+        modulus: u32,
+        found: Vec<Vec<u8>>,
+    }
+
     /// The walk of a new connection through the rendered `pick` chains, as the kernel takes it: a rule
     /// `… @<set> goto <chain>` or `… @<set> dnat …` applies when the frontend is in the set (the table holds
-    /// one frontend, so: when the set has an element). Returns the `numgen … mod n` of the one count rule
-    /// reached and the number of set lookups made on the way.
-    fn walk_pick(t: &TableState) -> (u32, usize) {
+    /// one frontend, so: when the set has an element), and a `dnat` rule whose lookup misses lets the next
+    /// rule run. Follows the misses of draws that can miss to the end (`search`: skips the draws `pick`
+    /// starts with, as when all of them miss). Returns every `dnat` rule reached, in order (the last one
+    /// finds a slot for every value), and the number of set lookups made on the way.
+    fn walk_pick(t: &TableState, search: bool) -> (Vec<Draw>, usize) {
         let text = nftkube_nft::text::render_table(t);
+        let slots: BTreeMap<u32, Vec<u8>> = t.sets[MAP_SERVICE_ENDPOINTS]
+            .elements
+            .iter()
+            .map(|e| {
+                let slot = e.key[e.key.len() - 4..].try_into().unwrap();
+                let Some(ElementValue::Data(endpoint)) = &e.value else {
+                    panic!("an endpoint slot without an endpoint")
+                };
+                (u32::from_ne_bytes(slot), endpoint.to_vec())
+            })
+            .collect();
         let chain_body = |name: &str| -> Vec<String> {
             let body = text
                 .split(&format!("chain {name} {{\n"))
@@ -688,10 +719,18 @@ mod tests {
                 .unwrap_or_else(|| panic!("no chain {name}:\n{text}"));
             body.lines().map(|l| l.trim().to_owned()).collect()
         };
+        let number_after = |rule: &str, word: &str| -> Option<u32> {
+            let rest = rule.split(word).nth(1)?;
+            rest.split(' ').next()?.parse().ok()
+        };
         let mut chain = "pick".to_owned();
-        let mut lookups = 0;
+        let (mut draws, mut lookups) = (Vec::new(), 0);
+        let skip = |chain: &str| match (search, chain) {
+            (true, "pick") => 1 + DRAWS.len() * DRAW_ROUNDS,
+            _ => 0,
+        };
         'chains: loop {
-            for rule in chain_body(&chain) {
+            for rule in chain_body(&chain).into_iter().skip(skip(&chain)) {
                 if let Some(set) = rule.split(" @").nth(1).and_then(|r| r.split(' ').next()) {
                     if !rule.starts_with("dnat") {
                         lookups += 1;
@@ -704,17 +743,27 @@ mod tests {
                     chain = next.to_owned();
                     continue 'chains;
                 }
-                let n = rule.split("numgen random mod ").nth(1).unwrap();
-                return (n.split(' ').next().unwrap().parse().unwrap(), lookups);
+                let modulus = number_after(&rule, "numgen random mod ").unwrap();
+                let offset = number_after(&rule, " offset ").unwrap_or(0);
+                let found: Vec<Vec<u8>> = (offset..offset + modulus)
+                    .filter_map(|slot| slots.get(&slot).cloned())
+                    .collect();
+                let always = found.len() == modulus as usize;
+                draws.push(Draw { modulus, found });
+                if always {
+                    return (draws, lookups);
+                }
             }
             panic!("the walk fell out of chain {chain}");
         }
     }
 
-    /// A frontend with n ≤ 32 endpoints reaches the rule of count n, and no other count rule: its `-over-` and
-    /// `-bit-` memberships lead it there in at most six set lookups.
+    /// A frontend with n ≤ 32 endpoints: every `pick` rule that can find one of its slots finds each of its
+    /// n endpoints equally often (so each is chosen with probability exactly 1/n, whichever rule chooses), a
+    /// draw hits at least half the time, and a connection that misses every draw reaches the rule of count n
+    /// in at most six set lookups.
     #[test]
-    fn every_shared_count_walks_to_its_own_rule_alone() {
+    fn every_shared_count_draws_uniformly_and_walks_to_its_own_rule() {
         let (spn, sp) = svc("a", "10.96.0.1", 80, Protocol::Tcp);
         let services: ServiceMap = [(spn.clone(), sp)].into();
         for n in 1..=33u32 {
@@ -735,13 +784,35 @@ mod tests {
                 .chain(&PICK_BIT_SETS[1..])
                 .flatten()
                 .all(|s| !holds(s)));
-            if n <= 32 {
-                let (reached, lookups) = walk_pick(t);
-                assert_eq!(reached, n, "{n} endpoints");
-                assert!(lookups <= 6, "{n} endpoints: {lookups} set lookups");
-            } else {
+            if n > 32 {
                 assert!(PICK_BIT_SETS[0].iter().all(|s| !holds(s)), "{n} endpoints");
+                continue;
             }
+            let (draws, _) = walk_pick(t, false);
+            let (search, lookups) = walk_pick(t, true);
+            for d in draws.iter().chain(&search).filter(|d| !d.found.is_empty()) {
+                let mut times: BTreeMap<&[u8], usize> = BTreeMap::new();
+                for endpoint in &d.found {
+                    *times.entry(endpoint).or_default() += 1;
+                }
+                assert_eq!(times.len(), n as usize, "{n} endpoints, mod {}", d.modulus);
+                let each = d.found.len() / n as usize;
+                assert!(
+                    times.values().all(|&k| k == each),
+                    "{n} endpoints: {times:?}"
+                );
+            }
+            let first_hit = draws.iter().find(|d| !d.found.is_empty()).unwrap();
+            assert!(
+                2 * first_hit.found.len() >= first_hit.modulus as usize,
+                "{n}"
+            );
+            let last = search.last().unwrap();
+            assert_eq!(
+                last.modulus, n,
+                "{n} endpoints: the search ends in the count's rule"
+            );
+            assert!(lookups <= 6, "{n} endpoints: {lookups} set lookups");
         }
     }
 
@@ -888,7 +959,7 @@ mod tests {
             dispatch_of(t, "192.168.250.10", 80),
             [SET_LB_EXT_IPS, SET_OTHER_SERVICE_IPS]
         );
-        let second = region(2, false) + 1;
+        let second = shared_slots(2, false).0 + 1;
         assert!(
             text.contains(&format!(
                 "192.168.250.20 . tcp . 80 . {second} : 10.0.0.2 . 8080"

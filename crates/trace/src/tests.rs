@@ -257,7 +257,8 @@ fn rendered_with_endpoints(n: usize) -> Vec<TableState> {
 
 #[test]
 fn only_random_choices_that_matter_branch_and_each_endpoint_gets_its_share() {
-    // Whatever rules with other numgen ranges the packet passes on the way, one choice decides: n branches.
+    // Whatever rules with other numgen ranges the packet passes on the way, only choices that can lead
+    // elsewhere branch, and each endpoint ends up with probability 1/n in all.
     for n in [1, 2, 3, 7, 32, 40] {
         let out = run(
             rendered_with_endpoints(n),
@@ -273,9 +274,18 @@ fn only_random_choices_that_matter_branch_and_each_endpoint_gets_its_share() {
                 o.probability
             );
             assert!(o.dnat.is_some() && o.verdict == "accept");
+            // The ways to this endpoint: a draw that lands on it, or draws that miss (a branch each) and then
+            // one that does, or the search's rule of count n after two rounds of misses. A draw that can
+            // only miss (a modulus for other counts), or only hit (n fills it: 2, 32; a count of its own:
+            // 40), makes no branch of its own.
             let choices: Vec<usize> = o.choices.iter().map(Vec::len).collect();
+            let most = match n {
+                1 => 0,
+                2 | 32 | 40 => 1,
+                _ => 3,
+            };
             assert!(
-                choices.iter().all(|&c| c == usize::from(n > 1)),
+                choices.iter().all(|&c| c <= most && (c > 0) == (n > 1)),
                 "{n}: {choices:?}"
             );
         }
