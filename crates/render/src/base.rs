@@ -111,6 +111,11 @@ fn add_sets(t: &mut TableState, f: IpFamily) {
         )
     });
     t.add_set(plain_set(
+        SET_AFFINITY_PROTOCOLS,
+        vec![DataType::InetProto],
+        vec![],
+    ));
+    t.add_set(plain_set(
         MAP_AFFINITY_SERVICES,
         vec![a, DataType::InetProto, DataType::InetService],
         vec![DataType::Verdict],
@@ -481,12 +486,19 @@ fn record_affinity() -> Rule {
 /// Which affinity services' frontends a connection was sent to: by its original destination (ClusterIPs,
 /// external and LoadBalancer IPs), else by its original destination port (NodePorts). A NodePort number that
 /// is also the port of some other address records an entry nothing looks up (lookups are by frontend).
+/// First, a connection whose protocol no affinity frontend has returns: one bitmap lookup instead of two
+/// hash lookups (and two bitmap ones) for every new connection to a service, when no service (or none of
+/// that protocol) has affinity.
 fn affinity_record_rules(f: IpFamily) -> Vec<Rule> {
     let original = match f {
         IpFamily::V4 => Field::CtOriginalDaddr,
         IpFamily::V6 => Field::CtOriginalDaddr6,
     };
     vec![
+        RuleBuilder::new()
+            .in_set(&[Field::L4Proto], SET_AFFINITY_PROTOCOLS, true)
+            .verdict(Verdict::Return)
+            .build(),
         RuleBuilder::new()
             .transport_protocol()
             .vmap(

@@ -10,9 +10,9 @@
 //! A claim covers one frontend in every per-service set: `addr . proto . port` (dispatch, endpoint slots less
 //! their slot, no-endpoint and no-local sets, affinity, relay ports) or a NodePort's `proto . port`. One
 //! holder therefore has all of a frontend's elements, never one set each. Shared sets (ClusterIPs, hairpin
-//! pairs) are not claimed: several ports may want the same element there.
+//! pairs, the protocols of affinity frontends) are not claimed: several ports may want the same element.
 
-use super::names::{PieceSet, SET_CLUSTER_IPS, SET_HAIRPIN};
+use super::names::{PieceSet, SET_AFFINITY_PROTOCOLS, SET_CLUSTER_IPS, SET_HAIRPIN};
 use nftkube_model::{Created, ServicePort, ServicePortName};
 use nftkube_nft::ir::{Element, Family};
 use std::collections::HashMap;
@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 /// Whether elements of this set may be wanted by more than one service port.
 pub fn shared_set(set: PieceSet) -> bool {
-    [SET_CLUSTER_IPS, SET_HAIRPIN].contains(&set.name())
+    [SET_CLUSTER_IPS, SET_HAIRPIN, SET_AFFINITY_PROTOCOLS].contains(&set.name())
 }
 
 /// Whether `piece` of `holder` is in the kernel: a chain or a shared element always, an element of a

@@ -79,6 +79,9 @@ pub const MAP_AFFINITY: &str = "affinity";
 pub const MAP_AFFINITY_SERVICES: &str = "affinity-services";
 /// NodePorts of services with ClientIP affinity: `proto . port : goto affinity-<seconds>`.
 pub const MAP_AFFINITY_NODEPORTS: &str = "affinity-nodeports";
+/// The transport protocols of the frontends with ClientIP affinity: a new connection of another protocol
+/// skips `affinity-record`'s two lookups.
+pub(crate) const SET_AFFINITY_PROTOCOLS: &str = "affinity-protocols";
 /// After DNAT: finds the affinity service a new connection went to, and records its endpoint.
 pub(crate) const CHAIN_AFFINITY_RECORD: &str = "affinity-record";
 /// The NodePort dispatch's exceptions: `proto . port : goto <chain>` (more than `SHARED_COUNTS` endpoints).
@@ -185,7 +188,7 @@ pub(crate) const PICK_BIT_SETS: [[&str; 3]; 4] = [
 pub struct PieceSet(u8);
 
 /// Every set a service piece may name; a `PieceSet` is an index into this list.
-const PIECE_SETS: [&str; 51] = [
+const PIECE_SETS: [&str; 52] = [
     SET_CLUSTER_IPS,
     MAP_SERVICE_IPS,
     MAP_SERVICE_ENDPOINTS,
@@ -237,6 +240,7 @@ const PIECE_SETS: [&str; 51] = [
     PICK_BIT_SETS[3][0],
     PICK_BIT_SETS[3][1],
     PICK_BIT_SETS[3][2],
+    SET_AFFINITY_PROTOCOLS,
 ];
 
 impl PieceSet {

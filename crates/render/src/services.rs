@@ -205,6 +205,10 @@ impl FamilyPieces<'_> {
             });
             target
         });
+        if record.is_some() {
+            let protocol = vec![self.svc.protocol.number()];
+            self.element(SET_AFFINITY_PROTOCOLS, protocol, None);
+        }
         self.cluster_ips(&cluster, record.as_deref());
         self.external_ips(&external, record.as_deref());
         self.node_port(record.as_deref());
@@ -604,6 +608,46 @@ mod tests {
         assert!(v4.sets[MAP_SERVICE_IPS].elements.is_empty());
         // The v6 table exists but holds no service.
         assert!(tables[1].sets[SET_LB_IPS].elements.is_empty());
+    }
+
+    /// `affinity-record` returns at once for a protocol no affinity frontend has: the protocols of the services
+    /// with ClientIP affinity are in `affinity-protocols`, once each however many services share one.
+    #[test]
+    fn affinity_protocols_hold_the_protocols_of_affinity_services_only() {
+        let protocols = |services: &[(&str, Protocol, bool)]| -> Vec<Vec<u8>> {
+            let mut map = ServiceMap::new();
+            let mut eps = EndpointsMap::new();
+            for (i, (name, protocol, affinity)) in services.iter().enumerate() {
+                let (spn, mut sp) = svc(name, &format!("10.96.0.{}", i + 1), 80, *protocol);
+                sp.session_affinity_timeout = affinity.then_some(60);
+                eps.insert(spn.clone(), vec![ep("10.0.0.1", 8080, true)]);
+                map.insert(spn, sp);
+            }
+            let t = &render(&map, &eps, &RenderConfig::default())[0];
+            t.sets[SET_AFFINITY_PROTOCOLS]
+                .elements
+                .iter()
+                .map(|e| e.key.to_vec())
+                .collect()
+        };
+        assert!(protocols(&[("a", Protocol::Tcp, false)]).is_empty());
+        assert_eq!(
+            protocols(&[
+                ("a", Protocol::Tcp, true),
+                ("b", Protocol::Tcp, true),
+                ("c", Protocol::Udp, false),
+            ]),
+            [vec![6]]
+        );
+        assert_eq!(
+            protocols(&[("a", Protocol::Tcp, false), ("b", Protocol::Udp, true)]),
+            [vec![17]]
+        );
+        let skeleton = &crate::skeleton(&RenderConfig::default())[0];
+        let text = nftkube_nft::text::render_table(skeleton);
+        let record = text.split("chain affinity-record {\n").nth(1).unwrap();
+        let first = record.lines().next().unwrap().trim();
+        assert_eq!(first, "meta l4proto != @affinity-protocols return");
     }
 
     #[test]
