@@ -23,10 +23,12 @@
 //! path's minus the floor's).
 //!
 //! Run as root: `cargo bench --bench first_packet -- SERVICES [--endpoints E,..] [--rounds N]
-//! [--anchor-timeout SECONDS] [--anchors-max-services N] [--nft NAME=FILE]...`, e.g.
+//! [--anchor-timeout SECONDS] [--anchors-max-services N] [--sandboxes K] [--nft NAME=FILE]...`, e.g.
 //! `-- 100,10000 --endpoints 1,5,32`. An anchor whose loading takes longer than the timeout (upstream's
 //! `nft -f` takes minutes at 50 000 services) is killed and its cell reported as skipped, as are anchors
-//! above `--anchors-max-services`.
+//! above `--anchors-max-services`. With `--sandboxes K`, every way of programming (the floor too) gets K
+//! sandboxes and its samples are pooled: one sandbox may run a few µs faster or slower than another
+//! programmed alike, and K of them average that out.
 
 // A benchmark prints its table to the terminal and runs the tools it measures against (nft, iptables-restore).
 #![allow(clippy::disallowed_macros, clippy::disallowed_methods)]
@@ -58,6 +60,9 @@ struct Args {
     rounds: usize,
     anchor_timeout: Duration,
     anchors_max_services: usize,
+    /// Sandboxes per way of programming (`--sandboxes`): their samples are pooled, so that what one sandbox
+    /// costs more or less than another programmed alike averages out.
+    sandboxes: usize,
     extra: Vec<(String, PathBuf)>,
 }
 
@@ -74,6 +79,7 @@ fn parse_args() -> Args {
         rounds: 300,
         anchor_timeout: Duration::from_secs(600),
         anchors_max_services: usize::MAX,
+        sandboxes: 1,
         extra: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -89,6 +95,10 @@ fn parse_args() -> Args {
             }
             "--anchors-max-services" => {
                 args.anchors_max_services = value().parse().expect("--anchors-max-services N")
+            }
+            "--sandboxes" => {
+                args.sandboxes = value().parse().expect("--sandboxes K");
+                assert!(args.sandboxes > 0, "--sandboxes K: at least one");
             }
             "--nft" => {
                 let v = value();
@@ -517,6 +527,16 @@ fn percentile(v: &[Duration], p: f64) -> f64 {
     v[at].as_secs_f64() * 1e6
 }
 
+/// The samples of target `t` from every sandbox programmed as `mode`, together.
+fn pooled(nodes: &[Node], samples: &[Vec<Vec<Duration>>], mode: &Mode, t: usize) -> Vec<Duration> {
+    nodes
+        .iter()
+        .zip(samples)
+        .filter(|(node, _)| node.mode == *mode)
+        .flat_map(|(_, s)| s[t].iter().copied())
+        .collect()
+}
+
 /// A mode's three added costs ("+median / +p99" µs over the floor) or why there are none.
 type ModeCells = Result<[String; 3], String>;
 
@@ -577,55 +597,56 @@ fn cell(args: &Args, bin: &Path, restore: &'static str, n: usize, e: usize) -> R
         work: work.clone(),
         backend_addrs,
     };
-    let mut nodes = vec![
-        c.node(Mode::NoRules).unwrap(),
-        c.node(Mode::NoRulesAgain).unwrap(),
-    ];
+    let mut nodes = Vec::new();
+    for mode in [Mode::NoRules, Mode::NoRulesAgain] {
+        for _ in 0..args.sandboxes {
+            nodes.push(c.node(mode.clone()).unwrap());
+        }
+    }
     let mut skipped = Vec::new();
-    for mode in modes(args) {
+    'modes: for mode in modes(args) {
         let anchor = matches!(mode, Mode::UpstreamNft | Mode::UpstreamIptables);
         if anchor && n > args.anchors_max_services {
             skipped.push((mode, "skipped (size)".to_owned()));
             continue;
         }
-        match c.node(mode.clone()) {
-            Some(node) => nodes.push(node),
-            None => skipped.push((
-                mode,
-                format!("skipped (over {}s)", args.anchor_timeout.as_secs()),
-            )),
+        for _ in 0..args.sandboxes {
+            match c.node(mode.clone()) {
+                Some(node) => nodes.push(node),
+                None => {
+                    nodes.retain(|x| x.mode != mode);
+                    let why = format!("skipped (over {}s)", args.anchor_timeout.as_secs());
+                    skipped.push((mode, why));
+                    continue 'modes;
+                }
+            }
         }
     }
     let samples = measure(&nodes, n, args.rounds);
-    let floor = &samples[0][0];
-    let floor = (percentile(floor, 0.5), percentile(floor, 0.99));
+    let floor = pooled(&nodes, &samples, &Mode::NoRules, 0);
+    let floor = (percentile(&floor, 0.5), percentile(&floor, 0.99));
+    let again = pooled(&nodes, &samples, &Mode::NoRulesAgain, 0);
     let mut row = Row {
         services: n,
         endpoints: e,
         floor,
-        between_sandboxes: {
-            let again = nodes
-                .iter()
-                .position(|x| x.mode == Mode::NoRulesAgain)
-                .unwrap();
-            percentile(&samples[again][0], 0.5) - floor.0
-        },
+        between_sandboxes: percentile(&again, 0.5) - floor.0,
         modes: Vec::new(),
     };
     for mode in modes(args) {
-        let cells = match nodes.iter().position(|x| x.mode == mode) {
-            Some(i) => {
+        let cells = match nodes.iter().any(|x| x.mode == mode) {
+            true => {
                 let added = |t: usize| {
-                    let s = &samples[i][t];
+                    let s = pooled(&nodes, &samples, &mode, t);
                     format!(
                         "{:+.1} / {:+.1}",
-                        percentile(s, 0.5) - floor.0,
-                        percentile(s, 0.99) - floor.1
+                        percentile(&s, 0.5) - floor.0,
+                        percentile(&s, 0.99) - floor.1
                     )
                 };
                 Ok([added(0), added(1), added(2)])
             }
-            None => Err(skipped
+            false => Err(skipped
                 .iter()
                 .find(|(m, _)| *m == mode)
                 .map(|(_, why)| why.clone())
@@ -643,12 +664,12 @@ fn print_table(args: &Args, restore: &str, rows: &[Row]) {
     println!();
     println!(
         "TCP connect() through the node, added cost over plain forwarding (no rules), \"+median / +p99\" µs; \
-         {} rounds; upstream iptables via {restore}",
-        args.rounds
+         {} rounds; {} sandbox(es) per column, samples pooled; upstream iptables via {restore}",
+        args.rounds, args.sandboxes
     );
     println!();
     let mut head = String::from(
-        "| services × endpoints | floor: no rules, median / p99 (µs) | a second no-rules sandbox: median − floor's |",
+        "| services × endpoints | floor: no rules, median / p99 (µs) | second no-rules sandboxes: median − floor's |",
     );
     for name in &names {
         head.push_str(&format!(
