@@ -203,8 +203,12 @@ pub struct Outcome {
     pub affinity: Vec<String>,
     /// The random choices that lead here (values leading this way, modulus), one list per branch.
     pub(crate) choices: Vec<Vec<(u32, u32)>>,
-    /// The path of the first branch of this outcome.
+    /// The path of the most likely branch of this outcome (of those as likely, the first): with `pick`'s
+    /// draws, the draw that hits rather than the rounds of misses before the search.
     pub(crate) path: Vec<Step>,
+    /// That branch's probability.
+    #[serde(skip)]
+    path_probability: f64,
 }
 
 /// The whole answer.
@@ -240,6 +244,10 @@ pub(crate) fn outcomes(branches: Vec<Branch>) -> Vec<Outcome> {
             Some(o) => {
                 o.probability += p;
                 o.choices.push(b.choices.clone());
+                if p > o.path_probability {
+                    o.path = b.steps;
+                    o.path_probability = p;
+                }
                 for a in b.affinity {
                     if !o.affinity.contains(&a) {
                         o.affinity.push(a);
@@ -260,6 +268,7 @@ pub(crate) fn outcomes(branches: Vec<Branch>) -> Vec<Outcome> {
                         affinity: b.affinity.clone(),
                         choices: vec![b.choices.clone()],
                         path: b.steps,
+                        path_probability: p,
                     },
                 );
             }

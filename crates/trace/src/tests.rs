@@ -293,3 +293,25 @@ fn only_random_choices_that_matter_branch_and_each_endpoint_gets_its_share() {
         assert_eq!(targets.len(), n);
     }
 }
+
+#[test]
+fn an_outcome_shows_its_most_likely_path() {
+    // Three endpoints: a draw of eight finds each in 2 of 8 values; the search after two rounds of misses
+    // is far less likely, so each outcome's path is the draw's.
+    let out = run(
+        rendered_with_endpoints(3),
+        packet("10.244.0.2:40000", "10.96.7.7:80"),
+        Origin::Pod,
+        &node(&["192.0.2.1"]),
+    );
+    for o in &out.outcomes {
+        let chosen = o.path.iter().find(|s| s.matched && s.text.contains("dnat"));
+        let chosen = chosen.expect("a dnat rule matched");
+        assert_eq!(chosen.chain, "pick", "{:?}", chosen.text);
+        assert!(
+            chosen.text.contains("numgen random mod 8 "),
+            "{}",
+            chosen.text
+        );
+    }
+}
