@@ -471,11 +471,20 @@ pub fn without_endpoint(slices: &str, ip: &str) -> String {
 
 /// Chi-square statistic of observed counts against a uniform expectation.
 pub fn chi_square(counts: &[usize]) -> f64 {
+    chi_square_shares(counts, &vec![1; counts.len()])
+}
+
+/// Chi-square statistic of observed counts against shares in proportion to `weights`.
+pub fn chi_square_shares(counts: &[usize], weights: &[usize]) -> f64 {
     let total: usize = counts.iter().sum();
-    let expected = total as f64 / counts.len() as f64;
+    let weight: usize = weights.iter().sum();
     counts
         .iter()
-        .map(|&c| (c as f64 - expected).powi(2) / expected)
+        .zip(weights)
+        .map(|(&c, &w)| {
+            let expected = total as f64 * w as f64 / weight as f64;
+            (c as f64 - expected).powi(2) / expected
+        })
         .sum()
 }
 

@@ -75,7 +75,10 @@ fn endpoint_counts_change_by_elements_and_every_backend_keeps_its_share() {
     let shared = dispatch(&sb);
     assert_eq!(shared, "lb");
 
-    // (endpoints on pod 1, on pod 2): equal halves, so each pod should answer about half the time.
+    // (endpoints on pod 1, on pod 2): each pod should answer in proportion to its endpoints. Equal halves
+    // across the draws' sizes and past the shared counts; then uneven splits, where a draw that favoured
+    // some slots would show (1 of 3 in a draw of 8 filled 6 times, 1 of 5 in one filled 5 times, 3 of 9 in
+    // a draw of 32 filled 27 times).
     for (a, b) in [
         (1, 1),
         (16, 16),
@@ -85,6 +88,9 @@ fn endpoint_counts_change_by_elements_and_every_backend_keeps_its_share() {
         (10, 10),
         (5, 5),
         (3, 3),
+        (1, 2),
+        (1, 4),
+        (3, 6),
         (1, 1),
     ] {
         let eps: Vec<Endpoint> = pool1[..a]
@@ -115,10 +121,10 @@ fn endpoint_counts_change_by_elements_and_every_backend_keeps_its_share() {
             let (pod, _) = parse_answer(answer).expect("a backend's answer");
             per_pod[pod - 1] += 1;
         }
-        // χ² with one degree of freedom: 19.5 is p = 0.00001, so nine steps fail a fair split about once in
-        // 11 000 runs (at p = 0.001 it failed once in 50 runs). A choice stuck in a few slots (all on
+        // χ² with one degree of freedom: 19.5 is p = 0.00001, so twelve steps fail a fair split about once
+        // in 8 000 runs (at p = 0.001 it failed once in 50 runs). A choice stuck in a few slots (all on
         // one pod) gives ~240.
-        let chi = chi_square(&per_pod);
+        let chi = chi_square_shares(&per_pod, &[a, b]);
         assert!(
             chi < 19.5,
             "{n} endpoints: answers per pod {per_pod:?} (χ² {chi:.1})"
