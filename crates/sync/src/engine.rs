@@ -432,12 +432,12 @@ impl<B: Backend> SyncEngine<B> {
         // A frontend taken over or handed over changes the affinity of ports not in `updates`.
         let gained = gained_affinity(index, &delta);
         let affinity_touched = affinity_touched || !gained.is_empty() || removes_affinity(&delta);
-        let (tx, reused, ready) = self.delta_plan(&delta);
         let removed_endpoints = if affinity_touched {
-            removed_endpoint_pairs(&delta)
+            removed_endpoint_pairs(&delta, index)
         } else {
             BTreeMap::new()
         };
+        let (tx, reused, ready) = self.delta_plan(&delta);
         let changes = tx.len();
         let (bytes, commit_time) = match self.commit(tx) {
             Ok(done) => done,
@@ -697,18 +697,34 @@ fn stale_affinity_entries(
     ))
 }
 
-/// Per family, the (frontend, endpoint) pairs a partial sync removes and does not add back.
-fn removed_endpoint_pairs(delta: &Delta) -> BTreeMap<Family, affinity::EndpointPairs> {
+/// Per family, the (frontend, endpoint) pairs a partial sync removes and leaves in no slot: `index` is the
+/// state after it. A frontend repeats its endpoints over the slots of its draw, so an endpoint may lose one
+/// slot and keep another (a count change moves copies around).
+fn removed_endpoint_pairs(
+    delta: &Delta,
+    index: &Index,
+) -> BTreeMap<Family, affinity::EndpointPairs> {
     let mut out: BTreeMap<Family, affinity::EndpointPairs> = BTreeMap::new();
     for ((family, set), elements) in &delta.elements_removed {
         for e in elements {
             out.entry(*family).or_default().add(set, e);
         }
     }
-    for ((family, set), elements) in &delta.elements_added {
-        if let Some(pairs) = out.get_mut(family) {
-            for e in elements {
-                pairs.remove(set, e);
+    for ((family, set), elements) in &delta.elements_removed {
+        let Some(pairs) = out.get_mut(family) else {
+            continue;
+        };
+        let piece_set = nftkube_render::names::PieceSet::named(set);
+        if !piece_set.has_slot_keys() {
+            continue;
+        }
+        let mut frontends_seen = BTreeSet::new();
+        for e in elements {
+            let frontend = &e.key[..e.key.len().saturating_sub(4)];
+            if frontends_seen.insert(frontend) {
+                for (slot_set, slot) in index.frontend_slots(*family, piece_set, e) {
+                    pairs.remove(slot_set, slot);
+                }
             }
         }
     }
@@ -761,7 +777,9 @@ pub fn delete_tables<B: Backend>(
 mod tests {
     use super::*;
     use nftkube_model::*;
+    use nftkube_nft::build::concat_key;
     use nftkube_nft::fake::FakeKernel;
+    use nftkube_nft::ir::ElementValue;
     use nftkube_render::claims::Precedence;
     use nftkube_render::{all_pieces, render, service_pieces, skeleton, RenderConfig};
 
@@ -1399,6 +1417,62 @@ mod tests {
         let r = w.full(&mut e);
         assert!(r.full);
         kernel_matches(&e.backend, &w, &e.unused_chains);
+    }
+
+    /// The draws repeat each endpoint over several slots, and a count change moves an endpoint between them:
+    /// an affinity entry is stale only when its endpoint has no slot of its frontend left, not when one of
+    /// its slots changed.
+    #[test]
+    fn affinity_entries_outlive_a_count_change_that_keeps_their_endpoint() {
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        let mut sp = port("a", "10.96.0.1", Protocol::Tcp);
+        sp.session_affinity_timeout = Some(60);
+        let a = w.set(
+            sp.clone(),
+            eps(&["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]),
+        );
+        w.full(&mut e);
+        let entry = |client: u8, endpoint: [u8; 4]| Element {
+            key: concat_key(&[
+                vec![192, 0, 2, client],
+                vec![10, 96, 0, 1],
+                vec![6],
+                80u16.to_be_bytes().to_vec(),
+            ])
+            .into(),
+            value: Some(ElementValue::Data(
+                concat_key(&[endpoint.to_vec(), 8080u16.to_be_bytes().to_vec()]).into(),
+            )),
+        };
+        let pinned = [entry(1, [10, 0, 0, 1]), entry(4, [10, 0, 0, 4])];
+        let table = e
+            .backend
+            .tables
+            .get_mut(&(Family::Ip, "nftkube".into()))
+            .unwrap();
+        table
+            .sets
+            .get_mut(MAP_AFFINITY)
+            .unwrap()
+            .elements
+            .extend(pinned.clone());
+        let affinity = |e: &SyncEngine<FakeKernel>| {
+            e.backend.tables[&(Family::Ip, "nftkube".into())].sets[MAP_AFFINITY]
+                .elements
+                .clone()
+        };
+        // 4 → 5 endpoints: slots 4 to 7 held copies of the first four, slot 4 now holds the fifth.
+        w.set(
+            sp.clone(),
+            eps(&["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]),
+        );
+        w.partial(&mut e, &[&a]);
+        assert_eq!(affinity(&e), pinned.iter().cloned().collect());
+        // 10.0.0.4 leaves: its client's entry goes, the other stays.
+        w.set(sp, eps(&["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.5"]));
+        w.partial(&mut e, &[&a]);
+        assert_eq!(affinity(&e), [pinned[0].clone()].into());
     }
 
     /// An affinity prune (its own transaction) the kernel refuses is counted as kube-proxy counts a
