@@ -56,9 +56,9 @@ impl LbKind {
 /// An endpoint count is data, not structure: a frontend with n ≤ `SHARED_COUNTS` endpoints keeps them in
 /// slots of its endpoint map (`shared_slots`), which the shared `pick` chains draw from and, failing that,
 /// search by count (a lookup that misses ends its rule and the next is tried); a frontend with more keeps
-/// them in region n (slots `region(n) .. region(n) + n`) for its own chain. So a service going from n to m endpoints
-/// changes only elements of its own: no verdict element (which would make the kernel re-validate the whole
-/// table, O(services)) and no chain.
+/// them in region n (slots `region(n) .. region(n) + n`) for its own chain. So a service going from n to m
+/// endpoints changes only elements of its own: no verdict element (which would make the kernel re-validate
+/// the whole table, O(services)) and no chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Counts {
     /// Up to `SHARED_COUNTS` endpoints (and as many local ones): the shared `pick` chains find the count.
