@@ -44,6 +44,13 @@ impl<'a> DesiredSet<'a> {
         self.elements.binary_search(&e).is_ok()
     }
 
+    /// Whether an element with this key is among the elements (whatever its value).
+    pub fn has_key(&self, key: &[u8]) -> bool {
+        self.elements
+            .binary_search_by(|e| (*e.key).cmp(key))
+            .is_ok()
+    }
+
     /// Whether the set has no element.
     pub fn is_empty(&self) -> bool {
         self.elements.is_empty()

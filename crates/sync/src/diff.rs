@@ -66,7 +66,10 @@ pub(crate) fn diff_table<'a>(
     let replaced = replace_or_update_base_chains(tx, fam, name, old, &new);
     // Elements: removals first, so that an element whose value changed is replaced (delete, then add).
     // Dispatch (`DISPATCH_SETS`) is withdrawn first and published last, so that even when a big transaction is
-    // committed in chunks no packet reaches a service whose other elements are not all in place.
+    // committed in chunks no packet reaches a service whose other elements are not all in place. An element
+    // whose key is gone for good is removed last, after the rules: a rule this sync replaces may still look it
+    // up (a new layout of the endpoint slots, after an upgrade), and a chunk must not leave the old rules
+    // without their elements.
     let mut order: Vec<(&str, &DesiredSet<'a>)> = new
         .sets
         .iter()
@@ -76,10 +79,16 @@ pub(crate) fn diff_table<'a>(
         .map(|(n, s)| (*n, s))
         .collect();
     order.sort_by_key(|(n, _)| (!is_dispatch_set(n), *n));
+    let mut gone_for_good = Vec::new();
     for (n, s) in &order {
         let Some(o) = old.sets.get(*n) else { continue };
-        let gone: Vec<&Element> = o.elements.iter().filter(|e| !s.contains(e)).collect();
-        tx.delete_elements(fam, name, n, gone);
+        let (now, later): (Vec<&Element>, Vec<&Element>) = o
+            .elements
+            .iter()
+            .filter(|e| !s.contains(e))
+            .partition(|e| is_dispatch_set(n) || s.has_key(&e.key));
+        tx.delete_elements(fam, name, n, now);
+        gone_for_good.push((*n, later));
     }
     for (n, s) in order.iter().rev() {
         let added: Vec<&Element> = match old.sets.get(*n) {
@@ -101,6 +110,9 @@ pub(crate) fn diff_table<'a>(
             }),
             None => {} // added above
         }
+    }
+    for (n, gone) in gone_for_good {
+        tx.delete_elements(fam, name, n, gone);
     }
     // Stale chains: those still referenced by the old state wait for the next sync; the others are flushed
     // first (they may jump into each other), then deleted.

@@ -1419,6 +1419,65 @@ mod tests {
         kernel_matches(&e.backend, &w, &e.unused_chains);
     }
 
+    /// A full sync that finds the previous release's layout (endpoint slots in the region of their count,
+    /// `pick` without its draws) adds the new slots and replaces the rules before it deletes the old slots:
+    /// cut into chunks, no chunk leaves the old rules without their slots.
+    #[test]
+    fn a_new_slot_layout_replaces_the_rules_before_it_deletes_the_old_slots() {
+        use nftkube_nft::tx::Op;
+        let mut e = SyncEngine::new(FakeKernel::default());
+        let mut w = World::default();
+        w.set(
+            port("a", "10.96.0.1", Protocol::Tcp),
+            eps(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+        );
+        w.full(&mut e);
+        let table = e
+            .backend
+            .tables
+            .get_mut(&(Family::Ip, "nftkube".into()))
+            .unwrap();
+        let slots = &mut table.sets.get_mut(MAP_SERVICE_ENDPOINTS).unwrap().elements;
+        let old_layout: BTreeSet<Element> = slots
+            .iter()
+            .take(3)
+            .enumerate()
+            .map(|(k, el)| {
+                let mut key = el.key.to_vec();
+                let at = key.len() - 4;
+                let slot = nftkube_render::region(3, false) + k as u32;
+                key[at..].copy_from_slice(&slot.to_ne_bytes());
+                Element {
+                    key: key.into(),
+                    value: el.value.clone(),
+                }
+            })
+            .collect();
+        *slots = old_layout.clone();
+        table.chains.get_mut("pick").unwrap().rules.drain(..5);
+        e.force_full_sync();
+        w.full(&mut e);
+        kernel_matches(&e.backend, &w, &e.unused_chains);
+        let ops: Vec<&Op> = e
+            .backend
+            .committed
+            .last()
+            .unwrap()
+            .changes
+            .iter()
+            .map(|c| &c.op)
+            .collect();
+        let at = |found: &dyn Fn(&Op) -> bool| ops.iter().position(|op| found(op)).unwrap();
+        let added =
+            at(&|op| matches!(op, Op::AddElements { set, .. } if set == MAP_SERVICE_ENDPOINTS));
+        let rules = at(&|op| matches!(op, Op::FlushChain(c) if c == "pick"));
+        let deleted = at(&|op| {
+            matches!(op, Op::DeleteElements { set, elements }
+                if set == MAP_SERVICE_ENDPOINTS && elements.iter().any(|el| old_layout.contains(el)))
+        });
+        assert!(added < rules && rules < deleted, "{ops:#?}");
+    }
+
     /// The draws repeat each endpoint over several slots, and a count change moves an endpoint between them:
     /// an affinity entry is stale only when its endpoint has no slot of its frontend left, not when one of
     /// its slots changed.
