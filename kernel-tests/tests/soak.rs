@@ -162,7 +162,7 @@ impl Drop for Churn {
     }
 }
 
-/// The churned service's endpoint addresses in the kernel (its slots in the endpoint map, in slot order).
+/// The churned service's endpoint addresses in the kernel (from its slots in the endpoint map).
 fn churn_in_kernel(sb: &sandbox::Sandbox) -> Vec<Ipv4Addr> {
     sb.node()
         .run(|| {
@@ -181,8 +181,16 @@ fn churn_in_kernel(sb: &sandbox::Sandbox) -> Vec<Ipv4Addr> {
                     _ => None,
                 })
                 .collect();
+            // A frontend repeats its endpoints over the slots of its draw (endpoint k at slots k, k + n,
+            // …): its endpoints are the slots' addresses in slot order, each at its first slot.
             slots.sort();
-            slots.into_iter().map(|(_, ip)| ip).collect()
+            let mut endpoints: Vec<Ipv4Addr> = Vec::new();
+            for (_, ip) in slots {
+                if !endpoints.contains(&ip) {
+                    endpoints.push(ip);
+                }
+            }
+            endpoints
         })
         .expect("entering the node namespace")
 }
