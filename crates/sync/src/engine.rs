@@ -1117,6 +1117,14 @@ mod tests {
         format!("{frontend} . {slot} : {endpoint}")
     }
 
+    /// The fake kernel's `ip nftkube` table, to change behind the engine's back.
+    fn ip_table_mut(e: &mut SyncEngine<FakeKernel>) -> &mut TableState {
+        e.backend
+            .tables
+            .get_mut(&(Family::Ip, "nftkube".into()))
+            .unwrap()
+    }
+
     fn kernel_text(e: &SyncEngine<FakeKernel>) -> String {
         nftkube_nft::text::render_table(&e.backend.tables[&(Family::Ip, "nftkube".into())])
     }
@@ -1432,11 +1440,7 @@ mod tests {
             eps(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
         );
         w.full(&mut e);
-        let table = e
-            .backend
-            .tables
-            .get_mut(&(Family::Ip, "nftkube".into()))
-            .unwrap();
+        let table = ip_table_mut(&mut e);
         let slots = &mut table.sets.get_mut(MAP_SERVICE_ENDPOINTS).unwrap().elements;
         let old_layout: BTreeSet<Element> = slots
             .iter()
@@ -1505,11 +1509,7 @@ mod tests {
             )),
         };
         let pinned = [entry(1, [10, 0, 0, 1]), entry(4, [10, 0, 0, 4])];
-        let table = e
-            .backend
-            .tables
-            .get_mut(&(Family::Ip, "nftkube".into()))
-            .unwrap();
+        let table = ip_table_mut(&mut e);
         table
             .sets
             .get_mut(MAP_AFFINITY)
@@ -1622,11 +1622,7 @@ mod tests {
         w.set(port("a", "10.96.0.1", Protocol::Tcp), eps(&["10.0.0.1"]));
         w.full(&mut e);
         // Someone flushes a chain and deletes elements behind our back.
-        let t = e
-            .backend
-            .tables
-            .get_mut(&(Family::Ip, "nftkube".into()))
-            .unwrap();
+        let t = ip_table_mut(&mut e);
         t.chains.get_mut("services").unwrap().rules.clear();
         t.sets.get_mut("lb-ips").unwrap().elements.clear();
         let r = w.full(&mut e);
@@ -1736,11 +1732,7 @@ mod tests {
         let mut e = SyncEngine::new(FakeKernel::default());
         let w = World::default();
         w.full(&mut e);
-        let t = e
-            .backend
-            .tables
-            .get_mut(&(Family::Ip, "nftkube".into()))
-            .unwrap();
+        let t = ip_table_mut(&mut e);
         t.flags = nftkube_nft::ir::TableFlags::DORMANT;
         let b = t.chain_mut("filter-forward").chain.base.as_mut().unwrap();
         b.policy = nftkube_nft::ir::Policy::Drop;
