@@ -115,23 +115,18 @@ pub(crate) const DRAWS: [(u32, u32); 2] = [(PICK_GROUP, 0), (SHARED_COUNTS, PICK
 /// How often each draw is tried (each a new random number) before the search.
 pub(crate) const DRAW_ROUNDS: usize = 2;
 
-/// The draw a frontend with `n` shared endpoints fills: its modulus and first slot (None for one endpoint,
-/// whose slot is region 1's: the first rule of `pick` looks it up alone, no draw needed).
-pub(crate) fn draw_of(n: u32) -> Option<(u32, u32)> {
-    (n > 1).then(|| {
-        *DRAWS
-            .iter()
-            .find(|(modulus, _)| n <= *modulus)
-            .expect("shared counts fit the largest draw")
-    })
-}
-
-/// Where the slots of a frontend with `n` shared endpoints begin, and how many it fills (see `DRAWS`).
+/// Where the slots of a frontend with `n` shared endpoints begin, and how many it fills: the first n·⌊m/n⌋
+/// of the draw of the smallest modulus m ≥ n (see `DRAWS`); one endpoint keeps region 1's slot, which the
+/// first rule of `pick` looks up alone.
 pub(crate) fn shared_slots(n: u32, local: bool) -> (u32, u32) {
-    match draw_of(n) {
-        Some((modulus, first)) => (region(0, local) + first, n * (modulus / n)),
-        None => (region(1, local), 1),
+    if n <= 1 {
+        return (region(1, local), 1);
     }
+    let (modulus, first) = DRAWS
+        .iter()
+        .find(|(modulus, _)| n <= *modulus)
+        .expect("shared counts fit the largest draw");
+    (region(0, local) + first, n * (modulus / n))
 }
 
 /// The modulus the endpoint maps are declared with (`typeof ... numgen random mod SLOT_SPACE`). nft only

@@ -706,18 +706,15 @@ fn removed_endpoint_pairs(
 ) -> BTreeMap<Family, affinity::EndpointPairs> {
     let mut out: BTreeMap<Family, affinity::EndpointPairs> = BTreeMap::new();
     for ((family, set), elements) in &delta.elements_removed {
-        for e in elements {
-            out.entry(*family).or_default().add(set, e);
-        }
-    }
-    for ((family, set), elements) in &delta.elements_removed {
-        let Some(pairs) = out.get_mut(family) else {
-            continue;
-        };
         let piece_set = nftkube_render::names::PieceSet::named(set);
         if !piece_set.has_slot_keys() {
             continue;
         }
+        let pairs = out.entry(*family).or_default();
+        for e in elements {
+            pairs.add(set, e);
+        }
+        // Slot sets are keyed by frontend, each of its own kind: what a frontend still has is in its set.
         let mut frontends_seen = BTreeSet::new();
         for e in elements {
             let frontend = &e.key[..e.key.len().saturating_sub(4)];
