@@ -103,14 +103,26 @@ pub fn region(count: u32, local: bool) -> u32 {
     base | (count << 16)
 }
 
-/// The draws the `pick` chains make before they search for the count: `(modulus, first slot)` in region 0.
-/// A frontend with n shared endpoints (2 ≤ n ≤ `SHARED_COUNTS`) fills the first n·⌊m/n⌋ slots of the draw
-/// of the smallest modulus m ≥ n, endpoint k at slots k, k + n, k + 2n, …: a draw that lands on a filled
+/// The draws the `pick` chains make before they search for the count: `(modulus, first slot)` in region 0,
+/// one per class of counts: 2 to 8 endpoints draw among slots 0–7, 9 to 16 among 40–55, 17 to 32 among
+/// 8–39. A frontend with n shared endpoints (2 ≤ n ≤ `SHARED_COUNTS`) fills the first n·⌊m/n⌋ slots of the
+/// draw of the smallest modulus m ≥ n, endpoint k at slots k, k + n, k + 2n, …: a draw that lands on a filled
 /// slot finds each endpoint with probability exactly 1/n, one that lands beyond misses (the lookup fails,
-/// the next rule runs). Each draw is made twice; what misses both goes on to the search, whose rule for
-/// count n draws `mod n` among the same slots. So most new connections make one endpoint-map lookup or two
-/// in all, against up to seven through the search alone.
-pub(crate) const DRAWS: [(u32, u32); 2] = [(PICK_GROUP, 0), (SHARED_COUNTS, PICK_GROUP)];
+/// the next rule runs). The classes' slots do not overlap, so no draw sees part of another class's frontend.
+/// Each draw is made twice; what misses them all goes on to the search, whose rule for count n draws `mod n`
+/// among the same slots. So most new connections make two to four endpoint-map lookups in all, against up
+/// to seven through the search alone.
+///
+/// Copies are kept to eight slots or fewer: above eight endpoints a class is as wide as its largest count,
+/// so every frontend fills exactly its n slots and hits a draw with probability n/m ≥ ½. A single draw of
+/// 32 for 9 to 32 would hit as often only with two or three copies of every endpoint, and a million
+/// endpoints (100 000 services × 10) then cost 452 MiB and 12.0 s to a first sync instead of 292 MiB and
+/// 7.5 s (docs/performance.md "Draws before the search").
+pub(crate) const DRAWS: [(u32, u32); 3] = [
+    (PICK_GROUP, 0),
+    (2 * PICK_GROUP, PICK_GROUP + SHARED_COUNTS),
+    (SHARED_COUNTS, PICK_GROUP),
+];
 
 /// How often each draw is tried (each a new random number) before the search.
 pub(crate) const DRAW_ROUNDS: usize = 2;

@@ -832,6 +832,11 @@ mod tests {
                 assert!(PICK_BIT_SETS[0].iter().all(|s| !holds(s)), "{n} endpoints");
                 continue;
             }
+            let slots = t.sets[MAP_SERVICE_ENDPOINTS].elements.len();
+            assert!(
+                slots <= n.max(8) as usize,
+                "{n} endpoints fill {slots} slots: copies beyond eight slots cost a big cluster's memory"
+            );
             let (draws, _) = walk_pick(t, false);
             let (search, lookups) = walk_pick(t, true);
             for d in draws.iter().chain(&search).filter(|d| !d.found.is_empty()) {
