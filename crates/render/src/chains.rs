@@ -116,8 +116,8 @@ pub fn region(count: u32, local: bool) -> u32 {
 /// Copies are kept to eight slots or fewer: above eight endpoints a class is as wide as its largest count,
 /// so every frontend fills exactly its n slots and hits a draw with probability n/m ≥ ½. A single draw of
 /// 32 for 9 to 32 would hit as often only with two or three copies of every endpoint, and a million
-/// endpoints (100 000 services × 10) then cost 452 MiB and 12.0 s to a first sync instead of 292 MiB and
-/// 7.5 s (docs/performance.md "Draws before the search").
+/// endpoints (100 000 services × 10) then cost 452 MiB and 12.0 s to a first sync from the API, against
+/// 290–293 MiB and 6–8 s with these classes (docs/performance.md "Draws before the search").
 pub(crate) const DRAWS: [(u32, u32); 3] = [
     (PICK_GROUP, 0),
     (2 * PICK_GROUP, PICK_GROUP + SHARED_COUNTS),
